@@ -1,0 +1,253 @@
+"""The device mesh: parallel degrees -> rank coordinates, the groups of every dim, and their picture.
+
+The world is laid out row-major over [pp, dp_replicate, dp_shard, cp, tp], so tp (the chattiest dim)
+is on neighbouring ranks of one node and pp / dp_replicate span nodes. Expert parallelism borrows its
+ranks from dp_shard x cp: that block is re-read as [edp, ep] with ep innermost, giving the expert
+mesh [pp, dp_replicate, edp, ep, tp]; expert weights are then replicated over dp_replicate x edp.
+
+`ParallelDims` is pure arithmetic (it draws and prints layouts without any process running);
+`ParallelMesh` turns it into torch DeviceMeshes and process groups inside a running job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from meshtron.config import ParallelConfig, resolve_dp_shard
+
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
+# Views made of several mesh dims: "dp" is the whole batch split, "dp_shard_cp" the ranks that shard
+# parameters when context parallel also splits the batch's sequences.
+FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "dp": ("dp_replicate", "dp_shard"),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"parallel degrees must be positive integers, got {bad}")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}: experts borrow "
+                "their ranks from the data- and context-parallel dims"
+            )
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
+        return cls(
+            pp=parallel.pp,
+            dp_replicate=parallel.dp_replicate,
+            dp_shard=resolve_dp_shard(parallel, world_size),
+            cp=parallel.cp,
+            tp=parallel.tp,
+            ep=parallel.ep,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard * self.cp // self.ep
+
+    def size(self, dim: str) -> int:
+        if dim in FLAT_DIMS:
+            return int(np.prod([getattr(self, d) for d in FLAT_DIMS[dim]]))
+        return getattr(self, dim)
+
+    @cached_property
+    def dense_grid(self) -> np.ndarray:
+        return np.arange(self.world_size).reshape([getattr(self, d) for d in DENSE_DIMS])
+
+    @cached_property
+    def expert_grid(self) -> np.ndarray:
+        return self.dense_grid.reshape(self.pp, self.dp_replicate, self.edp, self.ep, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Index of `rank` along every dense and expert dim."""
+        dense = np.argwhere(self.dense_grid == rank)[0]
+        expert = np.argwhere(self.expert_grid == rank)[0]
+        out = dict(zip(DENSE_DIMS, map(int, dense), strict=True))
+        out.update(edp=int(expert[2]), ep=int(expert[3]))
+        return out
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of `dim`: lists of ranks that differ only in their `dim` coordinate(s)."""
+        if dim in DENSE_DIMS:
+            grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
+        elif dim in ("ep", "edp"):
+            grid, axes = self.expert_grid, [EXPERT_DIMS.index(dim)]
+        elif dim in FLAT_DIMS:
+            grid, axes = self.dense_grid, [DENSE_DIMS.index(d) for d in FLAT_DIMS[dim]]
+        else:
+            raise ValueError(
+                f"unknown mesh dim {dim!r}; known: {', '.join(DENSE_DIMS + ('ep', 'edp') + tuple(FLAT_DIMS))}"
+            )
+        others = [a for a in range(grid.ndim) if a not in axes]
+        moved = np.transpose(grid, others + axes)
+        return moved.reshape(-1, int(np.prod([grid.shape[a] for a in axes]))).tolist()
+
+    def group_table(self) -> dict[str, list[list[int]]]:
+        return {dim: self.groups(dim) for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp")}
+
+    def crossing_dims(self, gpus_per_node: int) -> list[str]:
+        """Dims (of size > 1) with at least one group spanning more than one node."""
+        return [
+            dim
+            for dim, groups in self.group_table().items()
+            if self.size(dim) > 1 and any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
+        ]
+
+    def describe(self, gpus_per_node: int) -> str:
+        """Human-readable layout: dims, each rank's coordinates and node, every group of every dim."""
+        sizes = ", ".join(f"{d}={self.size(d)}" for d in DENSE_DIMS + ("ep", "edp"))
+        lines = [
+            f"world size {self.world_size}: {sizes}; {gpus_per_node} GPUs per node, "
+            f"{-(-self.world_size // gpus_per_node)} node(s)"
+        ]
+        lines.append("rank  node  " + "  ".join(f"{d:>12}" for d in DENSE_DIMS + ("edp", "ep")))
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            lines.append(
+                f"{rank:>4}  {rank // gpus_per_node:>4}  "
+                + "  ".join(f"{c[d]:>12}" for d in DENSE_DIMS + ("edp", "ep"))
+            )
+        for dim, groups in self.group_table().items():
+            lines.append(f"{dim} groups (size {self.size(dim)}): " + " ".join(str(g) for g in groups))
+        crossing = self.crossing_dims(gpus_per_node)
+        lines.append(
+            "dims crossing nodes: " + (", ".join(crossing) if crossing else "none (all within a node)")
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "dims": {**asdict(self), "edp": self.edp, "world_size": self.world_size},
+                "groups": self.group_table(),
+            }
+        )
+
+
+def draw_mesh(dims: ParallelDims, gpus_per_node: int, out_path: str | Path) -> Path:
+    """PNG with one panel per dim of size > 1: ranks laid out as nodes (rows) x GPUs (columns),
+    each coloured by its group in that dim; thick lines mark node boundaries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [d for d in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep") if dims.size(d) > 1] or ["tp"]
+    n_nodes = -(-dims.world_size // gpus_per_node)
+    crossing = set(dims.crossing_dims(gpus_per_node))
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    cell = 0.45 if dims.world_size <= 256 else 0.12
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        squeeze=False,
+        figsize=(max(4.0, cols * (gpus_per_node * cell + 1.2)), rows * (n_nodes * cell + 1.3)),
+    )
+    cmap = plt.get_cmap("tab20")
+    for ax, dim in zip(axes.flat, panels, strict=False):
+        owner = np.full(n_nodes * gpus_per_node, -1)
+        for g_id, group in enumerate(dims.groups(dim)):
+            owner[group] = g_id
+        colours = np.ones((n_nodes, gpus_per_node, 3))
+        for rank in range(dims.world_size):
+            colours[rank // gpus_per_node, rank % gpus_per_node] = cmap(owner[rank] % 20)[:3]
+        ax.imshow(colours, aspect="equal")
+        if dims.world_size <= 128:
+            for rank in range(dims.world_size):
+                ax.text(
+                    rank % gpus_per_node,
+                    rank // gpus_per_node,
+                    str(rank),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
+        for boundary in range(1, n_nodes):
+            ax.axhline(boundary - 0.5, color="black", linewidth=2.5)
+        where = "crosses nodes" if dim in crossing else "within nodes"
+        ax.set_title(f"{dim}={dims.size(dim)}: {len(dims.groups(dim))} groups, {where}", fontsize=9)
+        ax.set_xticks(range(gpus_per_node) if gpus_per_node <= 16 else [])
+        ax.set_yticks(range(n_nodes) if n_nodes <= 32 else [])
+        ax.set_xlabel("GPU in node", fontsize=8)
+        ax.set_ylabel("node", fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    shape = " x ".join(f"{d}{dims.size(d)}" for d in DENSE_DIMS)
+    fig.suptitle(f"meshtron mesh {shape}" + (f", ep{dims.ep}" if dims.ep > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+class ParallelMesh:
+    """DeviceMeshes and process groups of a running job; every parallel piece is handed its groups here.
+
+    The groups are those of `ParallelDims.groups`, so what `meshtron mesh` prints is what runs.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if dist.get_world_size() != dims.world_size:
+            raise ValueError(
+                f"the layout needs {dims.world_size} ranks but the job has {dist.get_world_size()}"
+            )
+        self.dims = dims
+        self.rank = dist.get_rank()
+        self.device_type = device_type
+        self.world = DeviceMesh(device_type, torch.as_tensor(dims.dense_grid), mesh_dim_names=DENSE_DIMS)
+        self.expert = DeviceMesh(device_type, torch.as_tensor(dims.expert_grid), mesh_dim_names=EXPERT_DIMS)
+        self._flat = {name: self.world[parts]._flatten(name) for name, parts in FLAT_DIMS.items()}
+
+    def mesh(self, dim: str) -> Any:
+        """The 1-D DeviceMesh of `dim` that contains this rank."""
+        if dim in FLAT_DIMS:
+            return self._flat[dim]
+        return self.expert[dim] if dim in ("ep", "edp") else self.world[dim]
+
+    def group(self, dim: str) -> Any:
+        return self.mesh(dim).get_group()
+
+    def size(self, dim: str) -> int:
+        return self.dims.size(dim)
+
+    def local_rank(self, dim: str) -> int:
+        return self.mesh(dim).get_local_rank()
+
+    def ranks(self, dim: str) -> list[int]:
+        return next(g for g in self.dims.groups(dim) if self.rank in g)
