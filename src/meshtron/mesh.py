@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from meshtron.comm import CommGroup
 from meshtron.config import ParallelConfig, resolve_dp_shard
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -240,8 +241,9 @@ class ParallelMesh:
             return self._flat[dim]
         return self.expert[dim] if dim in ("ep", "edp") else self.world[dim]
 
-    def group(self, dim: str) -> Any:
-        return self.mesh(dim).get_group()
+    def group(self, dim: str) -> CommGroup:
+        """The named group of `dim` containing this rank, as the comm layer takes it."""
+        return CommGroup(dim, tuple(self.ranks(dim)), self.mesh(dim).get_group())
 
     def size(self, dim: str) -> int:
         return self.dims.size(dim)

@@ -435,8 +435,10 @@ def prepare_data(
                 buf.append(np.asarray([tok.eos_id], dtype=dtype))
                 buffered += ids.size + 1
                 n_docs += 1
-                if not sources or sources[-1] != str(path):
-                    sources.append(str(path))
+                # Absolute, so meta.json still says where the data came from when read from elsewhere.
+                src_name = str(path.resolve())
+                if not sources or sources[-1] != src_name:
+                    sources.append(src_name)
                 if buffered >= _FLUSH_TOKENS:
                     f.write(np.concatenate(buf).tobytes())
                     n_tokens += buffered

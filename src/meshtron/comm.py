@@ -1,0 +1,402 @@
+"""All communication: collectives with their autograd rules, byte accounting, and timeouts.
+
+This is the only module that calls torch.distributed collectives. Every call goes through a `Comm`
+object, which counts bytes and calls per group and per step, and waits on each collective with a
+deadline so a hang turns into an error that names the rank, the collective and the group.
+
+Bytes are counted as the per-rank volume of a ring algorithm (REFERENCE.md): all-reduce of S bytes
+over n ranks 2*S*(n-1)/n; all-gather and reduce-scatter S*(n-1)/n with S the full (unsharded) size;
+all-to-all S*(n-1)/n; broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing.
+
+Autograd rules (SPMD: the loss is the sum of every rank's loss):
+  all_reduce      forward sum over ranks       backward all_reduce
+  all_gather      forward concat               backward reduce_scatter
+  reduce_scatter  forward sum + split          backward all_gather
+  all_to_all      forward exchange chunks      backward the reverse exchange
+  broadcast       forward copy from src        backward sum of grads to src
+  send / recv     forward p2p                  backward p2p the other way
+Tensor parallel also needs the pairs whose other side is replicated (Megatron's f and g):
+  copy_to_group   forward identity             backward all_reduce
+  reduce_from_group forward all_reduce         backward identity
+  split_to_group  forward keep own chunk       backward all_gather
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time: names who was waiting, on what, in which group."""
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group with the name of its mesh dim and the global ranks in it."""
+
+    name: str
+    ranks: tuple[int, ...]
+    process_group: Any = field(repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per (group, collective), since the last `reset`."""
+
+    bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, group: str, op: str, nbytes: float) -> None:
+        self.bytes[(group, op)] += nbytes
+        self.calls[(group, op)] += 1
+
+    def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
+        return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))
+
+    def total_calls(self, group: str | None = None, op: str | None = None) -> int:
+        return sum(c for (g, o), c in self.calls.items() if group in (None, g) and op in (None, o))
+
+    def by_group(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (g, _), b in self.bytes.items():
+            out[g] += b
+        return dict(out)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """Collectives on named groups, with accounting and a deadline on every wait."""
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.stats = CommStats()
+
+    def group(self, name: str, ranks: list[int] | tuple[int, ...], process_group: Any) -> CommGroup:
+        return CommGroup(name, tuple(ranks), process_group)
+
+    # -- raw (non-differentiable) collectives; each records its volume and waits with a deadline --
+
+    def wait(self, work: Any, op: str, group: CommGroup) -> None:
+        try:
+            completed = work.wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise self._timeout_error(op, group, err) from err
+        if completed is False:
+            raise self._timeout_error(op, group, None)
+
+    def _timeout_error(self, op: str, group: CommGroup, cause: Exception | None) -> CollectiveTimeout:
+        detail = f" ({cause})" if cause else ""
+        return CollectiveTimeout(
+            f"rank {dist.get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) did not complete "
+            f"within {self.timeout.total_seconds():.0f}s{detail}; another rank of that group is probably stuck "
+            f"or crashed (raise run.comm_timeout_s if it is just slow)"
+        )
+
+    def all_reduce_(self, x: torch.Tensor, group: CommGroup, op: str = "sum") -> torch.Tensor:
+        """In place; op is sum, avg or max (avg is a sum then a division where the backend lacks AVG)."""
+        if group.size == 1:
+            return x
+        self.stats.record(group.name, "all_reduce", 2 * _nbytes(x) * (group.size - 1) / group.size)
+        native_avg = op == "avg" and dist.get_backend(group.process_group) == "nccl"
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}[op]
+        if native_avg:
+            reduce_op = dist.ReduceOp.AVG
+        self.wait(
+            dist.all_reduce(x, op=reduce_op, group=group.process_group, async_op=True), "all_reduce", group
+        )
+        if op == "avg" and not native_avg:
+            x.div_(group.size)
+        return x
+
+    def all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim` (all ranks' shapes equal)."""
+        if group.size == 1:
+            return x
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
+        work = dist.all_gather_into_tensor(out, moved, group=group.process_group, async_op=True)
+        self.wait(work, "all_gather", group)
+        return out.movedim(0, dim)
+
+    def reduce_scatter_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/n chunk along `dim` (size must divide evenly)."""
+        if group.size == 1:
+            return x
+        if x.shape[dim] % group.size:
+            raise ValueError(
+                f"reduce_scatter on '{group.name}': dim {dim} of size {x.shape[dim]} "
+                f"is not divisible by the group size {group.size}"
+            )
+        self.stats.record(group.name, "reduce_scatter", _nbytes(x) * (group.size - 1) / group.size)
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.reduce_scatter_tensor(out, moved, group=group.process_group, async_op=True)
+        self.wait(work, "reduce_scatter", group)
+        return out.movedim(0, dim)
+
+    def all_to_all_tensor(
+        self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int
+    ) -> torch.Tensor:
+        """Split `x` into n chunks along split_dim, send chunk j to rank j, concat what arrives on concat_dim."""
+        if group.size == 1:
+            return x
+        if x.shape[split_dim] % group.size:
+            raise ValueError(
+                f"all_to_all on '{group.name}': dim {split_dim} of size {x.shape[split_dim]} "
+                f"is not divisible by the group size {group.size}"
+            )
+        self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
+        inputs = [c.contiguous() for c in x.chunk(group.size, dim=split_dim)]
+        outputs = [torch.empty_like(c) for c in inputs]
+        self.wait(
+            dist.all_to_all(outputs, inputs, group=group.process_group, async_op=True), "all_to_all", group
+        )
+        return torch.cat(outputs, dim=concat_dim)
+
+    def all_to_all_single(
+        self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        """Variable-size exchange along dim 0 (token dispatch): rank j gets input_splits[j] rows."""
+        if group.size == 1:
+            return x
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        sent = (x.shape[0] - input_splits[group.rank]) * row
+        self.stats.record(group.name, "all_to_all", sent)
+        work = dist.all_to_all_single(
+            out, x.contiguous(), output_splits, input_splits, group=group.process_group, async_op=True
+        )
+        self.wait(work, "all_to_all", group)
+        return out
+
+    def broadcast_(self, x: torch.Tensor, group: CommGroup, src: int) -> torch.Tensor:
+        """In place from the group's local rank `src`."""
+        if group.size == 1:
+            return x
+        self.stats.record(group.name, "broadcast", _nbytes(x) * (group.size - 1) / group.size)
+        work = dist.broadcast(x, src=group.ranks[src], group=group.process_group, async_op=True)
+        self.wait(work, "broadcast", group)
+        return x
+
+    def reduce_(self, x: torch.Tensor, group: CommGroup, dst: int) -> torch.Tensor:
+        """Sum into the group's local rank `dst`, in place (other ranks' x is left undefined)."""
+        if group.size == 1:
+            return x
+        self.stats.record(group.name, "reduce", _nbytes(x) * (group.size - 1) / group.size)
+        work = dist.reduce(x, dst=group.ranks[dst], group=group.process_group, async_op=True)
+        self.wait(work, "reduce", group)
+        return x
+
+    def send(self, x: torch.Tensor, group: CommGroup, dst: int) -> None:
+        self.stats.record(group.name, "send", _nbytes(x))
+        self.wait(dist.isend(x.contiguous(), dst=group.ranks[dst], group=group.process_group), "send", group)
+
+    def recv(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: CommGroup,
+        src: int,
+    ) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self.stats.record(group.name, "recv", _nbytes(out))
+        self.wait(dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group)
+        return out
+
+    def barrier(self, group: CommGroup) -> None:
+        if group.size > 1:
+            self.wait(dist.barrier(group=group.process_group, async_op=True), "barrier", group)
+
+    # -- differentiable wrappers --
+
+    def all_reduce(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return _AllReduce.apply(x, self, group) if group.size > 1 else x
+
+    def all_gather(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
+        return _AllGather.apply(x, self, group, dim) if group.size > 1 else x
+
+    def reduce_scatter(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
+        return _ReduceScatter.apply(x, self, group, dim) if group.size > 1 else x
+
+    def all_to_all(self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
+        return _AllToAll.apply(x, self, group, split_dim, concat_dim) if group.size > 1 else x
+
+    def broadcast(self, x: torch.Tensor, group: CommGroup, src: int = 0) -> torch.Tensor:
+        return _Broadcast.apply(x, self, group, src) if group.size > 1 else x
+
+    def copy_to_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return _CopyToGroup.apply(x, self, group) if group.size > 1 else x
+
+    def reduce_from_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return _ReduceFromGroup.apply(x, self, group) if group.size > 1 else x
+
+    def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+        return _SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
+
+    def send_autograd(self, x: torch.Tensor, group: CommGroup, dst: int) -> torch.Tensor:
+        """Send x; returns a scalar handle whose backward receives x's gradient from dst."""
+        return _Send.apply(x, self, group, dst)
+
+    def recv_autograd(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: CommGroup,
+        src: int,
+    ) -> torch.Tensor:
+        """Receive a tensor from src; its gradient is sent back to src in backward."""
+        anchor = torch.zeros((), device=device, requires_grad=True)
+        return _Recv.apply(anchor, self, group, src, tuple(shape), dtype)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return comm.all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.all_reduce_(grad.clone(), ctx.group), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.dim = comm, group, dim
+        return comm.all_gather_tensor(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.reduce_scatter_tensor(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.dim = comm, group, dim
+        return comm.reduce_scatter_tensor(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.all_gather_tensor(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, split_dim: int, concat_dim: int):
+        ctx.comm, ctx.group, ctx.dims = comm, group, (split_dim, concat_dim)
+        return comm.all_to_all_tensor(x, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        split_dim, concat_dim = ctx.dims
+        return ctx.comm.all_to_all_tensor(grad, ctx.group, concat_dim, split_dim), None, None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, src: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.src = comm, group, src
+        return comm.broadcast_(x.clone(), group, src)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        summed = ctx.comm.reduce_(grad.clone(), ctx.group, ctx.src)
+        if ctx.group.rank != ctx.src:
+            summed = torch.zeros_like(grad)  # only the source's input reached the outputs
+        return summed, None, None, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.all_reduce_(grad.clone(), ctx.group), None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
+        return comm.all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.dim = comm, group, dim
+        if x.shape[dim] % group.size:
+            raise ValueError(
+                f"split on '{group.name}': dim {dim} of size {x.shape[dim]} is not divisible "
+                f"by the group size {group.size}"
+            )
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.comm.all_gather_tensor(grad.contiguous(), ctx.group, ctx.dim), None, None, None
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dst: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.dst, ctx.meta = comm, group, dst, (x.shape, x.dtype, x.device)
+        comm.send(x.detach(), group, dst)
+        return torch.zeros((), device=x.device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[Any, ...]:
+        shape, dtype, device = ctx.meta
+        return ctx.comm.recv(shape, dtype, device, ctx.group, ctx.dst), None, None, None
+
+
+class _Recv(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        comm: Comm,
+        group: CommGroup,
+        src: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.src = comm, group, src
+        return comm.recv(shape, dtype, anchor.device, group, src)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.comm.send(grad.contiguous(), ctx.group, ctx.src)
+        return None, None, None, None, None, None

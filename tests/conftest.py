@@ -1,0 +1,27 @@
+"""Shared fixtures: long-lived gloo worker pools, one per world size, reused by every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshtron.workers import WorkerPool
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def workers():
+    """workers(n) -> a WorkerPool of n ranks, started on first use and kept for the session."""
+    pools: dict[int, WorkerPool] = {}
+
+    def get(world_size: int) -> WorkerPool:
+        pool = pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = pools[world_size] = WorkerPool(world_size, timeout_s=180)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,208 @@
+"""Every comm wrapper's forward and backward against the same math done in one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtron.comm import CollectiveTimeout, Comm, CommGroup
+
+
+def _world_group(comm: Comm) -> CommGroup:
+    return comm.group("world", list(range(dist.get_world_size())), dist.group.WORLD)
+
+
+def _inputs(world: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Every rank's input, reproducible everywhere so each rank can compute the reference itself."""
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(world)]
+
+
+def _upstream(world: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(world)]
+
+
+def check_collective(name: str) -> dict[str, float]:
+    """Run collective `name` with autograd on this rank and compare with a one-process reference where the
+    loss is sum over ranks of <output_r, upstream_r>."""
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs = _inputs(world, (2 * world, 3))
+    shapes = {"all_gather": (2 * world * world, 3), "reduce_scatter": (2, 3), "split_to_group": (2, 3)}
+    ups = _upstream(world, shapes.get(name, (2 * world, 3)))
+    # split_to_group's input is replicated: every rank holds the same logical tensor.
+    x = xs[0 if name == "split_to_group" else rank].clone().requires_grad_(True)
+
+    refs = [t.clone().requires_grad_(True) for t in xs]
+    if name == "all_reduce":
+        out = comm.all_reduce(x, group)
+        total = sum(refs)
+        ref_outs = [total for _ in range(world)]
+    elif name == "all_gather":
+        out = comm.all_gather(x, group, dim=0)
+        cat = torch.cat(refs, 0)
+        ref_outs = [cat for _ in range(world)]
+    elif name == "all_gather_dim1":
+        out = comm.all_gather(x, group, dim=1)
+        cat = torch.cat(refs, 1)
+        ref_outs = [cat for _ in range(world)]
+        ups = _upstream(world, (2 * world, 3 * world))
+    elif name == "reduce_scatter":
+        out = comm.reduce_scatter(x, group, dim=0)
+        total = sum(refs)
+        ref_outs = list(total.chunk(world, 0))
+    elif name == "all_to_all":
+        out = comm.all_to_all(x, group, split_dim=0, concat_dim=1)
+        ref_outs = [
+            torch.cat([refs[src].chunk(world, 0)[dst] for src in range(world)], 1) for dst in range(world)
+        ]
+        ups = _upstream(world, (2, 3 * world))
+    elif name == "broadcast":
+        out = comm.broadcast(x, group, src=1)
+        ref_outs = [refs[1] for _ in range(world)]
+    elif name == "reduce_from_group":
+        out = comm.reduce_from_group(x, group)
+        total = sum(refs)
+        ref_outs = [total for _ in range(world)]
+    elif name == "split_to_group":
+        out = comm.split_to_group(x, group, dim=0)
+        shared = refs[0]
+        ref_outs = list(shared.chunk(world, 0))
+    else:
+        raise ValueError(name)
+
+    (out * ups[rank]).sum().backward()
+    sum((o * u).sum() for o, u in zip(ref_outs, ups, strict=True)).backward()
+    if name == "split_to_group":
+        # Replicated input: every rank holds the same logical tensor, whose gradient is the total.
+        ref_grad = refs[0].grad
+    elif name == "reduce_from_group":
+        # Replicated output: only the copy's own upstream flows back, unchanged.
+        ref_grad = ups[rank]
+    else:
+        ref_grad = refs[rank].grad if refs[rank].grad is not None else torch.zeros_like(x)
+    return {
+        "fwd": float((out.detach() - ref_outs[rank].detach()).abs().max()),
+        "bwd": float((x.grad - ref_grad).abs().max()),
+        "bytes": comm.stats.total_bytes(),
+        "calls": comm.stats.total_calls(),
+    }
+
+
+def check_copy_to_group_replicated() -> float:
+    """copy_to_group with the same input on all ranks: the grad is the sum of all ranks' upstreams."""
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    x = _inputs(1, (4,))[0].clone().requires_grad_(True)
+    ups = _upstream(dist.get_world_size(), (4,))
+    (comm.copy_to_group(x, group) * ups[dist.get_rank()]).sum().backward()
+    return float((x.grad - sum(ups)).abs().max())
+
+
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_dim1",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "split_to_group",
+    "reduce_from_group",
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_collective_forward_backward(workers, world, name):
+    results = workers(world).run(check_collective, name)
+    for r in results:
+        assert r["fwd"] < 1e-12, (name, r)
+        assert r["bwd"] < 1e-12, (name, r)
+
+
+def test_copy_to_group(workers):
+    for err in workers(2).run(check_copy_to_group_replicated):
+        assert err < 1e-12
+
+
+def byte_accounting() -> dict:
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    n = dist.get_world_size()
+    x = torch.zeros(1000, dtype=torch.float32)  # 4000 bytes
+    comm.all_reduce_(x, group)
+    comm.all_gather_tensor(torch.zeros(250), group)  # gathers to 1000 floats
+    comm.reduce_scatter_tensor(torch.zeros(1000), group)
+    comm.all_to_all_tensor(torch.zeros(1000), group, 0, 0)
+    single = comm.group("solo", [dist.get_rank()], None)
+    comm.all_reduce_(x, single)  # a size-1 group moves nothing
+    return {
+        "n": n,
+        "by_op": {
+            op: comm.stats.total_bytes(op=op)
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        },
+        "calls": comm.stats.total_calls(),
+        "groups": comm.stats.by_group(),
+    }
+
+
+def test_byte_accounting_matches_ring_volumes(workers):
+    for r in workers(4).run(byte_accounting):
+        n = r["n"]
+        assert r["by_op"]["all_reduce"] == pytest.approx(2 * 4000 * (n - 1) / n)
+        assert r["by_op"]["all_gather"] == pytest.approx(4000 * (n - 1) / n)
+        assert r["by_op"]["reduce_scatter"] == pytest.approx(4000 * (n - 1) / n)
+        assert r["by_op"]["all_to_all"] == pytest.approx(4000 * (n - 1) / n)
+        assert r["calls"] == 4
+        assert set(r["groups"]) == {"world"}
+
+
+def p2p_autograd() -> dict:
+    """Rank 0: y = 3x, send y. Rank 1: z = recv; loss = sum(z^2). Reference: d loss/dx = 18x."""
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    x_value = torch.arange(6, dtype=torch.float64).view(2, 3)
+    if dist.get_rank() == 0:
+        x = x_value.clone().requires_grad_(True)
+        handle = comm.send_autograd(3 * x, group, dst=1)
+        handle.backward()
+        return {"grad_err": float((x.grad - 18 * x_value).abs().max())}
+    z = comm.recv_autograd((2, 3), torch.float64, "cpu", group, src=0)
+    (z**2).sum().backward()
+    return {"recv_err": float((z.detach() - 3 * x_value).abs().max())}
+
+
+def test_send_recv_autograd(workers):
+    r0, r1 = workers(2).run(p2p_autograd)
+    assert r0["grad_err"] < 1e-12
+    assert r1["recv_err"] < 1e-12
+
+
+def stuck_collective() -> str:
+    comm = Comm(timeout_s=2)
+    group = _world_group(comm)
+    if dist.get_rank() == 0:
+        try:
+            comm.all_reduce_(torch.ones(3), group)
+        except CollectiveTimeout as err:
+            message = str(err)
+        else:
+            message = "no timeout"
+        time.sleep(3)  # let rank 1 join so the pending all-reduce completes and the pool stays healthy
+        return message
+    time.sleep(3)
+    comm.all_reduce_(torch.ones(3), group)
+    return ""
+
+
+def test_timeout_names_rank_collective_and_group(workers):
+    message = workers(2).run(stuck_collective)[0]
+    assert "rank 0" in message
+    assert "all_reduce" in message
+    assert "'world'" in message and "[0, 1]" in message
