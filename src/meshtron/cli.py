@@ -1,0 +1,153 @@
+"""`meshtron` command line: train, mesh, prepare-data."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshtron.config import ConfigError, check, load_config
+from meshtron.train.data import DataError
+
+
+def _under_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _launch(nproc: int, argv: Sequence[str]) -> int:
+    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs)."""
+    from torch.distributed.run import get_args_parser, run
+
+    # Drop --nproc (as "--nproc=N" or "--nproc N") so the ranks do not launch again.
+    cleaned: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        cleaned.append(arg)
+    launcher_args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "meshtron.cli", *cleaned]
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        run(launcher_args)
+    except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
+        print(f"meshtron: training failed on one or more ranks: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    check(cfg, world_size)  # every problem reported before any process starts
+    from meshtron.mesh import ParallelDims
+    from meshtron.train.trainer import ensure_implemented
+
+    ensure_implemented(ParallelDims.from_config(cfg.parallel, world_size))
+    if args.nproc and args.nproc > 1 and not _under_launcher():
+        return _launch(args.nproc, argv)
+    from meshtron.train.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_mesh(args: argparse.Namespace) -> int:
+    from meshtron.mesh import ParallelDims, draw_mesh
+
+    try:
+        dims = ParallelDims(
+            pp=args.pp,
+            dp_replicate=args.dp_replicate,
+            dp_shard=args.dp_shard,
+            cp=args.cp,
+            tp=args.tp,
+            ep=args.ep,
+        )
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    if args.gpus_per_node < 1:
+        raise ConfigError([f"--gpus-per-node={args.gpus_per_node} must be positive"])
+    print(dims.to_json() if args.json else dims.describe(args.gpus_per_node))
+    if args.out:
+        path = draw_mesh(dims, args.gpus_per_node, args.out)
+        if not args.json:
+            print(f"picture written to {path}")
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from meshtron.train.data import prepare_data
+
+    data = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    print(
+        f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "
+        f"{data.n_documents} documents) to {Path(args.out)}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshtron", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model; extra --section.key=value flags override the config",
+        epilog="example: meshtron train --config configs/demo.toml --training.steps=50",
+    )
+    train.add_argument("--config", required=True, help="TOML config file (see configs/)")
+    train.add_argument(
+        "--nproc", type=int, default=0, help="launch this many local ranks (gloo on CPU, NCCL on GPU)"
+    )
+
+    mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")
+    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
+        mesh.add_argument(f"--{dim}", type=int, default=1)
+    mesh.add_argument("--gpus-per-node", type=int, default=8)
+    mesh.add_argument("--json", action="store_true", help="print dims and groups as JSON")
+    mesh.add_argument("--out", help="write a PNG picture of the mesh here")
+
+    prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
+    prep.add_argument(
+        "inputs", nargs="+", help="files or directories (.txt, .py, .md, .jsonl with a 'text' key)"
+    )
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte', 'bpe' (trained on the inputs) or a path to a tokenizer.json",
+    )
+    prep.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a BPE")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, unknown, argv)
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if args.command == "mesh":
+            return cmd_mesh(args)
+        return cmd_prepare_data(args)
+    except (ConfigError, DataError) as err:
+        # User errors (configs, layouts, data) get a message, not a traceback.
+        print(f"meshtron: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

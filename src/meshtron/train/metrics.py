@@ -1,0 +1,138 @@
+"""Per-step metrics: model FLOPs and MFU, peak memory, the console line, metrics.jsonl, TensorBoard, plot."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron.config import ModelConfig
+
+# Dense bf16 peak FLOP/s of accelerators by name fragment (REFERENCE.md).
+GPU_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters a token's forward touches, counting the output head but not the embedding lookup
+    (a gather, no FLOPs); an MoE layer counts its top_k routed experts and its shared experts."""
+    d, kv = cfg.dim, cfg.kv_heads * cfg.head_size
+    q = cfg.n_heads * cfg.head_size
+    attn = d * q + 2 * d * kv + q * d
+    dense_ffn = 3 * d * cfg.ffn_dim
+    moe_ffn = 3 * d * cfg.expert_ffn_dim * cfg.top_k + 3 * d * cfg.shared_expert_ffn_dim + d * cfg.n_experts
+    ffn = sum(moe_ffn if cfg.is_moe_layer(i) else dense_ffn for i in range(cfg.n_layers))
+    return cfg.n_layers * attn + ffn + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * active params, plus attention scores and values with a causal kernel
+    that skips masked blocks, 6 * L * (n_heads * head_dim) * s (half of the 12·L·h·s full-mask count)."""
+    return 6.0 * active_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak FLOP/s of one device and where the figure comes from.
+
+    GPUs use the published dense bf16 peak. A CPU has no published figure for its build here, so it is
+    measured: the best of a few large fp32/bf16 matmuls, i.e. MFU on CPU is relative to what this BLAS
+    achieves.
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in GPU_PEAK_BF16:
+            if fragment in name:
+                return peak, f"{fragment} dense bf16 peak"
+        return float("nan"), f"unknown peak for {name}"
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best, f"measured {dtype} matmul on CPU ({torch.get_num_threads()} threads)"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+class MetricsLogger:
+    """Writes one row per optimizer step to metrics.jsonl (and TensorBoard when installed); rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool, append: bool = False, tensorboard: bool = True):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.rows: list[dict[str, Any]] = []
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics.jsonl").open("a" if append else "w")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._tb = None
+            else:
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    @staticmethod
+    def console_line(row: dict[str, Any]) -> str:
+        return (
+            f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm "
+            f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
+            f"peak mem {_human(row['peak_mem_bytes'])}B | comm {_human(row['comm_bytes'])}B"
+        )
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_loss(rows: list[dict[str, Any]], out_path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
