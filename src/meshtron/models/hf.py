@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +161,7 @@ def _defaults(model_type: str) -> dict[str, Any]:
     return {**defaults, **per_type[model_type]}
 
 
-def _rope_from_hf(hf: Mapping[str, Any], get: Any, problems: list[str]) -> dict[str, Any]:
+def _rope_from_hf(hf: Mapping[str, Any], get: Callable[[str], Any], problems: list[str]) -> dict[str, Any]:
     """ModelConfig rope fields from old-style rope_theta/rope_scaling or transformers-5 rope_parameters.
 
     transformers 5 lets a non-null `rope_scaling` override `rope_parameters`, and takes the theta
@@ -207,7 +207,9 @@ def _rope_from_hf(hf: Mapping[str, Any], get: Any, problems: list[str]) -> dict[
     return out
 
 
-def _sliding_window_from_hf(model_type: str, get: Any, n_layers: int, problems: list[str]) -> int:
+def _sliding_window_from_hf(
+    model_type: str, get: Callable[[str], Any], n_layers: int, problems: list[str]
+) -> int:
     """The one window meshtron applies to every layer, or 0; mixed per-layer windows are refused."""
     if model_type in ("mistral", "mixtral"):
         return int(get("sliding_window") or 0)

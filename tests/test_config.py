@@ -1,0 +1,246 @@
+"""Config loading, overrides, presets and every validation error (each names its fix)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.config import Config, ConfigError, check, load_config, model_preset, parse_override, validate
+
+
+def test_defaults_are_valid():
+    assert validate(Config(), 1) == []
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nname = "tiny"\nn_layers = 3\n[training]\nsteps = 7\ndtype = "bf16"\n')
+    cfg = load_config(path, ["--training.steps=9", "--parallel.sp=true", "--run.dir=/tmp/x y"])
+    assert cfg.model.dim == 64  # from the preset
+    assert cfg.model.n_layers == 3  # explicit key beats the preset
+    assert cfg.training.steps == 9  # override beats the file
+    assert cfg.training.dtype == "bf16"
+    assert cfg.parallel.sp is True
+    assert cfg.run.dir == "/tmp/x y"
+
+
+def test_parse_override_reads_toml_literals():
+    assert parse_override("--training.lr=3e-4") == ("training", "lr", 3e-4)
+    assert parse_override("--model.dense_layers=[0, 2]") == ("model", "dense_layers", [0, 2])
+    assert parse_override("--training.dtype=bf16") == ("training", "dtype", "bf16")
+    assert parse_override("--parallel.sp=false") == ("parallel", "sp", False)
+
+
+def test_int_accepted_for_float_field():
+    assert load_config(None, ["--training.lr=1"]).training.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["--model.dimm=3"], "unknown key model.dimm; did you mean 'dim'?"),
+        (
+            ["--trainig.steps=3"],
+            "unknown section [trainig] in override '--trainig.steps=3'; did you mean 'training'?",
+        ),
+        (["--training.steps=ten"], "training.steps must be an integer, got 'ten'"),
+        (["--training.lr=true"], "training.lr must be a number, got True"),
+        (["--parallel.sp=1"], "parallel.sp must be true or false, got 1"),
+        (["--model.dense_layers=3"], "model.dense_layers must be a list of int, got 3"),
+        (["--model.name=llama9"], "model.name='llama9' is not a known preset"),
+        (["--model.name=lama3-8b"], "did you mean 'llama3-8b'?"),
+        (["training.steps"], "must look like --section.key=value"),
+    ],
+)
+def test_build_errors(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert expected in str(err.value)
+
+
+def test_build_errors_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.dimm=3", "--training.steps=x", "--nope.a=1"])
+    assert len(err.value.problems) == 3
+
+
+def test_missing_file_and_malformed_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\ndim = 64\nn_layers = = 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert "not valid TOML" in str(err.value) and "line 3" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        (["--model.dim=0"], 1, "model.dim=0 must be positive"),
+        (["--training.micro_batch=-2"], 1, "training.micro_batch=-2 must be positive"),
+        (["--parallel.tp=0"], 1, "parallel.tp=0 must be positive"),
+        (["--parallel.dp_shard=0"], 1, "parallel.dp_shard=0 must be positive, or -1"),
+        (["--model.n_experts=-1"], 1, "model.n_experts=-1 must be >= 0"),
+        (["--parallel.zero=4"], 1, "parallel.zero=4 must be 1, 2 or 3"),
+        (["--training.min_lr_ratio=2.0"], 1, "training.min_lr_ratio=2.0 must be between 0 and 1"),
+        (["--training.dtype=fp16"], 1, "training.dtype='fp16' is not one of fp32, bf16"),
+        (["--training.recompute=some"], 1, "training.recompute='some' is not one of none, selective, full"),
+        (["--parallel.pp_schedule=1f1f"], 1, "did you mean '1f1b'?"),
+        (["--parallel.cp_impl=ulysses"], 1, "parallel.cp_impl='ulysses' is not one of ring, alltoall"),
+        (["--model.router=topk"], 1, "model.router='topk' is not one of softmax, sigmoid"),
+        (["--model.rope_scaling=yarn"], 1, "model.rope_scaling='yarn' is not one of none, llama3"),
+        (["--run.device=tpu"], 1, "run.device='tpu' is not one of auto, cpu, cuda"),
+        (["--data.tokenizer=wordpiece"], 1, "data.tokenizer='wordpiece' is not one of bpe, byte"),
+        (["--model.dim=100", "--model.n_heads=8"], 1, "model.dim=100 is not divisible by model.n_heads=8"),
+        (["--model.dim=24", "--model.n_heads=8"], 1, "head size 3 must be even"),
+        (
+            ["--model.n_heads=8", "--model.n_kv_heads=3"],
+            1,
+            "model.n_heads=8 is not divisible by model.n_kv_heads=3; use n_kv_heads in [1, 2, 4, 8]",
+        ),
+        (
+            ["--model.n_experts=4", "--model.top_k=5"],
+            1,
+            "model.top_k=5 must be between 1 and model.n_experts=4",
+        ),
+        (["--model.n_experts=4", "--model.dense_layers=[9]"], 1, "model.dense_layers [9] are outside 0..3"),
+        (["--model.n_experts=4", "--model.shared_expert_gate=true"], 1, "needs model.n_shared_experts >= 1"),
+        (["--model.rope_scaling=llama3", "--model.rope_high_freq_factor=0.5"], 1, "must exceed"),
+        (["--parallel.tp=2"], 3, "world size 3 is not divisible by pp*dp_replicate*cp*tp=2"),
+        (["--parallel.dp_shard=2"], 4, "= 2 but the world size is 4"),
+        (
+            ["--model.n_heads=12", "--model.dim=96", "--parallel.tp=8"],
+            8,
+            "model.n_heads=12 is not divisible by parallel.tp=8; use tp in [1, 2, 3, 4, 6, 12]",
+        ),
+        (["--model.n_heads=8", "--model.n_kv_heads=4", "--parallel.tp=8", "--model.ffn_dim=96"], 8, None),
+        (
+            ["--model.n_heads=12", "--model.dim=96", "--model.n_kv_heads=4", "--parallel.tp=6"],
+            6,
+            "model.n_kv_heads=4 and parallel.tp=6: one must divide the other",
+        ),
+        (
+            ["--model.ffn_dim=100", "--parallel.tp=8"],
+            8,
+            "model.ffn_dim=100 is not divisible by parallel.tp=8",
+        ),
+        (
+            ["--model.n_experts=4", "--model.moe_ffn_dim=6", "--parallel.tp=4"],
+            4,
+            "expert ffn dim 6 is not divisible by parallel.tp=4",
+        ),
+        (["--parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
+        (
+            ["--parallel.sp=true", "--parallel.tp=2", "--training.seq_len=33"],
+            2,
+            "training.seq_len=33 must be divisible by tp*cp=2",
+        ),
+        (["--parallel.cp=2", "--training.seq_len=34"], 2, "training.seq_len=34 must be divisible by 2*cp=4"),
+        (["--parallel.cp=2", "--parallel.tp=4", "--parallel.cp_impl=alltoall"], 8, None),
+        (
+            ["--parallel.cp=4", "--parallel.tp=4", "--parallel.cp_impl=alltoall"],
+            16,
+            "cp_impl=alltoall needs model.n_heads=8 divisible by tp*cp=16",
+        ),
+        (["--parallel.pp=8", "--training.global_batch=64"], 8, "model.n_layers=4 cannot fill pp*vpp=8"),
+        (["--parallel.vpp=2"], 1, "parallel.vpp=2 needs parallel.pp_schedule='interleaved'"),
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--training.global_batch=16"],
+            2,
+            "needs parallel.vpp >= 2",
+        ),
+        (["--parallel.ep=2"], 2, "parallel.ep=2 needs an MoE model (model.n_experts > 0)"),
+        (
+            ["--model.n_experts=6", "--parallel.ep=4"],
+            4,
+            "model.n_experts=6 is not divisible by parallel.ep=4",
+        ),
+        (
+            ["--model.n_experts=4", "--parallel.ep=4", "--parallel.tp=2", "--training.global_batch=16"],
+            4,
+            "parallel.ep=4 must divide dp_shard*cp=2",
+        ),
+        (
+            ["--training.global_batch=12", "--training.micro_batch=4"],
+            2,
+            "training.global_batch=12 is not divisible by micro_batch*dp = 4*2",
+        ),
+        (
+            ["--parallel.pp=4", "--training.global_batch=8", "--training.micro_batch=4"],
+            4,
+            "2 micro-batch(es) per step cannot fill pp=4 stages",
+        ),
+        (
+            [
+                "--parallel.pp=2",
+                "--parallel.vpp=2",
+                "--parallel.pp_schedule=interleaved",
+                "--training.global_batch=24",
+                "--training.micro_batch=8",
+            ],
+            2,
+            "interleaved 1F1B needs micro-batches per step (3) to be a multiple of pp=2",
+        ),
+    ],
+)
+def test_validation_errors(overrides, world, expected):
+    problems = validate(load_config(None, overrides), world)
+    if expected is None:
+        assert problems == []
+    else:
+        assert any(expected in p for p in problems), problems
+
+
+def test_all_problems_reported_at_once():
+    cfg = load_config(
+        None,
+        [
+            "--model.n_heads=12",
+            "--model.dim=96",
+            "--parallel.tp=8",
+            "--parallel.ep=2",
+            "--training.dtype=bf17",
+        ],
+    )
+    with pytest.raises(ConfigError) as err:
+        check(cfg, 8)
+    text = str(err.value)
+    assert len(err.value.problems) == 3
+    assert "did you mean 'bf16'" in text and "use tp in" in text and "needs an MoE model" in text
+
+
+def test_dp_shard_absorbs_the_world():
+    cfg = load_config(
+        None, ["--parallel.tp=2", "--parallel.pp=2", "--training.global_batch=16", "--training.micro_batch=2"]
+    )
+    assert validate(cfg, 16) == []
+    from meshtron.config import resolve_dp_shard
+
+    assert resolve_dp_shard(cfg.parallel, 16) == 4
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny", "tiny-moe", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b"]
+)
+def test_presets_validate(name):
+    cfg = load_config(None, [f"--model.name={name}"])
+    assert validate(cfg, 1) == []
+    assert model_preset(name)["dim"] == cfg.model.dim
+
+
+def test_preset_files_load_and_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert {f.stem for f in files} >= {"demo", "tiny-moe", "llama3-8b", "llama3-70b", "mixtral-8x7b"}
+    for f in files:
+        cfg = load_config(f)
+        world = int(
+            cfg.parallel.dp_replicate
+            * max(cfg.parallel.dp_shard, 1)
+            * cfg.parallel.tp
+            * cfg.parallel.pp
+            * cfg.parallel.cp
+        )
+        assert validate(cfg, world) == [], f
