@@ -289,9 +289,11 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     raise TypeError(f"unsupported config field type {tp!r} for {where}")
 
 
-def _suggest(name: str, options: Sequence[str]) -> str:
+def _suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(options)})"
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f" (known: {', '.join(options)})" if list_known else ""
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -410,7 +412,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             if where in ENUMS and value not in ENUMS[where]:
                 problems.append(
                     f"{where}={value!r} is not one of {', '.join(ENUMS[where])}"
-                    f"{_suggest(str(value), ENUMS[where])}"
+                    f"{_suggest(str(value), ENUMS[where], list_known=False)}"
                 )
     for where in ("run.device", "data.tokenizer"):
         section, key = where.split(".")

@@ -116,12 +116,9 @@ class ParallelDims:
         return {dim: self.groups(dim) for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp")}
 
     def crossing_dims(self, gpus_per_node: int) -> list[str]:
-        """Dims (of size > 1) with at least one group spanning more than one node."""
-        return [
-            dim
-            for dim, groups in self.group_table().items()
-            if self.size(dim) > 1 and any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
-        ]
+        """Dims (of size > 1; the expert dims only when ep > 1) with a group spanning more than one node."""
+        dims = [d for d in self.group_table() if self.size(d) > 1 and (self.ep > 1 or d not in ("ep", "edp"))]
+        return [d for d in dims if any(len({r // gpus_per_node for r in g}) > 1 for g in self.groups(d))]
 
     def describe(self, gpus_per_node: int) -> str:
         """Human-readable layout: dims, each rank's coordinates and node, every group of every dim."""

@@ -120,7 +120,7 @@ class MoE(nn.Module):
         out_ECD = self.experts(queues_ECD.view(self.n_experts, capacity, dim))
         gathered = out_ECD.reshape(-1, dim)[queue_index]
         weighted = gathered * weights_Tk.flatten()[assignments, None].to(gathered.dtype)
-        y_TD = x_TD.new_zeros(n_tokens, dim).index_add(0, tokens, weighted)
+        y_TD = weighted.new_zeros(n_tokens, dim).index_add(0, tokens, weighted)
 
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)

@@ -1,0 +1,149 @@
+"""The `meshtron` command as a user runs it: mesh, prepare-data, train (one process and --nproc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def meshtron(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_mesh_json():
+    out = meshtron("mesh", "--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2", "--ep", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["dims"] == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 2,
+        "tp": 2,
+        "ep": 4,
+        "edp": 1,
+        "world_size": 16,
+    }
+    assert data["groups"]["tp"][:2] == [[0, 1], [2, 3]]
+    assert data["groups"]["ep"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+
+
+def test_mesh_text_and_picture(tmp_path):
+    out = meshtron(
+        "mesh",
+        "--dp-replicate",
+        "2",
+        "--dp-shard",
+        "4",
+        "--tp",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--out",
+        str(tmp_path / "m.png"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "dims crossing nodes: dp_shard, dp_replicate" in out.stdout
+    assert "   9     1" in out.stdout  # rank 9 sits on node 1
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mesh_bad_layout_is_a_clear_error():
+    out = meshtron("mesh", "--dp-shard", "4", "--ep", "3")
+    assert out.returncode == 2
+    assert "ep=3 must divide dp_shard*cp=4" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_prepare_data(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n")
+    out = meshtron(
+        "prepare-data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "d")
+    )
+    assert out.returncode == 0, out.stderr
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["n_tokens"] == len(b"hello world\n") + len("héllo".encode()) + 2
+    bad = meshtron("prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "e"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_train_reports_every_config_problem_without_traceback():
+    out = meshtron(
+        "train",
+        "--config",
+        "configs/demo.toml",
+        "--model.n_heads=7",
+        "--parallel.tp=2",
+        "--training.dtype=fp8",
+        "--nproc",
+        "2",
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "n_heads=7 is not divisible by parallel.tp=2" in out.stderr
+    assert "training.dtype='fp8'" in out.stderr
+    assert "model.dim=256 is not divisible by model.n_heads=7" in out.stderr
+    assert "4 problem(s)" in out.stderr
+    typo = meshtron("train", "--config", "configs/demo.toml", "--training.stepz=3")
+    assert typo.returncode == 2 and "did you mean 'steps'?" in typo.stderr
+
+
+def test_train_on_one_process(tmp_path):
+    out = meshtron(
+        "train",
+        "--config",
+        "configs/demo.toml",
+        "--training.steps=3",
+        "--model.n_layers=1",
+        "--training.seq_len=32",
+        f"--run.dir={tmp_path}",
+        "--run.log_every=1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("step ") == 3 and "tok/s" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.parametrize("nproc", [2])
+def test_train_nproc_replicas_agree_with_one_process(tmp_path, nproc):
+    common = [
+        "--config",
+        "configs/demo.toml",
+        "--training.steps=3",
+        "--model.n_layers=1",
+        "--training.seq_len=32",
+        "--training.global_batch=4",
+        "--training.micro_batch=1",
+        "--run.plot=false",
+    ]
+    one = meshtron("train", *common, f"--run.dir={tmp_path / 'one'}")
+    many = meshtron(
+        "train",
+        *common,
+        f"--run.dir={tmp_path / 'many'}",
+        f"--nproc={nproc}",
+        f"--parallel.dp_replicate={nproc}",
+    )
+    assert one.returncode == 0, one.stderr
+    assert many.returncode == 0, many.stderr
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    for a, b in zip(read("many"), read("one"), strict=True):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5
+        assert a["comm_bytes"] > 0 and b["comm_bytes"] == 0

@@ -1,0 +1,133 @@
+"""The trainer: the loss falls on the default corpus, accumulation and replicated data parallel reproduce
+the single-device run, metrics are written, unimplemented layouts are refused up front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtron.config import ConfigError, load_config
+from meshtron.train.trainer import lr_at, train
+
+TINY = [
+    "--model.name=tiny",
+    "--data.tokenizer=byte",
+    "--training.seq_len=32",
+    "--training.global_batch=8",
+    "--training.micro_batch=8",
+    "--training.lr=3e-3",
+    "--training.warmup_steps=2",
+    "--run.plot=false",
+]
+
+
+def run_train(overrides: list[str]) -> list[dict]:
+    return train(load_config(None, overrides))
+
+
+def relative_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_loss_falls_on_default_corpus(tmp_path):
+    rows = run_train(
+        [
+            "--model.dim=64",
+            "--model.n_layers=2",
+            "--model.n_heads=4",
+            "--model.n_kv_heads=2",
+            "--model.ffn_dim=176",
+            "--model.vocab_size=4096",
+            "--training.steps=40",
+            "--training.seq_len=64",
+            "--training.global_batch=8",
+            "--training.micro_batch=8",
+            "--training.lr=1e-2",
+            "--training.warmup_steps=5",
+            f"--run.dir={tmp_path}",
+            "--run.plot=true",
+        ]
+    )
+    first = rows[0]["loss"]
+    last = sum(r["loss"] for r in rows[-5:]) / 5
+    assert first == pytest.approx(8.3, abs=0.3)  # ~ln(4096): an untrained model is uniform
+    assert last < first - 1.2, (first, last)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 40
+    row = json.loads(lines[-1])
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "peak_mem_bytes", "comm_bytes"):
+        assert key in row
+    assert row["step"] == 40 and row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1.5
+    assert row["peak_mem_bytes"] > 10_000_000 and row["comm_bytes"] == 0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    whole = run_train([*TINY, "--training.steps=4", f"--run.dir={tmp_path / 'a'}"])
+    accumulated = run_train(
+        [*TINY, "--training.steps=4", "--training.micro_batch=2", f"--run.dir={tmp_path / 'b'}"]
+    )
+    for a, b in zip(accumulated, whole, strict=True):
+        assert relative_diff(a["loss"], b["loss"]) <= 1e-5
+        assert relative_diff(a["grad_norm"], b["grad_norm"]) <= 1e-4
+
+
+def test_moe_and_bf16_train(tmp_path):
+    rows = run_train(
+        [
+            *TINY,
+            "--model.name=tiny-moe",
+            "--training.steps=3",
+            "--training.dtype=bf16",
+            f"--run.dir={tmp_path}",
+        ]
+    )
+    assert len(rows) == 3 and all(r["loss"] == r["loss"] and r["loss"] < 7 for r in rows)
+
+
+def worker_train(overrides: list[str]) -> list[dict]:
+    return run_train(overrides)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_data_parallel_matches_single_device(workers, tmp_path, world):
+    steps = ["--training.steps=5", "--training.micro_batch=1"]
+    single = run_train([*TINY, *steps, f"--run.dir={tmp_path / 'single'}"])
+    results = workers(world).run(
+        worker_train, [*TINY, *steps, f"--parallel.dp_replicate={world}", f"--run.dir={tmp_path / 'dp'}"]
+    )
+    parallel = results[0]
+    assert all(r == [] for r in results[1:])  # only rank 0 logs
+    for p, s in zip(parallel, single, strict=True):
+        assert relative_diff(p["loss"], s["loss"]) <= 1e-5, (p["loss"], s["loss"])
+        assert relative_diff(p["grad_norm"], s["grad_norm"]) <= 1e-4
+    n_params = 158016
+    # Broadcast of the weights at start (4 bytes each), then one all-reduce of all gradients per step.
+    ring = (world - 1) / world
+    assert parallel[1]["comm_bytes"] == pytest.approx(2 * 4 * n_params * ring + 2 * 4 * ring, rel=1e-6)
+
+
+def test_unimplemented_layouts_are_refused():
+    with pytest.raises(ConfigError, match="tensor parallel is not implemented yet"):
+        from meshtron.mesh import ParallelDims
+        from meshtron.train.trainer import ensure_implemented
+
+        ensure_implemented(ParallelDims(tp=2))
+
+
+def test_lr_schedule_warmup_then_cosine():
+    t = load_config(
+        None,
+        [
+            "--training.steps=110",
+            "--training.warmup_steps=10",
+            "--training.lr=1.0",
+            "--training.min_lr_ratio=0.1",
+        ],
+    ).training
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(109, t) == pytest.approx(0.1)
+    assert lr_at(60, t) == pytest.approx(0.55, abs=0.01)
