@@ -131,3 +131,44 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(10, t) == pytest.approx(1.0)
     assert lr_at(109, t) == pytest.approx(0.1)
     assert lr_at(60, t) == pytest.approx(0.55, abs=0.01)
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    base = [*TINY, "--model.name=tiny-moe", "--training.steps=6", "--training.micro_batch=4"]
+    straight = run_train([*base, f"--run.dir={tmp_path / 'straight'}"])
+    run_dir = f"--run.dir={tmp_path / 'resumed'}"
+    first = run_train(
+        [
+            *base,
+            run_dir,
+            "--training.steps=6",
+            "--checkpoint.every=3",
+            "--checkpoint.keep=1",
+            "--training.steps=3",
+        ]
+    )
+    assert [r["step"] for r in first] == [1, 2, 3]
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step-00000003"]
+    # Starting afresh over a checkpoint is refused, so nothing is overwritten by accident.
+    from meshtron.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="set --checkpoint.resume=true"):
+        run_train([*base, run_dir])
+    second = run_train([*base, run_dir, "--checkpoint.resume=true", "--checkpoint.every=3"])
+    assert [r["step"] for r in second] == [4, 5, 6]
+    for a, b in zip(first + second, straight, strict=True):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_incomplete_checkpoint_is_ignored_and_mismatch_is_clear(tmp_path):
+    from meshtron.train.checkpoint import CheckpointError, complete_checkpoints
+
+    base = [*TINY, "--training.steps=2", "--checkpoint.every=2", f"--run.dir={tmp_path}"]
+    run_train(base)
+    root = tmp_path / "checkpoints"
+    (root / "step-00000009.tmp").mkdir()  # what a crash during a save leaves behind
+    assert [c.step for c in complete_checkpoints(root)] == [2]
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        run_train([*base, "--checkpoint.resume=true", "--model.n_layers=3", "--training.steps=4"])

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshtron.config import ConfigError, check, load_config
+from meshtron.train.checkpoint import CheckpointError
 from meshtron.train.data import DataError
 
 
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "mesh":
             return cmd_mesh(args)
         return cmd_prepare_data(args)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         # User errors (configs, layouts, data) get a message, not a traceback.
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2

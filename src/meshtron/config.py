@@ -136,8 +136,9 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "": <run.dir>/checkpoints
-    every: int = 0  # 0: never
-    resume: bool = False
+    every: int = 0  # 0: never (a final checkpoint is still written when every > 0)
+    resume: bool = False  # continue from the newest complete checkpoint in dir, if there is one
+    keep: int = 2  # newest checkpoints kept; 0 keeps all
 
 
 @dataclass
@@ -460,6 +461,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         "training.weight_decay": t.weight_decay,
         "training.grad_clip": t.grad_clip,
         "checkpoint.every": cfg.checkpoint.every,
+        "checkpoint.keep": cfg.checkpoint.keep,
     }
     for where, value in non_negative.items():
         if value < 0:

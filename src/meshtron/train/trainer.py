@@ -21,6 +21,7 @@ from meshtron.config import Config, ConfigError, TrainingConfig, check
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel import data as data_parallel
+from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
 
@@ -105,6 +106,33 @@ def lr_at(step: int, t: TrainingConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine)
 
 
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+
+
+def resume_if_asked(
+    cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler
+) -> int:
+    """The step to start from: the newest complete checkpoint's with checkpoint.resume, else 0. Starting
+    afresh over existing checkpoints is refused so that they are never overwritten by accident."""
+    existing = complete_checkpoints(checkpoint_root(cfg))
+    if not cfg.checkpoint.resume:
+        if existing:
+            raise CheckpointError(
+                f"{checkpoint_root(cfg)} already holds checkpoints (newest: step "
+                f"{existing[-1].step}); set --checkpoint.resume=true to continue from it, "
+                "or use another run.dir / checkpoint.dir"
+            )
+        return 0
+    if not existing:
+        return 0
+    train_state = load_checkpoint(existing[-1].path, model, optimizer, {"sampler": sampler.state_dict()})
+    sampler.load_state_dict(train_state["sampler"])  # the sampler's next step is the step to resume at
+    if dist.get_rank() == 0:
+        print(f"meshtron: resumed from {existing[-1].path} at step {sampler.step}", flush=True)
+    return sampler.step
+
+
 def parallelize(model: Transformer, rt: Runtime) -> Transformer:
     """Apply the parallelisms in a fixed order; today only replication over dp_replicate."""
     data_parallel.broadcast_parameters(model, rt.comm, rt.mesh.group("dp"))
@@ -155,7 +183,8 @@ def train(cfg: Config) -> list[dict[str, Any]]:
     optimizer = build_optimizer(model, t)
 
     run_dir = Path(cfg.run.dir)
-    logger = MetricsLogger(run_dir, enabled=rank == 0, append=cfg.checkpoint.resume)
+    start_step = resume_if_asked(cfg, run_dir, model, optimizer, sampler)
+    logger = MetricsLogger(run_dir, enabled=rank == 0, append=start_step > 0)
     dp_group = mesh.group("dp")
     dp_rank, dp_size = dp_group.rank, dp_group.size
     global_tokens = t.global_batch * t.seq_len
@@ -169,13 +198,13 @@ def train(cfg: Config) -> list[dict[str, Any]]:
             flush=True,
         )
 
-    for step in range(t.steps):
+    for step in range(start_step, t.steps):
         start = time.perf_counter()
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        for inputs, targets in sampler.micro_batches(dataset, step, dp_rank, dp_size, t.micro_batch):
+        for inputs, targets in sampler.next_micro_batches(dataset, dp_rank, dp_size, t.micro_batch):
             loss, ce = micro_batch_loss(model, inputs.to(device), targets.to(device), global_tokens, t.dtype)
             loss.backward()
             loss_sum += ce.detach()
@@ -204,6 +233,18 @@ def train(cfg: Config) -> list[dict[str, Any]]:
         logger.log(row)
         if rank == 0 and (step % cfg.run.log_every == 0 or step == t.steps - 1):
             print(MetricsLogger.console_line(row), flush=True)
+        every = cfg.checkpoint.every
+        if every and ((step + 1) % every == 0 or step == t.steps - 1):
+            save_checkpoint(
+                checkpoint_root(cfg),
+                step + 1,
+                model,
+                optimizer,
+                {"sampler": sampler.state_dict()},
+                comm,
+                rt.world,
+                cfg.checkpoint.keep,
+            )
 
     if rank == 0 and cfg.run.plot and logger.rows:
         plot_loss(
