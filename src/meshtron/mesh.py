@@ -120,6 +120,10 @@ class ParallelDims:
         dims = [d for d in self.group_table() if self.size(d) > 1 and (self.ep > 1 or d not in ("ep", "edp"))]
         return [d for d in dims if any(len({r // gpus_per_node for r in g}) > 1 for g in self.groups(d))]
 
+    def summary(self) -> str:
+        dims = " x ".join(f"{d}{self.size(d)}" for d in DENSE_DIMS)
+        return f"mesh {dims}" + (f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else "")
+
     def describe(self, gpus_per_node: int) -> str:
         """Human-readable layout: dims, each rank's coordinates and node, every group of every dim."""
         sizes = ", ".join(f"{d}={self.size(d)}" for d in DENSE_DIMS + ("ep", "edp"))
@@ -200,8 +204,7 @@ def draw_mesh(dims: ParallelDims, gpus_per_node: int, out_path: str | Path) -> P
         ax.set_ylabel("node", fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    shape = " x ".join(f"{d}{dims.size(d)}" for d in DENSE_DIMS)
-    fig.suptitle(f"meshtron mesh {shape}" + (f", ep{dims.ep}" if dims.ep > 1 else ""), fontsize=10)
+    fig.suptitle(f"meshtron {dims.summary()}", fontsize=10)
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)

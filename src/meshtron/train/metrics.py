@@ -48,10 +48,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             if fragment in name:
                 return peak, f"{fragment} dense bf16 peak"
         return float("nan"), f"unknown peak for {name}"
-    n = 512
+    n = 1024
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm up the BLAS threads and caches
     best = float("inf")
-    for _ in range(5):
+    for _ in range(8):
         start = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)

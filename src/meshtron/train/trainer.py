@@ -194,7 +194,7 @@ def train(cfg: Config) -> list[dict[str, Any]]:
     if rank == 0:
         print(
             f"meshtron: {model.num_params():,} parameters, world {world_size} ({device.type}), "
-            f"{dims.describe(world_size).splitlines()[0]}; MFU relative to {peak_source}",
+            f"{dims.summary()}; MFU relative to {peak_source}",
             flush=True,
         )
 
