@@ -248,7 +248,9 @@ def train(cfg: Config) -> list[dict[str, Any]]:
 
     if rank == 0 and cfg.run.plot and logger.rows:
         plot_loss(
-            logger.rows, run_dir / "loss.png", f"{cfg.model.name or 'model'}: {model.num_params():,} params"
+            logger.rows,
+            run_dir / "loss.png",
+            f"{cfg.model.name or run_dir.name}: {model.num_params():,} parameters, {dims.summary()}",
         )
     logger.close()
     return logger.rows
