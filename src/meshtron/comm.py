@@ -85,6 +85,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Pending:
+    """An in-flight collective; `wait()` blocks (with the comm deadline) until its buffers are valid."""
+
+    def __init__(self, comm: Comm, work: Any, op: str, group: CommGroup):
+        self.comm, self.work, self.op, self.group = comm, work, op, group
+
+    def wait(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            self.comm.wait(work, self.op, self.group)
+
+    @property
+    def done(self) -> bool:
+        return self.work is None
+
+
 class Comm:
     """Collectives on named groups, with accounting and a deadline on every wait."""
 
@@ -229,6 +245,34 @@ class Comm:
     def barrier(self, group: CommGroup) -> None:
         if group.size > 1:
             self.wait(dist.barrier(group=group.process_group, async_op=True), "barrier", group)
+
+    # -- asynchronous collectives on preallocated buffers, for overlapping communication with compute --
+
+    def all_reduce_async(self, x: torch.Tensor, group: CommGroup) -> Pending:
+        """Sum `x` in place over the group; the result is valid after `.wait()`."""
+        if group.size == 1:
+            return Pending(self, None, "all_reduce", group)
+        self.stats.record(group.name, "all_reduce", 2 * _nbytes(x) * (group.size - 1) / group.size)
+        work = dist.all_reduce(x, group=group.process_group, async_op=True)
+        return Pending(self, work, "all_reduce", group)
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
+        """out (numel n) = this rank's n-element chunk of the sum over ranks of inp (numel n * size)."""
+        if group.size == 1:
+            out.copy_(inp.view_as(out))
+            return Pending(self, None, "reduce_scatter", group)
+        self.stats.record(group.name, "reduce_scatter", _nbytes(inp) * (group.size - 1) / group.size)
+        work = dist.reduce_scatter_tensor(out, inp, group=group.process_group, async_op=True)
+        return Pending(self, work, "reduce_scatter", group)
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
+        """out (numel n * size) = every rank's inp (numel n), in rank order."""
+        if group.size == 1:
+            out.view_as(inp).copy_(inp)
+            return Pending(self, None, "all_gather", group)
+        self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
+        work = dist.all_gather_into_tensor(out, inp, group=group.process_group, async_op=True)
+        return Pending(self, work, "all_gather", group)
 
     # -- differentiable wrappers --
 

@@ -97,6 +97,10 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the world size leaves after the other dims
     zero: int = 3  # what dp_shard shards: 1 optimizer state, 2 + grads, 3 + params
+    bucket_mb: float = 25.0  # gradient bucket size for DDP and ZeRO-1/2
+    reduce_dtype: str = "fp32"  # dtype of gradient reductions: fp32 | bf16
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each unit's forward
+    fsdp_impl: str = "meshtron"  # ZeRO-3 implementation: meshtron | torch (PyTorch's fully_shard)
     tp: int = 1
     sp: bool = False
     cp: int = 1
@@ -168,6 +172,8 @@ ENUMS: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
         "model.rope_scaling": ("none", "llama3"),
         "model.router": ("softmax", "sigmoid"),
         "parallel.cp_impl": ("ring", "alltoall"),
+        "parallel.reduce_dtype": ("fp32", "bf16"),
+        "parallel.fsdp_impl": ("meshtron", "torch"),
         "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble"),
         "training.dtype": ("fp32", "bf16"),
         "training.recompute": ("none", "selective", "full"),
@@ -431,6 +437,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         "model.norm_eps": m.norm_eps,
         "model.init_std": m.init_std,
         "parallel.dp_replicate": p.dp_replicate,
+        "parallel.bucket_mb": p.bucket_mb,
         "parallel.tp": p.tp,
         "parallel.cp": p.cp,
         "parallel.pp": p.pp,

@@ -7,6 +7,7 @@ import datetime
 import math
 import os
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config, ConfigError, TrainingConfig, check
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
-from meshtron.parallel import data as data_parallel
+from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
+from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_
 from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
@@ -58,6 +60,9 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
+
+
 def ensure_implemented(dims: ParallelDims) -> None:
     """Layouts the config accepts but this version cannot run yet are refused before any work starts."""
     missing = {
@@ -65,7 +70,6 @@ def ensure_implemented(dims: ParallelDims) -> None:
         "cp": "context parallel",
         "pp": "pipeline parallel",
         "ep": "expert parallel",
-        "dp_shard": "sharded data parallel (ZeRO/FSDP)",
     }
     problems = [
         f"parallel.{dim}={dims.size(dim)}: {what} is not implemented yet; use parallel.{dim}=1"
@@ -89,14 +93,6 @@ def open_dataset(cfg: Config, rt: Runtime) -> PreparedData:
     return dataset
 
 
-def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on norms, biases or 1-D gains)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
-
-
 def lr_at(step: int, t: TrainingConfig) -> float:
     """Linear warmup to lr, then cosine decay to min_lr_ratio * lr at the last step."""
     if step < t.warmup_steps:
@@ -111,7 +107,7 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 def resume_if_asked(
-    cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler
+    cfg: Config, engine: DataParallelEngine, optimizer: torch.optim.Optimizer, sampler: BatchSampler
 ) -> int:
     """The step to start from: the newest complete checkpoint's with checkpoint.resume, else 0. Starting
     afresh over existing checkpoints is refused so that they are never overwritten by accident."""
@@ -126,17 +122,46 @@ def resume_if_asked(
         return 0
     if not existing:
         return 0
-    train_state = load_checkpoint(existing[-1].path, model, optimizer, {"sampler": sampler.state_dict()})
+    train_state = load_checkpoint(existing[-1].path, engine, optimizer, {"sampler": sampler.state_dict()})
     sampler.load_state_dict(train_state["sampler"])  # the sampler's next step is the step to resume at
     if dist.get_rank() == 0:
         print(f"meshtron: resumed from {existing[-1].path} at step {sampler.step}", flush=True)
     return sampler.step
 
 
-def parallelize(model: Transformer, rt: Runtime) -> Transformer:
-    """Apply the parallelisms in a fixed order; today only replication over dp_replicate."""
-    data_parallel.broadcast_parameters(model, rt.comm, rt.mesh.group("dp"))
-    return model
+def parallelize(model: Transformer, rt: Runtime, cfg: Config) -> DataParallelEngine:
+    """Apply the parallelisms in a fixed, visible order (today: data parallel) and return the engine
+    the loop drives. dp_shard > 1 shards with ZeRO-`zero` (hybrid with dp_replicate > 1); otherwise the
+    replicas are DDP (a group of size 1 costs nothing)."""
+    p, t = cfg.parallel, cfg.training
+    comm, mesh = rt.comm, rt.mesh
+    shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
+    reduce_dtype = DTYPES[p.reduce_dtype]
+    bucket_bytes = int(p.bucket_mb * 2**20)
+    if shard.size == 1:
+        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype)
+    if p.zero in (1, 2):
+        return ZeroShardedOptimizer(
+            model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh("dp_shard")
+        )
+    blocks = list(model.layers.values())
+    param_dtype = DTYPES[t.dtype]
+    if p.fsdp_impl == "torch":
+        device_mesh = mesh.world["dp_replicate", "dp_shard"] if replicate.size > 1 else mesh.mesh("dp_shard")
+        return TorchFSDP(
+            model, blocks, device_mesh, shard, param_dtype, reduce_dtype, p.reshard_after_forward
+        )
+    return FullyShardedDataParallel(
+        model,
+        blocks,
+        comm,
+        shard,
+        replicate,
+        param_dtype,
+        reduce_dtype,
+        p.reshard_after_forward,
+        mesh.mesh("dp_shard"),
+    )
 
 
 def micro_batch_loss(
@@ -157,100 +182,130 @@ def micro_batch_loss(
     return ce + aux_loss.float() * (targets.numel() / global_tokens), ce
 
 
-def train(cfg: Config) -> list[dict[str, Any]]:
-    """Run cfg.training.steps optimizer steps; returns the metric rows (on rank 0; [] elsewhere)."""
-    rank, world_size, device = init_distributed(cfg)
-    check(cfg, world_size)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    ensure_implemented(dims)
-    comm = Comm(cfg.run.comm_timeout_s)
-    mesh = ParallelMesh(dims, device.type)
-    rt = Runtime(
-        rank, world_size, device, mesh, comm, comm.group("world", list(range(world_size)), dist.group.WORLD)
-    )
-    t = cfg.training
-    torch.manual_seed(t.seed)
+class Trainer:
+    """One training job on this rank: everything built up front, then `step()` per optimizer step."""
 
-    dataset = open_dataset(cfg, rt)
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
-            f"{cfg.model.vocab_size}; set --model.vocab_size={dataset.vocab_size} or larger"
+    def __init__(self, cfg: Config):
+        rank, world_size, device = init_distributed(cfg)
+        check(cfg, world_size)
+        self.dims = ParallelDims.from_config(cfg.parallel, world_size)
+        ensure_implemented(self.dims)
+        comm = Comm(cfg.run.comm_timeout_s)
+        world = comm.group("world", list(range(world_size)), dist.group.WORLD)
+        self.rt = Runtime(rank, world_size, device, ParallelMesh(self.dims, device.type), comm, world)
+        self.cfg, self.comm, self.device = cfg, comm, device
+        t = cfg.training
+        torch.manual_seed(t.seed)
+
+        self.dataset = open_dataset(cfg, self.rt)
+        if self.dataset.vocab_size > cfg.model.vocab_size:
+            raise DataError(
+                f"the dataset's vocabulary has {self.dataset.vocab_size} tokens but "
+                f"model.vocab_size={cfg.model.vocab_size}; set --model.vocab_size="
+                f"{self.dataset.vocab_size} or larger"
+            )
+        self.sampler = BatchSampler(self.dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+
+        self.model = build_model(cfg.model, seed=t.seed, device=device)
+        self.n_params = self.model.num_params()
+        self.engine = parallelize(self.model, self.rt, cfg)
+        self.optimizer = build_optimizer(
+            self.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
         )
-    sampler = BatchSampler(dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+        self.start_step = resume_if_asked(cfg, self.engine, self.optimizer, self.sampler)
 
-    model = parallelize(build_model(cfg.model, seed=t.seed, device=device), rt)
-    optimizer = build_optimizer(model, t)
+        self.dp = self.rt.mesh.group("dp")
+        self.global_tokens = t.global_batch * t.seq_len
+        self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
+        self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
-    run_dir = Path(cfg.run.dir)
-    start_step = resume_if_asked(cfg, run_dir, model, optimizer, sampler)
-    logger = MetricsLogger(run_dir, enabled=rank == 0, append=start_step > 0)
-    dp_group = mesh.group("dp")
-    dp_rank, dp_size = dp_group.rank, dp_group.size
-    global_tokens = t.global_batch * t.seq_len
-    compute_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
-    peak, peak_source = peak_flops(device, compute_dtype)
-    model_flops = flops_per_token(cfg.model, t.seq_len)
-    if rank == 0:
-        print(
-            f"meshtron: {model.num_params():,} parameters, world {world_size} ({device.type}), "
-            f"{dims.summary()}; MFU relative to {peak_source}",
-            flush=True,
+    def compute_gradients(self) -> torch.Tensor:
+        """Forward and backward over this step's micro-batches, gradients synchronised; returns this
+        rank's share of the mean cross-entropy."""
+        t = self.cfg.training
+        loss_sum = torch.zeros((), device=self.device)
+        micro_batches = self.sampler.next_micro_batches(
+            self.dataset, self.dp.rank, self.dp.size, t.micro_batch
         )
-
-    for step in range(start_step, t.steps):
-        start = time.perf_counter()
-        lr = lr_at(step, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for inputs, targets in sampler.next_micro_batches(dataset, dp_rank, dp_size, t.micro_batch):
-            loss, ce = micro_batch_loss(model, inputs.to(device), targets.to(device), global_tokens, t.dtype)
+        for index, (inputs, targets) in enumerate(micro_batches):
+            self.engine.prepare_micro_batch(is_last=index == len(micro_batches) - 1)
+            loss, ce = micro_batch_loss(
+                self.model, inputs.to(self.device), targets.to(self.device), self.global_tokens, t.dtype
+            )
             loss.backward()
             loss_sum += ce.detach()
-        data_parallel.all_reduce_gradients(model, comm, dp_group)
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        comm.all_reduce_(loss_sum, dp_group)
+        self.engine.finish_gradients()
+        return loss_sum
 
-        step_comm_bytes = comm.stats.total_bytes()
-        comm.stats.reset()
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step (0-based `step`); returns its metrics row."""
+        t = self.cfg.training
+        start = time.perf_counter()
+        lr = lr_at(step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = self.compute_gradients()
+        grad_norm = clip_grad_norm_(self.engine, t.grad_clip, self.comm)
+        self.optimizer.step()
+        self.engine.after_step()
+        self.engine.zero_grad()
+        self.comm.all_reduce_(loss_sum, self.dp)
+
+        comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
+        self.comm.stats.reset()
         elapsed = time.perf_counter() - start
-        tokens_per_sec = global_tokens / elapsed
-        row = {
+        tokens_per_sec = self.global_tokens / elapsed
+        return {
             "step": step + 1,
             "loss": float(loss_sum),
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens_per_sec": tokens_per_sec,
-            "mfu": model_flops * tokens_per_sec / (peak * world_size),
-            "peak_mem_bytes": peak_memory_bytes(device),
-            "comm_bytes": step_comm_bytes,
+            "mfu": self.model_flops * tokens_per_sec / (self.peak * self.rt.world_size),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "comm_bytes": comm_bytes,
             "step_time_s": elapsed,
+            "comm_bytes_by_group": comm_by_group,
         }
-        logger.log(row)
-        if rank == 0 and (step % cfg.run.log_every == 0 or step == t.steps - 1):
-            print(MetricsLogger.console_line(row), flush=True)
-        every = cfg.checkpoint.every
-        if every and ((step + 1) % every == 0 or step == t.steps - 1):
-            save_checkpoint(
-                checkpoint_root(cfg),
-                step + 1,
-                model,
-                optimizer,
-                {"sampler": sampler.state_dict()},
-                comm,
-                rt.world,
-                cfg.checkpoint.keep,
-            )
 
-    if rank == 0 and cfg.run.plot and logger.rows:
-        plot_loss(
-            logger.rows,
-            run_dir / "loss.png",
-            f"{cfg.model.name or run_dir.name}: {model.num_params():,} parameters, {dims.summary()}",
+    def save(self, step: int) -> None:
+        save_checkpoint(
+            checkpoint_root(self.cfg),
+            step,
+            self.engine,
+            self.optimizer,
+            {"sampler": self.sampler.state_dict()},
+            self.comm,
+            self.rt.world,
+            self.cfg.checkpoint.keep,
         )
-    logger.close()
-    return logger.rows
+
+    def run(self) -> list[dict[str, Any]]:
+        """All steps from the start (or resume) step; returns the metric rows (on rank 0; [] elsewhere)."""
+        cfg, rank = self.cfg, self.rt.rank
+        run_dir = Path(cfg.run.dir)
+        logger = MetricsLogger(run_dir, enabled=rank == 0, append=self.start_step > 0)
+        if rank == 0:
+            print(
+                f"meshtron: {self.n_params:,} parameters, world {self.rt.world_size} ({self.device.type}), "
+                f"{self.dims.summary()}; MFU relative to {self.peak_source}",
+                flush=True,
+            )
+        last = cfg.training.steps - 1
+        for step in range(self.start_step, cfg.training.steps):
+            row = self.step(step)
+            logger.log(row)
+            if rank == 0 and (step % cfg.run.log_every == 0 or step == last):
+                print(MetricsLogger.console_line(row), flush=True)
+            if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
+                self.save(step + 1)
+        if rank == 0 and cfg.run.plot and logger.rows:
+            title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
+            plot_loss(logger.rows, run_dir / "loss.png", title)
+        logger.close()
+        return logger.rows
+
+
+def train(cfg: Config) -> list[dict[str, Any]]:
+    """Run cfg.training.steps optimizer steps; returns the metric rows (on rank 0; [] elsewhere)."""
+    return Trainer(cfg).run()

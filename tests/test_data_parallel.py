@@ -1,0 +1,191 @@
+"""Data parallelism (DDP, ZeRO-1/2/3, HSDP) against the single-device run: losses over 10 steps and
+step-1 gradients, plus memory held per rank, bytes communicated, and overlap with backward.
+
+Tolerances (fp32): loss relative difference <= 1e-5 at every step; per-parameter gradient relative L2
+error <= 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.config import load_config
+from meshtron.parallel.optim import model_state_bytes
+from meshtron.train.trainer import Trainer
+
+TINY = [
+    "--model.name=tiny",
+    "--data.tokenizer=byte",
+    "--training.seq_len=32",
+    "--training.global_batch=8",
+    "--training.lr=3e-3",
+    "--training.warmup_steps=2",
+    "--training.steps=10",
+    "--run.plot=false",
+]
+STEPS = 10
+
+
+def run_layout(overrides: list[str]) -> dict:
+    """On every rank: the step-1 gradients (whole) and 10 steps of losses and comm bytes."""
+    cfg = load_config(None, overrides)
+    probe = Trainer(cfg)
+    probe.compute_gradients()
+    grads = probe.engine.full_gradients(probe.comm)
+    trainer = Trainer(cfg)
+    rows = [trainer.step(step) for step in range(STEPS)]
+    return {
+        "grads": grads,
+        "rows": rows,
+        "state_bytes": model_state_bytes(trainer.engine, trainer.optimizer),
+        "n_params": trainer.n_params,
+    }
+
+
+_REFERENCE: dict[tuple[str, ...], dict] = {}
+
+
+def reference(workers, extra: list[str], micro_batch: int = 8) -> dict:
+    """The single-device run for a model/data config, computed once, in a one-rank worker (one thread,
+    like the parallel ranks, so matmuls sum in the same order).
+
+    Dense models give the same result for any micro-batch size, so the reference takes the whole batch
+    at once. An MoE layer's load-balancing loss is a statistic of each micro-batch's tokens, so MoE runs
+    are compared with a reference that groups the sequences the same way (the data-parallel ranks' slices
+    are consecutive runs of the global batch, as single-device micro-batches are)."""
+    key = (*extra, str(micro_batch))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = workers(1).run(
+            run_layout, [*TINY, *extra, f"--training.micro_batch={micro_batch}"]
+        )[0]
+    return _REFERENCE[key]
+
+
+def assert_parity(result: dict, ref: dict) -> None:
+    for step, (got, want) in enumerate(zip(result["rows"], ref["rows"], strict=True)):
+        rel = abs(got["loss"] - want["loss"]) / abs(want["loss"])
+        assert rel <= 1e-5, f"step {step + 1}: loss {got['loss']} vs {want['loss']} (rel {rel:.2e})"
+    assert result["grads"].keys() == ref["grads"].keys()
+    for name, want in ref["grads"].items():
+        got = result["grads"][name]
+        err = (got - want).norm() / want.norm().clamp_min(1e-30)
+        assert err <= 1e-5, f"{name}: relative L2 error {err:.2e}"
+
+
+LAYOUTS = {
+    # name: (world, parallel overrides)
+    "ddp2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"]),
+    "ddp4": (4, ["--parallel.dp_replicate=4", "--parallel.dp_shard=1"]),
+    "zero1_2": (2, ["--parallel.dp_shard=2", "--parallel.zero=1"]),
+    "zero1_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=1"]),
+    "zero2_2": (2, ["--parallel.dp_shard=2", "--parallel.zero=2"]),
+    "zero2_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=2"]),
+    "zero3_2": (2, ["--parallel.dp_shard=2", "--parallel.zero=3"]),
+    "zero3_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=3"]),
+    "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]),
+    "hybrid_zero2_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=2"]),
+}
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["one_micro_batch", "accumulation"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parity_with_single_device(workers, layout, accumulate):
+    world, parallel = LAYOUTS[layout]
+    per_rank = 8 // world
+    micro = 1 if accumulate else per_rank
+    results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={micro}"])
+    assert_parity(results[0], reference(workers, []))
+    for other in results[1:]:  # every rank holds the same whole gradients and saw the same losses
+        for name, grad in other["grads"].items():
+            assert torch.equal(grad, results[0]["grads"][name]), name
+
+
+def test_moe_under_fsdp(workers):
+    moe = ["--model.name=tiny-moe", "--model.z_loss_coef=0.001"]
+    results = workers(2).run(
+        run_layout, [*TINY, *moe, "--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]
+    )
+    assert_parity(results[0], reference(workers, moe, micro_batch=2))
+
+
+def test_torch_fully_shard_matches_too(workers):
+    results = workers(2).run(
+        run_layout,
+        [
+            *TINY,
+            "--parallel.dp_shard=2",
+            "--parallel.zero=3",
+            "--parallel.fsdp_impl=torch",
+            "--training.micro_batch=4",
+        ],
+    )
+    assert_parity(results[0], reference(workers, []))
+
+
+@pytest.mark.parametrize(
+    "layout, expected_bytes_per_param",
+    [
+        # fp32 Adam (REFERENCE.md): 4 bytes params + 4 grads + 8 optimizer state, sharded per ZeRO stage
+        ("ddp4", lambda n: (4, 4, 8)),
+        ("zero1_4", lambda n: (4, 4, 8 / n)),
+        ("zero2_4", lambda n: (4, 4 / n, 8 / n)),
+        ("zero3_4", lambda n: (4 / n, 4 / n, 8 / n)),
+        ("zero3_2", lambda n: (4 / n, 4 / n, 8 / n)),
+    ],
+)
+def test_memory_matches_zero_table(workers, layout, expected_bytes_per_param):
+    world, parallel = LAYOUTS[layout]
+    results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={8 // world}"])
+    for r in results:
+        n_params = r["n_params"]
+        expected = [b * n_params for b in expected_bytes_per_param(world)]
+        held = r["state_bytes"]
+        measured = [held["params"], held["grads"], held["optimizer"]]
+        print(f"{layout}: measured {measured} vs ZeRO table {expected}")
+        for kind, got, want in zip(("params", "grads", "optimizer"), measured, expected, strict=True):
+            assert abs(got - want) <= 0.05 * want, f"{kind}: {got} vs {want}"
+
+
+@pytest.mark.parametrize(
+    "layout, volume",
+    [("ddp2", 2), ("ddp4", 2), ("zero1_4", 2), ("zero2_4", 2), ("zero3_2", 3), ("zero3_4", 3)],
+)
+def test_comm_bytes_match_theory(workers, layout, volume):
+    world, parallel = LAYOUTS[layout]
+    results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={8 // world}"])
+    r = results[0]
+    expected = volume * 4 * r["n_params"] * (world - 1) / world
+    for row in r["rows"][1:]:  # step 1 also carries DDP's initial broadcast of the weights
+        assert abs(row["comm_bytes"] - expected) <= 0.02 * expected, (row["comm_bytes"], expected)
+
+
+def test_hsdp_comm_per_group(workers):
+    world, parallel = LAYOUTS["hsdp2x2"]
+    r = workers(world).run(run_layout, [*TINY, *parallel, "--training.micro_batch=2"])[0]
+    psi = 4 * r["n_params"]
+    for row in r["rows"]:
+        by_group = row["comm_bytes_by_group"]
+        assert by_group["dp_shard"] == pytest.approx(3 * psi / 2, rel=0.02)  # AG + AG + RS over 2 shards
+        assert by_group["dp_replicate"] == pytest.approx(2 * (psi / 2) / 2, rel=0.02)  # AR of a half over 2
+
+
+def overlap_probe(overrides: list[str]) -> list[int]:
+    trainer = Trainer(load_config(None, overrides))
+    trainer.compute_gradients()
+    return trainer.engine.launch_log
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=2"]],
+    ids=["ddp", "zero2"],
+)
+def test_first_bucket_launches_before_backward_ends(workers, parallel):
+    logs = workers(2).run(
+        overlap_probe, [*TINY, *parallel, "--parallel.bucket_mb=0.05", "--training.micro_batch=4"]
+    )
+    for log in logs:
+        assert len(log) > 3  # several buckets
+        # When the first bucket's collective started, gradients of other parameters were still to come.
+        assert log[0] > 0
+        assert log[-1] == 0
