@@ -121,8 +121,13 @@ def test_train_on_one_process(tmp_path):
     assert (tmp_path / "loss.png").exists()
 
 
-@pytest.mark.parametrize("nproc", [2])
-def test_train_nproc_replicas_agree_with_one_process(tmp_path, nproc):
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=3"]],
+    ids=["ddp", "zero3"],
+)
+def test_train_nproc_agrees_with_one_process(tmp_path, layout):
+    nproc = 2
     common = [
         "--config",
         "configs/demo.toml",

@@ -6,6 +6,8 @@ error <= 1e-5."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -189,3 +191,81 @@ def test_first_bucket_launches_before_backward_ends(workers, parallel):
         # When the first bucket's collective started, gradients of other parameters were still to come.
         assert log[0] > 0
         assert log[-1] == 0
+
+
+def train_rows(overrides: list[str]) -> list[dict]:
+    return Trainer(load_config(None, overrides)).run()
+
+
+def test_checkpoint_written_by_zero3_resumes_on_other_layouts(workers, tmp_path):
+    """Save under ZeRO-3 on 2 ranks; resume under ZeRO-1 on 4 ranks and on a single device: each continues
+    exactly as the uninterrupted run does (the checkpoint holds row shards of logical tensors)."""
+    base = [*TINY, "--training.steps=6", "--checkpoint.every=3", "--checkpoint.keep=1"]
+    straight = workers(2).run(
+        train_rows,
+        [*base, "--parallel.dp_shard=2", "--training.micro_batch=4", f"--run.dir={tmp_path / 'straight'}"],
+    )[0]
+    first = f"--run.dir={tmp_path / 'first'}"
+    workers(2).run(
+        train_rows, [*base, "--parallel.dp_shard=2", "--training.micro_batch=4", "--training.steps=3", first]
+    )
+    for name, world, layout in [
+        ("zero1x4", 4, ["--parallel.dp_shard=4", "--parallel.zero=1"]),
+        ("single", 1, ["--parallel.dp_shard=1"]),
+    ]:
+        resumed_dir = tmp_path / name
+        resumed_dir.mkdir()
+        shutil.copytree(tmp_path / "first" / "checkpoints", resumed_dir / "checkpoints")
+        rows = workers(world).run(
+            train_rows,
+            [
+                *base,
+                *layout,
+                f"--training.micro_batch={8 // world}",
+                "--checkpoint.resume=true",
+                f"--run.dir={resumed_dir}",
+            ],
+        )[0]
+        assert [r["step"] for r in rows] == [4, 5, 6]
+        for got, want in zip(rows, straight[3:], strict=True):
+            assert abs(got["loss"] - want["loss"]) / want["loss"] <= 1e-5, (name, got["loss"], want["loss"])
+
+
+def test_fsdp_bf16_mixed_precision_tracks_fp32(workers):
+    fp32 = workers(2).run(
+        train_rows, [*TINY, "--parallel.dp_shard=2", "--training.micro_batch=4", "--training.steps=5"]
+    )[0]
+    bf16 = workers(2).run(
+        train_rows,
+        [
+            *TINY,
+            "--parallel.dp_shard=2",
+            "--training.micro_batch=4",
+            "--training.steps=5",
+            "--training.dtype=bf16",
+        ],
+    )[0]
+    for a, b in zip(bf16, fp32, strict=True):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 0.02
+    # Gathered in bf16 (half the bytes of fp32), reduce-scattered in fp32.
+    psi = 158016
+    assert bf16[1]["comm_bytes"] == pytest.approx((2 * 2 * psi + 4 * psi) / 2, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=2"]],
+    ids=["ddp", "zero2"],
+)
+def test_bf16_gradient_reduction_halves_the_bytes(workers, parallel):
+    common = [*TINY, *parallel, "--training.micro_batch=4", "--training.steps=4"]
+    fp32 = workers(2).run(train_rows, common)[0]
+    bf16 = workers(2).run(train_rows, [*common, "--parallel.reduce_dtype=bf16"])[0]
+    for a, b in zip(bf16, fp32, strict=True):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 0.01
+    grads = bf16[-1]["comm_bytes_by_group"]
+    reduce_group = "dp" if "dp_replicate=2" in parallel[0] else "dp_shard"
+    full = fp32[-1]["comm_bytes_by_group"][reduce_group]
+    # DDP: the whole all-reduce halves; ZeRO-2: only the reduce-scatter half (the all-gather stays fp32).
+    expected = full / 2 if reduce_group == "dp" else full * 3 / 4
+    assert grads[reduce_group] == pytest.approx(expected, rel=0.02)

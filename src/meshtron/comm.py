@@ -31,6 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Recent torch releases name the single-tensor collectives *_single and deprecate the older names.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time: names who was waiting, on what, in which group."""
@@ -152,7 +156,7 @@ class Comm:
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
-        work = dist.all_gather_into_tensor(out, moved, group=group.process_group, async_op=True)
+        work = _all_gather_single(out, moved, group=group.process_group, async_op=True)
         self.wait(work, "all_gather", group)
         return out.movedim(0, dim)
 
@@ -168,7 +172,7 @@ class Comm:
         self.stats.record(group.name, "reduce_scatter", _nbytes(x) * (group.size - 1) / group.size)
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        work = dist.reduce_scatter_tensor(out, moved, group=group.process_group, async_op=True)
+        work = _reduce_scatter_single(out, moved, group=group.process_group, async_op=True)
         self.wait(work, "reduce_scatter", group)
         return out.movedim(0, dim)
 
@@ -262,7 +266,7 @@ class Comm:
             out.copy_(inp.view_as(out))
             return Pending(self, None, "reduce_scatter", group)
         self.stats.record(group.name, "reduce_scatter", _nbytes(inp) * (group.size - 1) / group.size)
-        work = dist.reduce_scatter_tensor(out, inp, group=group.process_group, async_op=True)
+        work = _reduce_scatter_single(out, inp, group=group.process_group, async_op=True)
         return Pending(self, work, "reduce_scatter", group)
 
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
@@ -271,7 +275,7 @@ class Comm:
             out.view_as(inp).copy_(inp)
             return Pending(self, None, "all_gather", group)
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
-        work = dist.all_gather_into_tensor(out, inp, group=group.process_group, async_op=True)
+        work = _all_gather_single(out, inp, group=group.process_group, async_op=True)
         return Pending(self, work, "all_gather", group)
 
     # -- differentiable wrappers --
