@@ -127,12 +127,49 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
     return buckets
 
 
+class BucketedEngine(DataParallelEngine):
+    """Counts each bucket's ready gradients from post-accumulate-grad hooks and launches the bucket's
+    collective (`_launch`) the moment its last gradient lands, while backward goes on."""
+
+    params: list[nn.Parameter]
+    buckets: list[Any]
+
+    def _watch_buckets(self) -> None:
+        self.sync = True
+        # Parameters whose gradients were still outstanding when each bucket's collective started:
+        # a positive first entry is the evidence that communication overlapped backward.
+        self.launch_log: list[int] = []
+        self._ready_total = 0
+        for index, bucket in enumerate(self.buckets):
+            bucket.ready = 0
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+
+    def _start_micro_batch(self, sync: bool) -> None:
+        self.sync = sync
+        self._ready_total = 0
+        for bucket in self.buckets:
+            bucket.ready = 0
+
+    def _on_grad_ready(self, index: int) -> None:
+        if not self.sync:
+            return
+        self._ready_total += 1
+        bucket = self.buckets[index]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self.launch_log.append(len(self.params) - self._ready_total)
+            self._launch(bucket)
+
+    def _launch(self, bucket: Any) -> None:
+        raise NotImplementedError
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         dtype = params[0].dtype
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        self.ready = 0
         self.pending: Pending | None = None
         self.send: torch.Tensor | None = None  # narrowed copy when reducing in a smaller dtype
         offset = 0
@@ -141,7 +178,7 @@ class _Bucket:
             offset += p.numel()
 
 
-class DistributedDataParallel(DataParallelEngine):
+class DistributedDataParallel(BucketedEngine):
     def __init__(
         self,
         model: nn.Module,
@@ -154,14 +191,7 @@ class DistributedDataParallel(DataParallelEngine):
         self.reduce_dtype = reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = [_Bucket(b) for b in make_buckets(self.params, bucket_bytes)]
-        self.sync = True
-        # Parameters whose gradients were still outstanding when each bucket's all-reduce started:
-        # a positive first entry is the evidence that communication overlapped backward.
-        self.launch_log: list[int] = []
-        self._ready_total = 0
-        for index, bucket in enumerate(self.buckets):
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+        self._watch_buckets()
         with torch.no_grad():
             for p in self.params:  # replicas start identical by construction; make it a fact
                 comm.broadcast_(p.data, group, src=0)
@@ -175,22 +205,9 @@ class DistributedDataParallel(DataParallelEngine):
         ]
 
     def prepare_micro_batch(self, is_last: bool) -> None:
-        self.sync = is_last
-        self._ready_total = 0
-        for bucket in self.buckets:
-            bucket.ready = 0
-
-    def _on_grad_ready(self, index: int) -> None:
-        if not self.sync:
-            return
-        self._ready_total += 1
-        bucket = self.buckets[index]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
+        self._start_micro_batch(sync=is_last)
 
     def _launch(self, bucket: _Bucket) -> None:
-        self.launch_log.append(len(self.params) - self._ready_total)
         buffer = bucket.flat
         if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
             bucket.send = buffer = buffer.to(self.reduce_dtype)

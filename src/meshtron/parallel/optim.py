@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.parallel.data import DataParallelEngine, OwnedRows, make_buckets
+from meshtron.parallel.data import BucketedEngine, DataParallelEngine, OwnedRows, make_buckets
 from meshtron.parallel.shard import FlatLayout
 
 
@@ -45,7 +45,6 @@ class _ShardedBucket:
             views = self.layout.local_views(self.grad_segment, valid_only=True)
             for owned, view in zip(self.owned, views, strict=True):
                 owned.grad = view
-        self.ready = 0
         self.pending: Pending | None = None
         self.received: torch.Tensor | None = None
 
@@ -60,7 +59,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class ZeroShardedOptimizer(DataParallelEngine):
+class ZeroShardedOptimizer(BucketedEngine):
     def __init__(
         self,
         model: nn.Module,
@@ -81,12 +80,7 @@ class ZeroShardedOptimizer(DataParallelEngine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_dtype = self.params[0].dtype
         self.buckets = [_ShardedBucket(b, shard, stage) for b in make_buckets(self.params, bucket_bytes)]
-        self.sync = True
-        self.launch_log: list[int] = []
-        self._ready_total = 0
-        for index, bucket in enumerate(self.buckets):
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+        self._watch_buckets()
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return [owned for bucket in self.buckets for owned in bucket.owned]
@@ -104,22 +98,9 @@ class ZeroShardedOptimizer(DataParallelEngine):
 
     def prepare_micro_batch(self, is_last: bool) -> None:
         self._collect()  # stage 2: fold the previous micro-batch's reduced rows into the accumulator
-        self.sync = is_last or self.stage == 2
-        self._ready_total = 0
-        for bucket in self.buckets:
-            bucket.ready = 0
-
-    def _on_grad_ready(self, index: int) -> None:
-        if not self.sync:
-            return
-        self._ready_total += 1
-        bucket = self.buckets[index]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
+        self._start_micro_batch(sync=is_last or self.stage == 2)
 
     def _launch(self, bucket: _ShardedBucket) -> None:
-        self.launch_log.append(len(self.params) - self._ready_total)
         dtype = self.reduce_dtype or self.grad_dtype
         device = bucket.params[0].device
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
