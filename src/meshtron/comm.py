@@ -7,6 +7,8 @@ deadline so a hang turns into an error that names the rank, the collective and t
 Bytes are counted as the per-rank volume of a ring algorithm (REFERENCE.md): all-reduce of S bytes
 over n ranks 2*S*(n-1)/n; all-gather and reduce-scatter S*(n-1)/n with S the full (unsharded) size;
 all-to-all S*(n-1)/n; broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing.
+This is the volume of the collective asked for: gloo has no reduce-scatter of its own and runs one as
+an all-reduce, so on gloo a reduce-scatter really moves twice its counted bytes.
 
 Autograd rules (SPMD: the loss is the sum of every rank's loss):
   all_reduce      forward sum over ranks       backward all_reduce
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,13 +95,17 @@ def _nbytes(t: torch.Tensor) -> int:
 class Pending:
     """An in-flight collective; `wait()` blocks (with the comm deadline) until its buffers are valid."""
 
-    def __init__(self, comm: Comm, work: Any, op: str, group: CommGroup):
-        self.comm, self.work, self.op, self.group = comm, work, op, group
+    def __init__(
+        self, comm: Comm, work: Any, op: str, group: CommGroup, on_done: Callable[[], None] | None = None
+    ):
+        self.comm, self.work, self.op, self.group, self.on_done = comm, work, op, group, on_done
 
     def wait(self) -> None:
         if self.work is not None:
             work, self.work = self.work, None
             self.comm.wait(work, self.op, self.group)
+            if self.on_done is not None:
+                self.on_done()
 
     @property
     def done(self) -> bool:
@@ -261,11 +268,18 @@ class Comm:
         return Pending(self, work, "all_reduce", group)
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
-        """out (numel n) = this rank's n-element chunk of the sum over ranks of inp (numel n * size)."""
+        """out (numel n) = this rank's n-element chunk of the sum over ranks of inp (numel n * size).
+        `inp` is scratch: its contents are undefined afterwards."""
         if group.size == 1:
             out.copy_(inp.view_as(out))
             return Pending(self, None, "reduce_scatter", group)
         self.stats.record(group.name, "reduce_scatter", _nbytes(inp) * (group.size - 1) / group.size)
+        if dist.get_backend(group.process_group) == "gloo":
+            # Gloo's reduce-scatter clones its whole input and all-reduces the clone; all-reducing our
+            # scratch buffer in place moves the same bytes without the clone.
+            work = dist.all_reduce(inp, group=group.process_group, async_op=True)
+            own_chunk = inp.view(group.size, -1)[group.rank].view_as(out)
+            return Pending(self, work, "reduce_scatter", group, on_done=lambda: out.copy_(own_chunk))
         work = _reduce_scatter_single(out, inp, group=group.process_group, async_op=True)
         return Pending(self, work, "reduce_scatter", group)
 

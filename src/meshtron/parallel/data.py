@@ -98,9 +98,9 @@ class DataParallelEngine:
     norm_group: CommGroup | None = None
 
     def scale_grads_(self, coef: torch.Tensor) -> None:
-        for p in self.optimizer_params():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """Gradient storage the engine keeps besides the parameters' `.grad` (for memory accounting)."""
