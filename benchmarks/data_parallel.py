@@ -799,11 +799,10 @@ def findings_text(summaries: dict[str, Summary], floor: dict[str, float], bucket
         lines.append(
             f"- **DDP** (ratio {ddp.median / tddp.median:.3f}, {paired_verdict(ddp, tddp)[3]}): "
             f"{delta_text(ddp, tddp)}. The same all-reduce volume from persistent buckets on both sides. "
-            f"Clipping ({d['clip']:+.1f} ms): meshtron's `clip_grad_norm_` sums squares parameter by "
-            "parameter (`DataParallelEngine.grad_norm_sq_partial`: `p.grad.float().pow(2).sum()`, a "
-            "gradient-sized temporary and two kernels per parameter) and scales parameter by parameter "
-            "(`scale_grads_`), where `torch.nn.utils.clip_grad_norm_` runs `torch._foreach_norm` and "
-            f"`torch._foreach_mul_`. {bucket_text}"
+            f"Clipping ({d['clip']:+.1f} ms): both sides run the same kernels (`torch._foreach_norm`, "
+            "`torch._foreach_mul_`), which take the same time single-threaded in one process for this model "
+            "(about 0.85 ms each, measured separately); the gap under four oversubscribed ranks is not "
+            f"explained. {bucket_text}"
         )
     zeros = [z for z in (get("meshtron ZeRO-1"), get("meshtron ZeRO-2")) if z]
     if zeros and tddp:
@@ -813,11 +812,12 @@ def findings_text(summaries: dict[str, Summary], floor: dict[str, float], bucket
         lines.append(
             f"- **ZeRO-1/2 vs torch DDP** (ratios {ratios}; context, not a like-for-like pair): {deltas}. "
             "Mostly the algorithm on this backend: in theory a reduce-scatter plus an all-gather moves the "
-            "same bytes as one all-reduce, but gloo's reduce-scatter is itself an all-reduce plus a clone and "
-            f"a copy, so the pair takes {rs + ag:.1f} ms against {ar:.1f} ms; the sharded AdamW step pays "
-            "part of it back. On gloo, meshtron's `Comm.reduce_scatter_async` could all-reduce its send "
-            "buffer (already a private packed copy) in place and keep its own chunk, skipping gloo's clone. "
-            "Then the engine: `after_step` all-gathers the updated "
+            "same bytes as one all-reduce, but gloo has no reduce-scatter of its own (its "
+            f"`reduce_scatter_tensor` is an all-reduce of a clone, {rs:.1f} ms bare). meshtron's "
+            "`Comm.reduce_scatter_async` therefore all-reduces its private packed send buffer in place and "
+            f"keeps its own chunk, so the ZeRO pair costs about an all-reduce plus an all-gather "
+            f"({ar + ag:.1f} ms bare) where DDP pays one all-reduce ({ar:.1f} ms); the sharded AdamW step "
+            "pays part of it back. Then the engine: `after_step` all-gathers the updated "
             "rows and waits for them before the step ends (nothing overlaps it; waiting per bucket in a "
             "forward pre-hook of the next step would hide it behind forward), and every step allocates "
             "its full-size communication buffers afresh (`send` in `_launch`, `segment` and `gathered` in "
@@ -833,8 +833,8 @@ def findings_text(summaries: dict[str, Summary], floor: dict[str, float], bucket
             f"- **ZeRO-2 memory**: its peak step allocations ({mib(z2.alloc_peak)} MiB) exceed DDP's "
             f"({mib(ddp.alloc_peak)} MiB) although its steady state is smaller: with one {bucket_mb:g} MiB "
             "bucket the full gradients all live until the bucket launches, and `_launch` then packs them "
-            "into a new full-size send buffer, which gloo's reduce-scatter clones once more, before freeing "
-            "them. Smaller buckets bound this transient to a few buckets."
+            "into a new full-size send buffer (all-reduced in place) before freeing them. Smaller buckets "
+            "bound this transient to a few buckets."
         )
     z3, fsdp2 = get("meshtron ZeRO-3"), get("torch FSDP2")
     if z3 and fsdp2:
