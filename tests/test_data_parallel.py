@@ -10,69 +10,10 @@ import shutil
 
 import pytest
 import torch
+from parity import TINY, assert_parity, reference, run_layout, train_rows
 
 from meshtron.config import load_config
-from meshtron.parallel.optim import model_state_bytes
 from meshtron.train.trainer import Trainer
-
-TINY = [
-    "--model.name=tiny",
-    "--data.tokenizer=byte",
-    "--training.seq_len=32",
-    "--training.global_batch=8",
-    "--training.lr=3e-3",
-    "--training.warmup_steps=2",
-    "--training.steps=10",
-    "--run.plot=false",
-]
-STEPS = 10
-
-
-def run_layout(overrides: list[str]) -> dict:
-    """On every rank: the step-1 gradients (whole) and 10 steps of losses and comm bytes."""
-    cfg = load_config(None, overrides)
-    probe = Trainer(cfg)
-    probe.compute_gradients()
-    grads = probe.engine.full_gradients(probe.comm)
-    trainer = Trainer(cfg)
-    rows = [trainer.step(step) for step in range(STEPS)]
-    return {
-        "grads": grads,
-        "rows": rows,
-        "state_bytes": model_state_bytes(trainer.engine, trainer.optimizer),
-        "n_params": trainer.n_params,
-    }
-
-
-_REFERENCE: dict[tuple[str, ...], dict] = {}
-
-
-def reference(workers, extra: list[str], micro_batch: int = 8) -> dict:
-    """The single-device run for a model/data config, computed once, in a one-rank worker (one thread,
-    like the parallel ranks, so matmuls sum in the same order).
-
-    Dense models give the same result for any micro-batch size, so the reference takes the whole batch
-    at once. An MoE layer's load-balancing loss is a statistic of each micro-batch's tokens, so MoE runs
-    are compared with a reference that groups the sequences the same way (the data-parallel ranks' slices
-    are consecutive runs of the global batch, as single-device micro-batches are)."""
-    key = (*extra, str(micro_batch))
-    if key not in _REFERENCE:
-        _REFERENCE[key] = workers(1).run(
-            run_layout, [*TINY, *extra, f"--training.micro_batch={micro_batch}"]
-        )[0]
-    return _REFERENCE[key]
-
-
-def assert_parity(result: dict, ref: dict) -> None:
-    for step, (got, want) in enumerate(zip(result["rows"], ref["rows"], strict=True)):
-        rel = abs(got["loss"] - want["loss"]) / abs(want["loss"])
-        assert rel <= 1e-5, f"step {step + 1}: loss {got['loss']} vs {want['loss']} (rel {rel:.2e})"
-    assert result["grads"].keys() == ref["grads"].keys()
-    for name, want in ref["grads"].items():
-        got = result["grads"][name]
-        err = (got - want).norm() / want.norm().clamp_min(1e-30)
-        assert err <= 1e-5, f"{name}: relative L2 error {err:.2e}"
-
 
 LAYOUTS = {
     # name: (world, parallel overrides)
@@ -191,10 +132,6 @@ def test_first_bucket_launches_before_backward_ends(workers, parallel):
         # When the first bucket's collective started, gradients of other parameters were still to come.
         assert log[0] > 0
         assert log[-1] == 0
-
-
-def train_rows(overrides: list[str]) -> list[dict]:
-    return Trainer(load_config(None, overrides)).run()
 
 
 def test_checkpoint_written_by_zero3_resumes_on_other_layouts(workers, tmp_path):

@@ -109,11 +109,13 @@ def test_replicated_data_parallel_matches_single_device(workers, tmp_path, world
 
 
 def test_unimplemented_layouts_are_refused():
-    with pytest.raises(ConfigError, match="tensor parallel is not implemented yet"):
-        from meshtron.mesh import ParallelDims
-        from meshtron.train.trainer import ensure_implemented
+    from meshtron.mesh import ParallelDims
+    from meshtron.train.trainer import ensure_implemented
 
-        ensure_implemented(ParallelDims(tp=2))
+    with pytest.raises(ConfigError, match="pipeline parallel is not implemented yet"):
+        ensure_implemented(load_config(None, []), ParallelDims(pp=2))
+    with pytest.raises(ConfigError, match="checkpoints are not implemented yet with parallel.tp > 1"):
+        ensure_implemented(load_config(None, ["--checkpoint.every=5"]), ParallelDims(tp=2))
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -53,7 +53,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     from meshtron.mesh import ParallelDims
     from meshtron.train.trainer import ensure_implemented
 
-    ensure_implemented(ParallelDims.from_config(cfg.parallel, world_size))
+    ensure_implemented(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     if args.nproc and args.nproc > 1 and not _under_launcher():
         return _launch(args.nproc, argv)
     from meshtron.train.trainer import train

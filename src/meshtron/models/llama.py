@@ -72,10 +72,19 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHSDh, k_BKSDh, v_BKSDh = (t.transpose(1, 2) for t in (q, k, v))
-        q_BHSDh, k_BKSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin)
-        out_BHSDh = self.attend(q_BHSDh, k_BKSDh, v_BKSDh)
+        out_BHSDh = self.core(*(t.transpose(1, 2) for t in (q, k, v)), cos, sin)
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, -1))
+
+    def core(
+        self,
+        q_BHSDh: torch.Tensor,
+        k_BKSDh: torch.Tensor,
+        v_BKSDh: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary embedding and attention: the part selective recompute recomputes in backward."""
+        return self.attend(apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin), v_BKSDh)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         S = q.shape[2]

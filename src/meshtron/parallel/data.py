@@ -87,12 +87,22 @@ class DataParallelEngine:
         """Wait for every reduction; afterwards the optimizer params' `.grad` hold the global gradient."""
         raise NotImplementedError
 
-    def grad_norm_sq_partial(self) -> torch.Tensor:
-        """Sum of squares of the gradient elements this rank owns (each element owned by one rank of
-        `norm_group`); summed over that group it is the squared global norm."""
-        return sum(
-            (p.grad.float().pow(2).sum() for p in self.optimizer_params() if p.grad is not None),
-            torch.zeros(()),
+    def grad_norm_sq_parts(self, whole_on_every_tp_rank: frozenset[str] = frozenset()) -> torch.Tensor:
+        """[split, whole]: sums of squares of the gradient elements this rank owns (each owned by one rank
+        of `norm_group`), for parameters split over tensor parallel ranks and for those every tp rank
+        holds whole (and so must be counted once, not tp times)."""
+        parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for entry in self.owned_rows():
+            grad = entry.param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad[: entry.rows]
+            parts[entry.name in whole_on_every_tp_rank].append(local)
+        return torch.stack(
+            [
+                torch.stack(torch._foreach_norm(g)).float().pow(2).sum() if g else torch.zeros(())
+                for g in parts
+            ]
         )
 
     norm_group: CommGroup | None = None

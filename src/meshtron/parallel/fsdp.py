@@ -241,9 +241,6 @@ class TorchFSDP(DataParallelEngine):
     def local_grads(self) -> list[torch.Tensor]:
         return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
 
-    def grad_norm_sq_partial(self) -> torch.Tensor:
-        return sum((g.float().pow(2).sum() for g in self.local_grads()), torch.zeros(()))
-
     def scale_grads_(self, coef: torch.Tensor) -> None:
         for g in self.local_grads():
             g.mul_(coef.to(g.dtype))

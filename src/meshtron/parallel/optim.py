@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.data import BucketedEngine, DataParallelEngine, OwnedRows, make_buckets
 from meshtron.parallel.shard import FlatLayout
+from meshtron.parallel.tensor import TensorParallelPlan
 
 
 class _ShardedBucket:
@@ -189,13 +190,20 @@ def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimiz
     }
 
 
-def clip_grad_norm_(engine: DataParallelEngine, max_norm: float, comm: Comm) -> torch.Tensor:
-    """Global gradient norm with every element counted once however it is sharded; scales the
+def clip_grad_norm_(
+    engine: DataParallelEngine, max_norm: float, comm: Comm, tp_plan: TensorParallelPlan | None = None
+) -> torch.Tensor:
+    """Global gradient norm with every element counted once however it is sharded or split; scales the
     gradients in place when it exceeds max_norm (max_norm <= 0: no clipping). Returns the norm."""
-    norm_sq = engine.grad_norm_sq_partial()
+    whole = frozenset()
+    if tp_plan is not None:
+        whole = frozenset(e.name for e in engine.owned_rows() if e.name not in tp_plan.split_dims)
+    parts = engine.grad_norm_sq_parts(whole)
     if engine.norm_group is not None:
-        comm.all_reduce_(norm_sq, engine.norm_group)
-    norm = norm_sq.sqrt()
+        comm.all_reduce_(parts, engine.norm_group)
+    if tp_plan is not None:
+        comm.all_reduce_(parts[:1], tp_plan.tp)
+    norm = parts.sum().sqrt()
     if max_norm > 0:
         engine.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm

@@ -8,7 +8,9 @@ import math
 import os
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_
+from meshtron.parallel.recompute import apply_recompute
+from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
@@ -63,20 +67,19 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
 DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
 
 
-def ensure_implemented(dims: ParallelDims) -> None:
+def ensure_implemented(cfg: Config, dims: ParallelDims) -> None:
     """Layouts the config accepts but this version cannot run yet are refused before any work starts."""
-    missing = {
-        "tp": "tensor parallel",
-        "cp": "context parallel",
-        "pp": "pipeline parallel",
-        "ep": "expert parallel",
-    }
+    missing = {"cp": "context parallel", "pp": "pipeline parallel", "ep": "expert parallel"}
     problems = [
         f"parallel.{dim}={dims.size(dim)}: {what} is not implemented yet; use parallel.{dim}=1"
-        + (" and parallel.dp_replicate for data parallelism" if dim == "dp_shard" else "")
         for dim, what in missing.items()
         if dims.size(dim) > 1
     ]
+    if dims.tp > 1 and (cfg.checkpoint.every or cfg.checkpoint.resume):
+        problems.append(
+            "checkpoints are not implemented yet with parallel.tp > 1; set checkpoint.every=0 "
+            "and checkpoint.resume=false, or parallel.tp=1"
+        )
     if problems:
         raise ConfigError(problems)
 
@@ -129,29 +132,37 @@ def resume_if_asked(
     return sampler.step
 
 
-def parallelize(model: Transformer, rt: Runtime, cfg: Config) -> DataParallelEngine:
-    """Apply the parallelisms in a fixed, visible order (today: data parallel) and return the engine
-    the loop drives. dp_shard > 1 shards with ZeRO-`zero` (hybrid with dp_replicate > 1); otherwise the
-    replicas are DDP (a group of size 1 costs nothing)."""
+def parallelize(
+    model: Transformer, rt: Runtime, cfg: Config
+) -> tuple[DataParallelEngine, TensorParallelPlan | None]:
+    """Apply the parallelisms in a fixed, visible order: tensor (+ sequence) parallel, then activation
+    recompute, then data parallel, which returns the engine the loop drives. dp_shard > 1 shards with
+    ZeRO-`zero` (hybrid with dp_replicate > 1); otherwise the replicas are DDP (a group of size 1 costs
+    nothing)."""
     p, t = cfg.parallel, cfg.training
     comm, mesh = rt.comm, rt.mesh
+    tp = mesh.group("tp")
+    plan = apply_tensor_parallel(model, comm, tp, p.sp) if tp.size > 1 else None
+    apply_recompute(model, t.recompute)
+
     shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
     reduce_dtype = DTYPES[p.reduce_dtype]
     bucket_bytes = int(p.bucket_mb * 2**20)
     if shard.size == 1:
-        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype)
+        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype), plan
     if p.zero in (1, 2):
-        return ZeroShardedOptimizer(
+        engine = ZeroShardedOptimizer(
             model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh("dp_shard")
         )
+        return engine, plan
     blocks = list(model.layers.values())
     param_dtype = DTYPES[t.dtype]
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", "dp_shard"] if replicate.size > 1 else mesh.mesh("dp_shard")
         return TorchFSDP(
             model, blocks, device_mesh, shard, param_dtype, reduce_dtype, p.reshard_after_forward
-        )
-    return FullyShardedDataParallel(
+        ), plan
+    engine = FullyShardedDataParallel(
         model,
         blocks,
         comm,
@@ -162,10 +173,16 @@ def parallelize(model: Transformer, rt: Runtime, cfg: Config) -> DataParallelEng
         p.reshard_after_forward,
         mesh.mesh("dp_shard"),
     )
+    return engine, plan
 
 
 def micro_batch_loss(
-    model: Transformer, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int, dtype: str
+    model: Transformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    global_tokens: int,
+    dtype: str,
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate, its cross-entropy part), both already divided by the global token count so
     that summing over micro-batches and data-parallel ranks gives the mean over the global batch."""
@@ -176,10 +193,13 @@ def micro_batch_loss(
     )
     with autocast:
         logits, aux_loss = model(inputs, return_aux=True)
-    ce_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-    ce = ce_sum / global_tokens
+    ce = token_loss(logits, targets).sum() / global_tokens
     # The aux loss is a per-micro-batch mean; weight it by this micro-batch's share of the tokens.
     return ce + aux_loss.float() * (targets.numel() / global_tokens), ce
+
+
+def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
 
 
 class Trainer:
@@ -189,7 +209,7 @@ class Trainer:
         rank, world_size, device = init_distributed(cfg)
         check(cfg, world_size)
         self.dims = ParallelDims.from_config(cfg.parallel, world_size)
-        ensure_implemented(self.dims)
+        ensure_implemented(cfg, self.dims)
         comm = Comm(cfg.run.comm_timeout_s)
         world = comm.group("world", list(range(world_size)), dist.group.WORLD)
         self.rt = Runtime(rank, world_size, device, ParallelMesh(self.dims, device.type), comm, world)
@@ -208,7 +228,11 @@ class Trainer:
 
         self.model = build_model(cfg.model, seed=t.seed, device=device)
         self.n_params = self.model.num_params()
-        self.engine = parallelize(self.model, self.rt, cfg)
+        self.engine, self.tp_plan = parallelize(self.model, self.rt, cfg)
+        if self.tp_plan is None:
+            self.token_loss = cross_entropy_per_token
+        else:
+            self.token_loss = partial(vocab_parallel_cross_entropy, plan=self.tp_plan, comm=comm)
         self.optimizer = build_optimizer(
             self.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
         )
@@ -230,7 +254,12 @@ class Trainer:
         for index, (inputs, targets) in enumerate(micro_batches):
             self.engine.prepare_micro_batch(is_last=index == len(micro_batches) - 1)
             loss, ce = micro_batch_loss(
-                self.model, inputs.to(self.device), targets.to(self.device), self.global_tokens, t.dtype
+                self.model,
+                inputs.to(self.device),
+                targets.to(self.device),
+                self.global_tokens,
+                t.dtype,
+                self.token_loss,
             )
             loss.backward()
             loss_sum += ce.detach()
@@ -245,7 +274,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.compute_gradients()
-        grad_norm = clip_grad_norm_(self.engine, t.grad_clip, self.comm)
+        grad_norm = clip_grad_norm_(self.engine, t.grad_clip, self.comm, self.tp_plan)
         self.optimizer.step()
         self.engine.after_step()
         self.engine.zero_grad()

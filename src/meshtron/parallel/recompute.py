@@ -1,0 +1,36 @@
+"""Activation recompute: keep less for backward, recompute it there.
+
+  full       each transformer block keeps only its input; its whole forward is rerun in backward
+  selective  only the attention core (rotary embedding + attention) is rerun; everything else is kept
+
+The wrapped callables are the block's `forward` and the attention's `core`, replaced on the instance so
+that parameter names and module hooks (FSDP, tensor parallel) stay where they are: a block's own hooks
+run once, around the checkpointed forward, not again during recomputation. `torch.utils.checkpoint`
+restores the RNG state for the rerun, so the recomputed activations are the ones of the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.checkpoint import checkpoint
+
+from meshtron.models.llama import Transformer
+
+
+def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_recompute(model: Transformer, mode: str) -> None:
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"training.recompute={mode!r} is not one of none, selective, full")
+    for block in model.layers.values():
+        if mode == "full":
+            block.forward = _checkpointed(block.forward)
+        elif mode == "selective":
+            block.attention.core = _checkpointed(block.attention.core)
