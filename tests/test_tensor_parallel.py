@@ -54,3 +54,39 @@ def test_parity_with_single_device(workers, case):
     assert_parity(results[0], reference(workers, model))
     for other in results[1:]:
         assert [r["loss"] for r in other["rows"]] == [r["loss"] for r in results[0]["rows"]]
+
+
+def tp_comm_by_op(overrides: list[str]) -> dict:
+    """Bytes per (group, collective) of one forward + backward (no clipping), and the sizes they depend on."""
+    from meshtron.config import load_config
+    from meshtron.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    trainer.comm.stats.reset()
+    trainer.compute_gradients()
+    stats = trainer.comm.stats
+    return {op: stats.total_bytes(group="tp", op=op) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_and_sp_move_the_reference_volume(workers, tp):
+    """REFERENCE.md: per layer per micro-batch 2 all-reduces forward and 2 backward of b·s·h elements;
+    sequence parallel replaces each by an all-gather + reduce-scatter of the same total volume."""
+    base = [*TINY, f"--parallel.tp={tp}", "--training.micro_batch=8", "--model.n_kv_heads=4"]
+    plain = workers(tp).run(tp_comm_by_op, base)[0]
+    with_sp = workers(tp).run(tp_comm_by_op, [*base, "--parallel.sp=true"])[0]
+    b, s, h, layers, ring = 8, 32, 64, 2, (tp - 1) / tp
+    all_reduce = 2 * b * s * h * 4 * ring  # bytes per all-reduce of one activation
+    per_layer = 4 * all_reduce
+    # Around the layers: the embedding's reduction forward and the head's input all-reduce backward (one
+    # activation each), and the vocab-parallel loss's three all-reduces of one number per token.
+    extras = 2 * all_reduce + 3 * 2 * b * s * 4 * ring
+    expected = layers * per_layer + extras
+    print(f"tp={tp}: counted {plain} / with sp {with_sp}; expected {expected:.0f} B")
+    assert sum(plain.values()) == pytest.approx(expected, rel=0.02)
+    assert plain["all_gather"] == plain["reduce_scatter"] == 0
+    # With sp, only the loss's per-token numbers and the norm weights' gradient sums remain all-reduces.
+    norm_grads = (2 * layers + 1) * 2 * h * 4 * ring
+    assert with_sp["all_reduce"] == pytest.approx(3 * 2 * b * s * 4 * ring + norm_grads, rel=0.02)
+    assert with_sp["all_gather"] == pytest.approx(with_sp["reduce_scatter"], rel=1e-9)
+    assert sum(with_sp.values()) - norm_grads == pytest.approx(expected, rel=0.02)

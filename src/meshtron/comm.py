@@ -165,7 +165,8 @@ class Comm:
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
         work = _all_gather_single(out, moved, group=group.process_group, async_op=True)
         self.wait(work, "all_gather", group)
-        return out.movedim(0, dim)
+        # Contiguous, so consumers (several projections read a gathered sequence) share one copy.
+        return out.movedim(0, dim).contiguous()
 
     def reduce_scatter_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/n chunk along `dim` (size must divide evenly)."""
