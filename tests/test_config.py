@@ -131,6 +131,17 @@ def test_missing_file_and_malformed_toml(tmp_path):
         ),
         (["--parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
         (
+            [
+                "--model.n_experts=4",
+                "--model.moe_ffn_dim=8",
+                "--model.n_shared_experts=1",
+                "--model.shared_ffn_dim=6",
+                "--parallel.tp=4",
+            ],
+            4,
+            "shared expert ffn dim 6 is not divisible",
+        ),
+        (
             ["--parallel.sp=true", "--parallel.tp=2", "--training.seq_len=33"],
             2,
             "training.seq_len=33 must be divisible by tp*cp=2",

@@ -544,6 +544,10 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}; "
             f"use tp in {_divisors(m.ffn_dim)}"
         )
+    if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % p.tp:
+        problems.append(
+            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={p.tp}"
+        )
     if m.is_moe and m.expert_ffn_dim % p.tp:
         problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={p.tp}")
     if p.sp and p.tp == 1:
