@@ -4,7 +4,17 @@ losses over 10 steps and step-1 gradients gathered back to logical shape (tolera
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 from parity import TINY, assert_parity, reference, run_layout
+from test_hf import perturb
+
+from meshtron import hf
+from meshtron.comm import Comm
+from meshtron.config import load_config
+from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.train.trainer import Trainer
 
 MOE = ["--model.name=tiny-moe", "--model.shared_expert_gate=true", "--model.z_loss_coef=0.001"]
 
@@ -57,10 +67,7 @@ def test_parity_with_single_device(workers, case):
 
 
 def tp_comm_by_op(overrides: list[str]) -> dict:
-    """Bytes per (group, collective) of one forward + backward (no clipping), and the sizes they depend on."""
-    from meshtron.config import load_config
-    from meshtron.train.trainer import Trainer
-
+    """Bytes per (group, collective) of one forward + backward (no clipping)."""
     trainer = Trainer(load_config(None, overrides))
     trainer.comm.stats.reset()
     trainer.compute_gradients()
@@ -90,3 +97,60 @@ def test_tp_and_sp_move_the_reference_volume(workers, tp):
     assert with_sp["all_reduce"] == pytest.approx(3 * 2 * b * s * 4 * ring + norm_grads, rel=0.02)
     assert with_sp["all_gather"] == pytest.approx(with_sp["reduce_scatter"], rel=1e-9)
     assert sum(with_sp.values()) - norm_grads == pytest.approx(expected, rel=0.02)
+
+
+def tp_logits_from_hf(path: str, sequence_parallel: bool) -> torch.Tensor:
+    """A Hugging Face checkpoint loaded, sharded over tp, run; the vocab-parallel logits gathered back."""
+    model = hf.load(path)
+    comm = Comm()
+    tp = ParallelMesh(ParallelDims(tp=torch.distributed.get_world_size()), "cpu").group("tp")
+    apply_tensor_parallel(model, comm, tp, sequence_parallel)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        local = model(ids)
+    return comm.all_gather_tensor(local.contiguous(), tp, dim=-1)[..., : model.cfg.vocab_size]
+
+
+HF_TP_CASES = {
+    "llama_gqa": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "llama_mqa_tied": ("LlamaConfig", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen2_bias": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=10)),
+    "qwen2_moe_shared": (
+        "Qwen2MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=36,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("case", list(HF_TP_CASES))
+def test_hugging_face_checkpoints_load_into_tensor_parallel_shards(
+    workers, tmp_path, case, sequence_parallel
+):
+    config_name, extra = HF_TP_CASES[case]
+    config = getattr(transformers, config_name)(
+        hidden_size=48,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=60,
+        vocab_size=97,
+        **extra,
+    )
+    torch.manual_seed(0)
+    reference_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    perturb(reference_model, 0)
+    reference_model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference_model(input_ids=ids).logits
+    for logits in workers(2).run(tp_logits_from_hf, str(tmp_path), sequence_parallel):
+        assert (logits - expected).abs().max() <= 1e-4
