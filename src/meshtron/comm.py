@@ -177,11 +177,11 @@ class Comm:
                 f"reduce_scatter on '{group.name}': dim {dim} of size {x.shape[dim]} "
                 f"is not divisible by the group size {group.size}"
             )
-        self.stats.record(group.name, "reduce_scatter", _nbytes(x) * (group.size - 1) / group.size)
         moved = x.movedim(dim, 0).contiguous()
+        if moved.data_ptr() == x.data_ptr():
+            moved = moved.clone()  # the async path reduces its input in place; never the caller's tensor
         out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        work = _reduce_scatter_single(out, moved, group=group.process_group, async_op=True)
-        self.wait(work, "reduce_scatter", group)
+        self.reduce_scatter_async(out, moved, group).wait()
         return out.movedim(0, dim)
 
     def all_to_all_tensor(

@@ -146,8 +146,7 @@ class Transformer(nn.Module):
             if block_aux is not None:
                 aux_loss = aux_loss + block_aux
         h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = F.linear(h, weight)
+        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         return (logits, aux_loss) if return_aux else logits
 
     def num_params(self, exclude_embedding: bool = False) -> int:

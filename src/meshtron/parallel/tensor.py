@@ -50,7 +50,6 @@ class TensorParallelPlan:
 
     tp: CommGroup
     split_dims: dict[str, tuple[int, int] | None] = field(default_factory=dict)
-    replicated_partial: set[str] = field(default_factory=set)  # whole on every rank, gradient summed
     vocab_start: int = 0
     vocab_local: int = 0  # real (unpadded) vocabulary entries on this rank
 
@@ -171,10 +170,6 @@ def vocab_parallel_cross_entropy(
     )
 
 
-def _sum_grad_over(param: nn.Parameter, comm: Comm, tp: CommGroup) -> None:
-    param.register_hook(lambda grad: comm.all_reduce_(grad.clone(), tp))
-
-
 def apply_tensor_parallel(
     model: Transformer, comm: Comm, tp: CommGroup, sequence_parallel: bool
 ) -> TensorParallelPlan:
@@ -214,14 +209,14 @@ def apply_tensor_parallel(
         plan.split_dims[f"{name}.weight"] = (1, linear.in_features)
         return local
 
-    def replicated_partial(param: nn.Parameter, name: str) -> None:
-        _sum_grad_over(param, comm, tp)
-        plan.replicated_partial.add(name)
+    def replicated_partial(param: nn.Parameter) -> None:
+        """A weight whole on every rank whose gradient each rank sees only part of: sum it over tp."""
+        param.register_hook(lambda grad: comm.all_reduce_(grad.clone(), tp))
 
     def entering_norm(norm: RMSNorm, name: str) -> None:
         norm.register_forward_hook(lambda _m, _i, out: enter(out))
         if sequence_parallel:  # each rank normalises 1/tp of the tokens: its weight gradient is partial
-            replicated_partial(norm.weight, f"{name}.weight")
+            replicated_partial(norm.weight)
 
     for i, block in model.layers.items():
         prefix = f"layers.{i}"
@@ -236,13 +231,13 @@ def apply_tensor_parallel(
             else:
                 kv_head = r * cfg.kv_heads // n
                 setattr(attn, proj, KVHeadLinear(getattr(attn, proj), kv_head, cfg.head_size))
-                for p_name, p in getattr(attn, proj).named_parameters():
-                    replicated_partial(p, f"{name}.{p_name}")
+                for p in getattr(attn, proj).parameters():
+                    replicated_partial(p)
         attn.wo = row(attn.wo, f"{prefix}.attention.wo", exit_)
         for qk in ("q_norm", "k_norm"):
             norm = getattr(attn, qk)
             if norm is not None:  # shared by all heads, of which this rank has some
-                replicated_partial(norm.weight, f"{prefix}.attention.{qk}.weight")
+                replicated_partial(norm.weight)
 
         entering_norm(block.ffn_norm, f"{prefix}.ffn_norm")
         if block.moe is None:
@@ -309,7 +304,7 @@ def _shard_moe(
     )
     # The routing weights multiply partial expert outputs, so the router's gradient is partial too; the
     # aux losses are computed identically on every rank, so each contributes 1/tp of their gradient.
-    replicated_partial(moe.router.weight, f"{prefix}.router.weight")
+    replicated_partial(moe.router.weight)
     moe.aux_loss_coef /= n
     moe.z_loss_coef /= n
     if moe.shared_experts is not None:
@@ -318,5 +313,5 @@ def _shard_moe(
         shared.w3 = column(shared.w3, f"{prefix}.shared_experts.w3", shared_ffn)
         shared.w2 = row(shared.w2, f"{prefix}.shared_experts.w2", None)
         if moe.shared_gate is not None:
-            replicated_partial(moe.shared_gate.weight, f"{prefix}.shared_gate.weight")
+            replicated_partial(moe.shared_gate.weight)
     moe.register_forward_hook(lambda _m, _i, out: (exit_(out[0]), out[1]))
