@@ -4,7 +4,10 @@ back to logical shape with per-parameter relative L2 error <= 1e-5."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from meshtron.config import load_config
+from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.parallel.optim import model_state_bytes
 from meshtron.train.trainer import Trainer
 
@@ -23,15 +26,27 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
+_MESHES: dict[ParallelDims, ParallelMesh] = {}
+
+
+def trainer_for(overrides: list[str]) -> Trainer:
+    """A Trainer on this worker's mesh for the layout, built once per layout and process: every gloo
+    process group holds threads, and a worker runs hundreds of jobs."""
+    cfg = load_config(None, overrides)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size() if dist.is_initialized() else 1)
+    if dims not in _MESHES and dist.is_initialized():
+        _MESHES[dims] = ParallelMesh(dims, "cpu")
+    return Trainer(cfg, _MESHES.get(dims))
+
+
 def run_layout(overrides: list[str]) -> dict:
     """On every rank: the step-1 gradients (whole, logical shapes) and 10 steps of metrics."""
-    cfg = load_config(None, overrides)
-    probe = Trainer(cfg)
+    probe = trainer_for(overrides)
     probe.compute_gradients()
     grads = probe.engine.full_gradients(probe.comm)
     if probe.tp_plan is not None:
         grads = probe.tp_plan.gather_full(grads, probe.comm)
-    trainer = Trainer(cfg)
+    trainer = trainer_for(overrides)
     rows = [trainer.step(step) for step in range(STEPS)]
     return {
         "grads": grads,
@@ -42,7 +57,7 @@ def run_layout(overrides: list[str]) -> dict:
 
 
 def train_rows(overrides: list[str]) -> list[dict]:
-    return Trainer(load_config(None, overrides)).run()
+    return trainer_for(overrides).run()
 
 
 _REFERENCE: dict[tuple[str, ...], dict] = {}

@@ -24,9 +24,9 @@ def saved_bytes_of_second_layer(tp: int, sp: bool, recompute: str) -> int:
     such as the rotary tables count for the model, not for a layer."""
     cfg = load_config(None, MODEL).model
     model = build_model(cfg, seed=0)
-    if tp > 1:
-        comm = Comm()
-        apply_tensor_parallel(model, comm, ParallelMesh(ParallelDims(tp=tp), "cpu").group("tp"), sp)
+    mesh = ParallelMesh(ParallelDims(tp=tp), "cpu") if tp > 1 else None
+    if mesh is not None:
+        apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp)
     apply_recompute(model, recompute)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -47,6 +47,8 @@ def saved_bytes_of_second_layer(tp: int, sp: bool, recompute: str) -> int:
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens)
+    if mesh is not None:
+        mesh.close()
     return sum(n for ptr, n in saved[1].items() if ptr not in saved[0])
 
 

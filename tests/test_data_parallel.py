@@ -10,10 +10,7 @@ import shutil
 
 import pytest
 import torch
-from parity import TINY, assert_parity, reference, run_layout, train_rows
-
-from meshtron.config import load_config
-from meshtron.train.trainer import Trainer
+from parity import TINY, assert_parity, reference, run_layout, train_rows, trainer_for
 
 LAYOUTS = {
     # name: (world, parallel overrides)
@@ -113,7 +110,7 @@ def test_hsdp_comm_per_group(workers):
 
 
 def overlap_probe(overrides: list[str]) -> list[int]:
-    trainer = Trainer(load_config(None, overrides))
+    trainer = trainer_for(overrides)
     trainer.compute_gradients()
     return trainer.engine.launch_log
 

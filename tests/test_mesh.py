@@ -103,6 +103,7 @@ def live_groups(layout: dict) -> dict:
             group.rank,
             mesh.local_rank(dim),
         )
+    mesh.close()
     return out
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from parity import TINY, assert_parity, reference, run_layout
+from parity import TINY, assert_parity, reference, run_layout, trainer_for
 from test_hf import perturb
 
 from meshtron import hf
 from meshtron.comm import Comm
-from meshtron.config import load_config
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.parallel.tensor import apply_tensor_parallel
-from meshtron.train.trainer import Trainer
 
 MOE = ["--model.name=tiny-moe", "--model.shared_expert_gate=true", "--model.z_loss_coef=0.001"]
 
@@ -68,7 +66,7 @@ def test_parity_with_single_device(workers, case):
 
 def tp_comm_by_op(overrides: list[str]) -> dict:
     """Bytes per (group, collective) of one forward + backward (no clipping)."""
-    trainer = Trainer(load_config(None, overrides))
+    trainer = trainer_for(overrides)
     trainer.comm.stats.reset()
     trainer.compute_gradients()
     stats = trainer.comm.stats
@@ -103,12 +101,15 @@ def tp_logits_from_hf(path: str, sequence_parallel: bool) -> torch.Tensor:
     """A Hugging Face checkpoint loaded, sharded over tp, run; the vocab-parallel logits gathered back."""
     model = hf.load(path)
     comm = Comm()
-    tp = ParallelMesh(ParallelDims(tp=torch.distributed.get_world_size()), "cpu").group("tp")
+    mesh = ParallelMesh(ParallelDims(tp=torch.distributed.get_world_size()), "cpu")
+    tp = mesh.group("tp")
     apply_tensor_parallel(model, comm, tp, sequence_parallel)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         local = model(ids)
-    return comm.all_gather_tensor(local.contiguous(), tp, dim=-1)[..., : model.cfg.vocab_size]
+    logits = comm.all_gather_tensor(local.contiguous(), tp, dim=-1)[..., : model.cfg.vocab_size]
+    mesh.close()
+    return logits
 
 
 HF_TP_CASES = {

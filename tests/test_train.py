@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from parity import train_rows
 
 from meshtron.config import ConfigError, load_config
 from meshtron.train.trainer import lr_at, train
@@ -87,7 +88,7 @@ def test_moe_and_bf16_train(tmp_path):
 
 
 def worker_train(overrides: list[str]) -> list[dict]:
-    return run_train(overrides)
+    return train_rows(overrides)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -235,6 +235,19 @@ class ParallelMesh:
         self.expert = DeviceMesh(device_type, torch.as_tensor(dims.expert_grid), mesh_dim_names=EXPERT_DIMS)
         self._flat = {name: self.world[parts]._flatten(name) for name, parts in FLAT_DIMS.items()}
 
+    def close(self) -> None:
+        """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
+        process that builds many meshes, such as a test worker, must release them)."""
+        import torch.distributed as dist
+
+        groups = {}
+        for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
+            group = self.mesh(dim).get_group()
+            groups[id(group)] = group
+        for group in groups.values():
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+
     def mesh(self, dim: str) -> Any:
         """The 1-D DeviceMesh of `dim` that contains this rank."""
         if dim in FLAT_DIMS:

@@ -205,14 +205,21 @@ def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torc
 class Trainer:
     """One training job on this rank: everything built up front, then `step()` per optimizer step."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, mesh: ParallelMesh | None = None):
+        """`mesh`: reuse the process groups of an earlier job with the same layout in this process."""
         rank, world_size, device = init_distributed(cfg)
         check(cfg, world_size)
         self.dims = ParallelDims.from_config(cfg.parallel, world_size)
         ensure_implemented(cfg, self.dims)
+        if mesh is not None and mesh.dims != self.dims:
+            raise ValueError(
+                f"the given mesh is {mesh.dims.summary()}, the config asks for {self.dims.summary()}"
+            )
+        self.owns_mesh = mesh is None
         comm = Comm(cfg.run.comm_timeout_s)
         world = comm.group("world", list(range(world_size)), dist.group.WORLD)
-        self.rt = Runtime(rank, world_size, device, ParallelMesh(self.dims, device.type), comm, world)
+        mesh = mesh or ParallelMesh(self.dims, device.type)
+        self.rt = Runtime(rank, world_size, device, mesh, comm, world)
         self.cfg, self.comm, self.device = cfg, comm, device
         t = cfg.training
         torch.manual_seed(t.seed)
@@ -297,6 +304,11 @@ class Trainer:
             "comm_bytes_by_group": comm_by_group,
         }
 
+    def close(self) -> None:
+        """Release the process groups of this job's mesh if it made them (the world group stays)."""
+        if self.owns_mesh:
+            self.rt.mesh.close()
+
     def save(self, step: int) -> None:
         save_checkpoint(
             checkpoint_root(self.cfg),
@@ -335,6 +347,10 @@ class Trainer:
         return logger.rows
 
 
-def train(cfg: Config) -> list[dict[str, Any]]:
+def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]:
     """Run cfg.training.steps optimizer steps; returns the metric rows (on rank 0; [] elsewhere)."""
-    return Trainer(cfg).run()
+    trainer = Trainer(cfg, mesh)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
