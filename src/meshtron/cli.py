@@ -1,4 +1,4 @@
-"""`meshtron` command line: train, mesh, prepare-data."""
+"""`meshtron` command line: train, mesh, schedule, prepare-data."""
 
 from __future__ import annotations
 
@@ -86,6 +86,34 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from meshtron.pipeline.schedules import build_schedule, simulate
+
+    try:
+        schedule = build_schedule(args.pp, args.vpp, args.microbatches, args.schedule)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    split = args.schedule == "zero_bubble"
+    sim = simulate(schedule, 1.0, 2.0, 1.0 if split else 0.0, vpp=args.vpp)
+    print(
+        f"{args.schedule}: pp={args.pp} vpp={args.vpp} micro-batches={args.microbatches}; costs forward 1, "
+        f"backward 2" + (" (input grad 1 + weight grad 1)" if split else "")
+    )
+    print(f"step time {sim.makespan:g}, bubble {100 * sim.bubble_fraction:.1f}% of ranks x time")
+    print("peak micro-batches in flight per rank: " + ", ".join(map(str, sim.peak_in_flight)))
+    for rank, actions in enumerate(schedule):
+        print(f"rank {rank}: " + " ".join(str(a) for a in actions if a.kind in ("F", "B", "W")))
+    if args.out:
+        from meshtron.pipeline.picture import draw_timeline
+
+        title = (
+            f"{args.schedule}, pp={args.pp}, vpp={args.vpp}, {args.microbatches} micro-batches: "
+            f"bubble {100 * sim.bubble_fraction:.1f}%"
+        )
+        print(f"picture written to {draw_timeline(sim.timeline, args.out, title, args.vpp)}")
+    return 0
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     from meshtron.train.data import prepare_data
 
@@ -118,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.add_argument("--json", action="store_true", help="print dims and groups as JSON")
     mesh.add_argument("--out", help="write a PNG picture of the mesh here")
 
+    sched = sub.add_parser("schedule", help="simulate and draw a pipeline schedule")
+    sched.add_argument("--pp", type=int, required=True)
+    sched.add_argument("--vpp", type=int, default=1)
+    sched.add_argument("--microbatches", type=int, required=True)
+    sched.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zero_bubble")
+    sched.add_argument("--out", help="write a PNG of the timeline here")
+
     prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
     prep.add_argument(
         "inputs", nargs="+", help="files or directories (.txt, .py, .md, .jsonl with a 'text' key)"
@@ -143,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command == "mesh":
             return cmd_mesh(args)
+        if args.command == "schedule":
+            return cmd_schedule(args)
         return cmd_prepare_data(args)
     except (ConfigError, DataError, CheckpointError) as err:
         # User errors (configs, layouts, data) get a message, not a traceback.

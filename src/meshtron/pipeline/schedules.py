@@ -1,0 +1,232 @@
+"""Pipeline schedules as data: pure functions from (pp, vpp, micro-batches, name) to each rank's actions.
+
+The model is cut into pp·vpp chunks; rank r holds chunks r, r + pp, r + 2·pp, ... (one per virtual
+stage). An action is forward F, backward B (input and weight gradient together, or only the input
+gradient when the schedule splits it), weight-gradient W, or a point-to-point send / receive of the
+activation (forward) or its gradient (backward) between neighbouring chunks. Sends are non-blocking;
+a receive blocks until its matching send has run. No torch.distributed here: the same lists drive the
+runtime, the simulator (`simulate`) and the pictures.
+
+  gpipe        all forwards, then all backwards
+  1f1b         pp - r - 1 warm-up forwards, then one forward / one backward, then the remaining backwards
+               (at most pp - r micro-batches in flight on rank r)
+  interleaved  Megatron's interleaved 1F1B over vpp chunks per rank (micro-batches a multiple of pp):
+               forwards walk pp micro-batches through one chunk, then the next chunk; the bubble
+               shrinks by vpp at vpp times the messages
+  zero_bubble  ZB-H1 (Qi et al. 2023): backward split into B (input gradient, on the critical path) and
+               W (weight gradient, deferrable); W fills the pipeline bubbles, at 1F1B's memory
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+COMPUTE = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Action:
+    """`kind` in F, B, W, SEND_F, RECV_F, SEND_B, RECV_B; `chunk` is the global chunk (stage) index;
+    for sends and receives, `peer` is the other rank."""
+
+    kind: str
+    chunk: int
+    mb: int
+    peer: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.mb}" + (f"@{self.peer}" if self.peer >= 0 else "")
+
+
+def check_schedule_args(pp: int, vpp: int, microbatches: int, name: str) -> None:
+    problems = []
+    if name not in SCHEDULES:
+        problems.append(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    if pp < 1 or vpp < 1 or microbatches < 1:
+        problems.append(f"pp={pp}, vpp={vpp} and microbatches={microbatches} must be positive")
+    if name == "interleaved" and microbatches % pp:
+        problems.append(f"interleaved 1F1B needs micro-batches ({microbatches}) to be a multiple of pp={pp}")
+    if name != "interleaved" and vpp != 1:
+        problems.append(f"vpp={vpp} needs the interleaved schedule")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tuple[str, int, int]]:
+    """The compute actions (kind, chunk, mb) of one rank, in order."""
+    if name == "gpipe":
+        return [("F", rank, mb) for mb in range(m)] + [("B", rank, mb) for mb in range(m)]
+    if name == "1f1b":
+        warmup = min(pp - rank - 1, m)
+        order = [("F", rank, mb) for mb in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", rank, warmup + i), ("B", rank, i)]
+        return order + [("B", rank, mb) for mb in range(m - warmup, m)]
+    if name == "interleaved":
+        total = m * vpp
+
+        def forward(k: int) -> tuple[str, int, int]:
+            group, within = divmod(k, pp * vpp)
+            return "F", ((k // pp) % vpp) * pp + rank, group * pp + within % pp
+
+        def backward(k: int) -> tuple[str, int, int]:
+            group, within = divmod(k, pp * vpp)
+            return "B", (vpp - 1 - (k // pp) % vpp) * pp + rank, group * pp + within % pp
+
+        warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        return order + [backward(k) for k in range(total - warmup, total)]
+    raise ValueError(name)
+
+
+def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """ZB-H1 by list scheduling with unit F, B, W times: each rank, when free, runs a ready B first, else
+    a ready F if fewer than pp - r micro-batches are between forward and backward (1F1B's bound), else a
+    deferred W. The bubble comes out at (pp - 1)·(F + B - W), the paper's ZB-H1 figure."""
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    f_done = [[-1] * m for _ in range(pp)]  # finish times
+    b_done = [[-1] * m for _ in range(pp)]
+    next_f, next_b, pending_w = [0] * pp, [0] * pp, [[] for _ in range(pp)]
+    in_flight = [0] * pp
+    free_at, t = [0] * pp, 0
+    while any(len(o) < 3 * m for o in orders):
+        for r in range(pp):
+            if free_at[r] > t:
+                continue
+            mb_b, mb_f = next_b[r], next_f[r]
+            b_ready = (
+                mb_b < m and 0 <= f_done[r][mb_b] <= t and (r == pp - 1 or 0 <= b_done[r + 1][mb_b] <= t)
+            )
+            f_ready = mb_f < m and in_flight[r] < pp - r and (r == 0 or 0 <= f_done[r - 1][mb_f] <= t)
+            if b_ready:
+                orders[r].append(("B", r, mb_b))
+                b_done[r][mb_b] = t + 1
+                next_b[r] += 1
+                in_flight[r] -= 1
+                pending_w[r].append(mb_b)
+            elif f_ready:
+                orders[r].append(("F", r, mb_f))
+                f_done[r][mb_f] = t + 1
+                next_f[r] += 1
+                in_flight[r] += 1
+            elif pending_w[r]:
+                orders[r].append(("W", r, pending_w[r].pop(0)))
+            else:
+                continue
+            free_at[r] = t + 1
+        t += 1
+    return orders
+
+
+def _with_p2p(order: list[tuple[str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
+    """Receives before the compute that needs them, sends right after the compute that makes them."""
+    last = pp * vpp - 1
+    actions: list[Action] = []
+    for kind, chunk, mb in order:
+        if kind == "F" and chunk > 0:
+            actions.append(Action("RECV_F", chunk, mb, (chunk - 1) % pp))
+        if kind == "B" and chunk < last:
+            actions.append(Action("RECV_B", chunk, mb, (chunk + 1) % pp))
+        actions.append(Action(kind, chunk, mb))
+        if kind == "F" and chunk < last:
+            actions.append(Action("SEND_F", chunk, mb, (chunk + 1) % pp))
+        if kind == "B" and chunk > 0:
+            actions.append(Action("SEND_B", chunk, mb, (chunk - 1) % pp))
+    return actions
+
+
+def build_schedule(pp: int, vpp: int, microbatches: int, name: str) -> list[list[Action]]:
+    """Every rank's ordered actions."""
+    check_schedule_args(pp, vpp, microbatches, name)
+    if name == "zero_bubble":
+        orders = _zero_bubble_orders(pp, microbatches)
+    else:
+        orders = [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
+    return [_with_p2p(order, r, pp, vpp) for r, order in enumerate(orders)]
+
+
+@dataclass
+class Simulation:
+    """Result of running action lists with given costs: per-rank (action, start, end) of compute actions."""
+
+    timeline: list[list[tuple[Action, float, float]]]
+    makespan: float
+    bubble_fraction: float  # idle share of pp x makespan
+    # Per rank, the most micro-batches between forward and (input-gradient) backward at once: the
+    # activations backward needs. A zero-bubble W needs only each linear layer's input and output grad.
+    peak_in_flight: list[int]
+
+
+def simulate(
+    schedule: list[list[Action]], cost_f: float = 1.0, cost_b: float = 2.0, cost_w: float = 0.0, vpp: int = 1
+) -> Simulation:
+    """Execute the lists (compute takes its cost, a chunk's cost is 1/vpp of a stage's; sends take no time;
+    a receive waits for its send). Checks every backward follows its forward, every send has a matching
+    receive, and that the lists cannot deadlock; raises ValueError naming the problem otherwise.
+
+    For schedules without W actions, cost_b is the whole backward; with them, B costs cost_b - cost_w."""
+    pp = len(schedule)
+    split = any(a.kind == "W" for actions in schedule for a in actions)
+    costs = {"F": cost_f / vpp, "B": (cost_b - (cost_w if split else 0.0)) / vpp, "W": cost_w / vpp}
+    sends = {
+        (a.kind[5:], a.chunk, a.mb, r, a.peer)
+        for r, acts in enumerate(schedule)
+        for a in acts
+        if a.kind.startswith("SEND")
+    }
+    recvs = {
+        (a.kind[5:], a.chunk + (-1 if a.kind == "RECV_F" else 1), a.mb, a.peer, r)
+        for r, acts in enumerate(schedule)
+        for a in acts
+        if a.kind.startswith("RECV")
+    }
+    if sends != recvs:
+        raise ValueError(
+            f"unmatched sends/receives: sends without receive {sorted(sends - recvs)[:3]}, "
+            f"receives without send {sorted(recvs - sends)[:3]}"
+        )
+    position = [0] * pp
+    clock = [0.0] * pp
+    sent: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[str, int, int], float] = {}
+    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
+    alive, peak = [0] * pp, [0] * pp
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(schedule[r]):
+                a = schedule[r][position[r]]
+                if a.kind.startswith("RECV"):
+                    source_chunk = a.chunk - 1 if a.kind == "RECV_F" else a.chunk + 1
+                    key = (a.kind[5:], source_chunk, a.mb)
+                    if key not in sent:
+                        break
+                    clock[r] = max(clock[r], sent[key])
+                elif a.kind.startswith("SEND"):
+                    sent[(a.kind[5:], a.chunk, a.mb)] = clock[r]
+                else:
+                    if a.kind in ("B", "W") and ("F", a.chunk, a.mb) not in done:
+                        raise ValueError(
+                            f"rank {r}: {a} runs before the forward of chunk {a.chunk} mb {a.mb}"
+                        )
+                    if a.kind == "W" and ("B", a.chunk, a.mb) not in done:
+                        raise ValueError(f"rank {r}: {a} runs before its input-gradient backward")
+                    start, end = clock[r], clock[r] + costs[a.kind]
+                    timeline[r].append((a, start, end))
+                    clock[r] = end
+                    done[(a.kind, a.chunk, a.mb)] = end
+                    alive[r] += 1 if a.kind == "F" else (-1 if a.kind == "B" else 0)
+                    peak[r] = max(peak[r], alive[r])
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(schedule[r][position[r]]) for r in range(pp) if position[r] < len(schedule[r])}
+            raise ValueError(f"deadlock: ranks wait on receives that are never sent: {stuck}")
+    makespan = max(clock)
+    busy = sum(end - start for rank in timeline for _, start, end in rank)
+    return Simulation(timeline, makespan, 1 - busy / (pp * makespan), peak)

@@ -1,0 +1,136 @@
+"""Pipeline schedules are pure data: their simulated bubbles match REFERENCE.md's formulas, they never
+deadlock, every backward follows its forward, every send has its receive, and memory stays bounded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshtron.pipeline.schedules import Action, build_schedule, simulate
+
+GRID = [(pp, m) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 4 * pp, 3 * pp + 1)]
+
+
+@pytest.mark.parametrize("pp, m", GRID)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(pp, m):
+    for name in ("gpipe", "1f1b"):
+        sim = simulate(build_schedule(pp, 1, m, name), cost_f=1.0, cost_b=2.0)
+        assert sim.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12), name
+        assert sim.makespan == pytest.approx(3 * (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp, m", GRID)
+def test_1f1b_keeps_at_most_pp_micro_batches_in_flight(pp, m):
+    sim = simulate(build_schedule(pp, 1, m, "1f1b"))
+    assert sim.peak_in_flight == [min(pp - r, m) for r in range(pp)]
+    assert simulate(build_schedule(pp, 1, m, "gpipe")).peak_in_flight == [m] * pp
+
+
+@pytest.mark.parametrize(
+    "pp, vpp, m", [(pp, v, k * pp) for pp in (2, 4) for v in (2, 3, 4) for k in (1, 2, 3)]
+)
+def test_interleaved_bubble_shrinks_by_vpp(pp, vpp, m):
+    sim = simulate(build_schedule(pp, vpp, m, "interleaved"), cost_f=1.0, cost_b=2.0, vpp=vpp)
+    # REFERENCE.md: (p-1)/(v·m) relative to ideal compute, i.e. this fraction of ranks x time.
+    assert sim.bubble_fraction == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-12)
+    # First rank's activations (in stage units: a chunk holds 1/vpp of a stage) grow by 1 + (p-1)/(p·v).
+    if m >= pp * vpp:
+        assert sim.peak_in_flight[0] / vpp == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_h1_has_a_third_of_1f1b_bubble_at_the_same_memory(pp, m):
+    zb = simulate(build_schedule(pp, 1, m, "zero_bubble"), cost_f=1.0, cost_b=2.0, cost_w=1.0)
+    one_f_one_b = simulate(build_schedule(pp, 1, m, "1f1b"), cost_f=1.0, cost_b=2.0)
+    idle = zb.makespan - 3 * m  # per rank, with F = B = W = 1
+    assert idle == pytest.approx((pp - 1) * (1 + 1 - 1))  # Qi et al.: (p-1)(F + B - W)
+    assert idle == pytest.approx((one_f_one_b.makespan - 3 * m) / 3)
+    assert zb.bubble_fraction < one_f_one_b.bubble_fraction
+    assert zb.peak_in_flight == one_f_one_b.peak_in_flight
+
+
+@pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+def test_every_micro_batch_runs_once_per_chunk(name, vpp):
+    pp, m = 4, 8
+    schedule = build_schedule(pp, vpp, m, name)
+    for rank, actions in enumerate(schedule):
+        chunks = {rank + v * pp for v in range(vpp)}
+        for kind in ("F", "B") + (("W",) if name == "zero_bubble" else ()):
+            done = sorted((a.chunk, a.mb) for a in actions if a.kind == kind)
+            assert done == sorted((c, mb) for c in chunks for mb in range(m)), (rank, kind)
+
+
+def test_simulator_rejects_broken_schedules():
+    good = build_schedule(2, 1, 2, "1f1b")
+    swapped = [list(good[0]), good[1]]
+    f_index = next(i for i, a in enumerate(swapped[0]) if a.kind == "F")
+    b_index = next(i for i, a in enumerate(swapped[0]) if a.kind == "B")
+    swapped[0][f_index], swapped[0][b_index] = swapped[0][b_index], swapped[0][f_index]
+    with pytest.raises(ValueError, match="before the forward|deadlock"):
+        simulate(swapped)
+    missing_recv = [good[0], [a for a in good[1] if a.kind != "RECV_F"]]
+    with pytest.raises(ValueError, match="unmatched sends/receives"):
+        simulate(missing_recv)
+    # Both ranks first wait for the other's gradient: a deadlock, named.
+    deadlock = [
+        [Action("RECV_B", 0, 0, 1), Action("F", 0, 0), Action("SEND_F", 0, 0, 1), Action("B", 0, 0)],
+        [Action("SEND_B", 1, 0, 0), Action("RECV_F", 1, 0, 0), Action("F", 1, 0), Action("B", 1, 0)],
+    ]
+    deadlock[1] = [Action("RECV_F", 1, 0, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0, 0)]
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(deadlock)
+
+
+def test_invalid_arguments_are_named():
+    with pytest.raises(ValueError, match="multiple of pp=4"):
+        build_schedule(4, 2, 6, "interleaved")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        build_schedule(4, 1, 4, "2f2b")
+    with pytest.raises(ValueError, match="needs the interleaved schedule"):
+        build_schedule(4, 2, 8, "1f1b")
+
+
+def test_schedule_command(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.cli",
+            "schedule",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--schedule",
+            "zero_bubble",
+            "--out",
+            str(tmp_path / "zb.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "bubble 11.1%" in out.stdout and "peak micro-batches in flight per rank: 4, 3, 2, 1" in out.stdout
+    assert (tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.cli",
+            "schedule",
+            "--pp",
+            "4",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "6",
+            "--schedule",
+            "interleaved",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "multiple of pp=4" in bad.stderr and "Traceback" not in bad.stderr
