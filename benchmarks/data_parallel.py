@@ -49,10 +49,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import math
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -65,8 +63,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import allocation_peak, cpu_model, median_ci, mib, ms, quantile, storage_bytes, write_results
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshtron.comm import Comm
 from meshtron.config import ModelConfig
@@ -77,7 +75,6 @@ from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_, model_state_bytes
 from meshtron.workers import WorkerPool
 
-RESULTS_TITLE = "# meshtron benchmark results"
 SECTION_TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)"
 WORLD = 4
 LOSS_RTOL = 1e-5
@@ -233,17 +230,6 @@ class TorchFSDPRunner(Runner):
         super().__init__("torch FSDP2", engine.model, optimizer)
 
 
-def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 @contextlib.contextmanager
 def count_fsdp2_collectives() -> Iterator[list[float]]:
     """Yields [bytes]: the ring volume of FSDP2's all-gathers and reduce-scatters, counted the way
@@ -377,23 +363,6 @@ def train_step(
     return StepRecord(seconds, float(mean_ce), comm_bytes, faults, state)
 
 
-def allocation_peak(prof: torch.profiler.profile) -> int:
-    """Peak of bytes allocated minus freed since the profiler started (from its allocation events)."""
-    from torch._C._profiler import _EventType
-
-    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            nodes.append(node)
-    current = peak = 0
-    for node in sorted(nodes, key=lambda n: n.start_time_ns):
-        current += node.extra_fields.alloc_size
-        peak = max(peak, current)
-    return peak
-
-
 def profiled_step(
     runner: Runner, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int, op_table: bool
 ) -> tuple[StepRecord, str]:
@@ -493,24 +462,6 @@ class Summary:
         return statistics.median(self.phase_s[phase])
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)  # linear interpolation: with ~20 samples a nearest-rank p10 jumps
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
-    """Distribution-free ~95% confidence interval of the median, from binomial order statistics."""
-    xs = sorted(values)
-    n = len(xs)
-    half = z * math.sqrt(n) / 2
-    lo = max(0, math.floor(n / 2 - half))
-    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
-    return xs[lo], xs[hi]
-
-
 def summarise(results: list[dict[str, Any]]) -> dict[str, Summary]:
     out = {}
     for name in results[0]["timed"]:
@@ -545,14 +496,6 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Summary]:
 def loss_check(s: Summary, ref: Summary) -> tuple[float, bool]:
     worst = max(abs(a - b) / abs(b) for a, b in zip(s.losses, ref.losses, strict=True))
     return worst, worst <= LOSS_RTOL
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def paired_verdict(s: Summary, ref: Summary) -> tuple[float, float, float, str]:
@@ -617,16 +560,6 @@ def check_lines(summaries: dict[str, Summary]) -> list[str]:
             f"{worst:.1e} ({'ok' if ok else 'FAILED'}, tolerance {LOSS_RTOL:.0e}); {paired_text(s, ref)}"
         )
     return lines
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def command_text(argv: Sequence[str]) -> str:
@@ -704,20 +637,6 @@ def section_text(
     ]
     lines += ["", findings]
     return "\n".join(lines) + "\n"
-
-
-def write_results(path: Path, section: str) -> None:
-    """Replace only our section of the results file (up to the next `## ` heading), keeping the others."""
-    if not path.exists():
-        path.write_text(f"{RESULTS_TITLE}\n\n{section}")
-        return
-    text = path.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}[ \t]*\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 def print_summary(summaries: dict[str, Summary], findings: str) -> None:
@@ -908,7 +827,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if s.reference in summaries and not loss_check(s, summaries[s.reference])[1]
     ]
     if args.out != "-":
-        write_results(Path(args.out), section_text(summaries, results, shape, args, argv, wall_s, findings))
+        write_results(
+            Path(args.out),
+            SECTION_TITLE,
+            section_text(summaries, results, shape, args, argv, wall_s, findings),
+        )
         print(f"\nwrote {args.out}")
     if failed:
         sys.exit(f"loss mismatch beyond {LOSS_RTOL:.0e}: {', '.join(failed)}")

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -46,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from common import cpu_model, median_ci, ms, quantile, write_results
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -53,7 +52,6 @@ import meshtron.hf
 from meshtron.config import ModelConfig, load_config
 from meshtron.models.llama import build_model
 
-RESULTS_TITLE = "# meshtron benchmark results"
 SECTION_TITLE = "## Model step: meshtron vs transformers (fp32, CPU)"
 LOGITS_TOL = 1e-4
 LOSS_TOL = 1e-5
@@ -105,26 +103,6 @@ class Run:
             a / b
             for a, b in zip(self.times["meshtron"]["step"], self.times["transformers"]["step"], strict=True)
         )
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    xs = sorted(values)
-    # Linear interpolation between order statistics: with a few dozen samples a nearest-rank p10 jumps.
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
-    """Distribution-free ~95% confidence interval of the median, from binomial order statistics.
-
-    Step times are skewed by machine noise, so a normal-theory interval would mislead.
-    """
-    xs = sorted(values)
-    n = len(xs)
-    k = max(int((n - z * math.sqrt(n)) / 2), 0)
-    return xs[k], xs[n - 1 - k]
 
 
 def paired_text(run: Run) -> str:
@@ -297,26 +275,12 @@ def run_preset(name: str, shape: dict[str, int], seed: int, do_profile: bool) ->
     return run
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def shape_text(shape: dict[str, int]) -> str:
     s = shape
     return (
         f"dim {s['dim']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv, ffn {s['ffn']}, "
         f"vocab {s['vocab']}, batch {s['batch']} x seq {s['seq']}"
     )
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def split_text(run: Run, model: str) -> str:
@@ -404,21 +368,6 @@ def section_text(runs: Sequence[Run], threads: int, argv: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(path: Path, section: str) -> None:
-    """Replace only our section of the results file (up to the next `## ` heading), keeping the others."""
-    if not path.exists():
-        path.write_text(f"{RESULTS_TITLE}\n\n{section}")
-        return
-    text = path.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}[ \t]*\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        # Keep one blank line before a following section.
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -499,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_summary(runs, args.threads)
     if args.out != "-":
         out = Path(args.out)
-        write_results(out, section_text(runs, args.threads, argv))
+        write_results(out, SECTION_TITLE, section_text(runs, args.threads, argv))
         print(f"\nwrote {out}")
 
 

@@ -63,7 +63,6 @@ import contextlib
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -75,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import allocation_peak, cpu_model, mib, ms, quantile, storage_bytes, write_results
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -94,7 +94,6 @@ from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.workers import WorkerPool
 
-RESULTS_TITLE = "# meshtron benchmark results"
 SECTION_TITLE = "## Tensor parallel: meshtron vs PyTorch DTensor TP (gloo, CPU)"
 LOSS_RTOL = 1e-5
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
@@ -263,17 +262,6 @@ def scalar(loss: torch.Tensor) -> float:
     return float(loss.to_local() if isinstance(loss, DTensor) else loss)
 
 
-def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def state_bytes(runner: Runner) -> dict[str, int]:
     params = list(runner.model.parameters())
     states = [
@@ -420,23 +408,6 @@ def counted_step(runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) ->
     return {"loss": record.loss, "by_phase": observer.by_phase, "embedding_grad": embedding_grad}
 
 
-def allocation_peak(prof: torch.profiler.profile) -> int:
-    """Peak of bytes allocated minus freed since the profiler started (from its allocation events)."""
-    from torch._C._profiler import _EventType
-
-    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            nodes.append(node)
-    current = peak = 0
-    for node in sorted(nodes, key=lambda n: n.start_time_ns):
-        current += node.extra_fields.alloc_size
-        peak = max(peak, current)
-    return peak
-
-
 def profiled_step(
     runner: Runner, inputs: torch.Tensor, targets: torch.Tensor, op_table: bool
 ) -> tuple[StepRecord, str]:
@@ -541,15 +512,6 @@ class Summary:
         return int(sum(self.collectives.get(p, [0, 0.0])[0] for p in phases))
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile, q in [0, 1]."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarise(tp: int, results: list[dict[str, Any]]) -> list[Summary]:
     warmup = results[0]["warmup"]
     out = []
@@ -599,14 +561,6 @@ def checks(s: Summary, peer: Summary | None) -> tuple[float, float, bool]:
     vs_ref = max(rel(a, b) for a, b in zip(s.losses[:2], s.reference, strict=False))
     vs_peer = max(rel(a, b) for a, b in zip(s.losses, peer.losses, strict=True)) if peer is not None else 0.0
     return vs_ref, vs_peer, vs_ref <= LOSS_RTOL and vs_peer <= LOSS_RTOL
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
 
 
 def sp_text(s: Summary) -> str:
@@ -687,16 +641,6 @@ def phase_deltas(s: Summary, ref: Summary) -> dict[str, float]:
 
 def delta_text(s: Summary, ref: Summary) -> str:
     return ", ".join(f"{p} {d:+.1f} ms" for p, d in phase_deltas(s, ref).items())
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def command_text(argv: Sequence[str]) -> str:
@@ -919,20 +863,6 @@ def section_text(
     return "\n".join(lines) + "\n"
 
 
-def write_results(path: Path, section: str) -> None:
-    """Replace only our section of the results file (up to the next `## ` heading), keeping the others."""
-    if not path.exists():
-        path.write_text(f"{RESULTS_TITLE}\n\n{section}")
-        return
-    text = path.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}[ \t]*\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -996,7 +926,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\nwall time {wall_s:.0f} s")
     failed = [f"tp={s.tp} {s.name}" for s in summaries if not checks(s, meshtron_of(summaries, s))[2]]
     if args.out != "-":
-        write_results(Path(args.out), section_text(summaries, shape, n_params, args, argv, wall_s, findings))
+        write_results(
+            Path(args.out),
+            SECTION_TITLE,
+            section_text(summaries, shape, n_params, args, argv, wall_s, findings),
+        )
         print(f"wrote {args.out}")
     if failed:
         sys.exit(f"loss mismatch beyond {LOSS_RTOL:.0e}: {', '.join(failed)}")

@@ -1,0 +1,107 @@
+"""Helpers shared by the benchmark scripts: robust statistics, number formatting, the machine's CPU,
+memory accounting (storage bytes, profiler allocation peak) and updating one section of RESULTS.md.
+
+The scripts run as `python benchmarks/<name>.py`, so this directory is on `sys.path` and they import
+it as `common` (the spawned worker ranks inherit that path).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS_TITLE = "# meshtron benchmark results"
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile, q in [0, 1]."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)  # linear interpolation: with a few dozen samples a nearest-rank p10 jumps
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """Distribution-free ~95% confidence interval of the median, from binomial order statistics.
+
+    Step times are skewed by machine noise, so a normal-theory interval would mislead.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    half = z * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return xs[lo], xs[hi]
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; DTensors by
+    their local tensor)."""
+    # Imported here: model_step.py needs none of torch.distributed.
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def allocation_peak(prof: torch.profiler.profile) -> int:
+    """Peak of bytes allocated minus freed since the profiler started (from its allocation events)."""
+    from torch._C._profiler import _EventType
+
+    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            nodes.append(node)
+    current = peak = 0
+    for node in sorted(nodes, key=lambda n: n.start_time_ns):
+        current += node.extra_fields.alloc_size
+        peak = max(peak, current)
+    return peak
+
+
+def write_results(path: Path, section_title: str, section: str, results_title: str = RESULTS_TITLE) -> None:
+    """Replace only the `section_title` section of the results file (up to the next `## ` heading) with
+    `section`, keeping the others; append it if missing, and create the file (under `results_title`) if
+    there is none."""
+    if not path.exists():
+        path.write_text(f"{results_title}\n\n{section}")
+        return
+    text = path.read_text()
+    pattern = re.compile(rf"^{re.escape(section_title)}[ \t]*\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(text):
+        # Keep one blank line before a following section.
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
