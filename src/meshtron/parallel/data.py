@@ -42,8 +42,12 @@ class DataParallelEngine:
     """What the training loop needs from a data-parallel strategy."""
 
     model: nn.Module
-    # The DeviceMesh whose ranks split parameters by rows (None: every rank holds whole parameters).
+    # The group whose ranks own disjoint rows of the parameters, and its DeviceMesh (None: every rank
+    # holds whole parameters).
+    shard: CommGroup | None = None
     shard_mesh: Any = None
+    # The group over which partial gradient-norm sums are added up (None: nothing to add up).
+    norm_group: CommGroup | None = None
 
     def owned_rows(self) -> list[OwnedRows]:
         """What this rank holds of every logical parameter, for checkpoints that any layout can read."""
@@ -51,9 +55,6 @@ class DataParallelEngine:
 
     def load_owned_rows(self) -> None:
         """Called after a checkpoint has been loaded into `owned_rows()` (e.g. to refresh full copies)."""
-
-    # The group whose ranks own disjoint rows (None: whole parameters everywhere).
-    shard: CommGroup | None = None
 
     def full_gradients(self, comm: Comm) -> dict[str, torch.Tensor]:
         """Every logical parameter's gradient at its logical shape (gathered from the owning ranks), as
@@ -104,8 +105,6 @@ class DataParallelEngine:
                 for g in parts
             ]
         )
-
-    norm_group: CommGroup | None = None
 
     def scale_grads_(self, coef: torch.Tensor) -> None:
         grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
