@@ -11,9 +11,12 @@ import math
 import platform
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from meshtron.config import ModelConfig
 
 RESULTS_TITLE = "# meshtron benchmark results"
 
@@ -105,3 +108,32 @@ def write_results(path: Path, section_title: str, section: str, results_title: s
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The benchmarked Llama's size (dense, untied head)."""
+
+    dim: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    ffn: int = 688
+    vocab: int = 4096
+    seq: int = 128
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            dim=self.dim,
+            n_layers=self.layers,
+            n_heads=self.heads,
+            n_kv_heads=self.kv_heads,
+            ffn_dim=self.ffn,
+            vocab_size=self.vocab,
+        )
+
+    def model_text(self) -> str:
+        return (
+            f"dim {self.dim}, {self.layers} layers, {self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, "
+            f"vocab {self.vocab}, seq {self.seq}"
+        )

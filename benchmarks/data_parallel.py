@@ -63,11 +63,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import allocation_peak, cpu_model, median_ci, mib, ms, quantile, storage_bytes, write_results
+from common import (
+    ModelShape,
+    allocation_peak,
+    cpu_model,
+    median_ci,
+    mib,
+    ms,
+    quantile,
+    storage_bytes,
+    write_results,
+)
 from torch import nn
 
 from meshtron.comm import Comm
-from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
@@ -94,30 +103,12 @@ IMPLEMENTATIONS: dict[str, str | None] = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    dim: int = 256
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 4
-    ffn: int = 688
-    vocab: int = 4096
-    seq: int = 128
+class Shape(ModelShape):
     batch_per_rank: int = 2
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            dim=self.dim,
-            n_layers=self.layers,
-            n_heads=self.heads,
-            n_kv_heads=self.kv_heads,
-            ffn_dim=self.ffn,
-            vocab_size=self.vocab,
-        )
 
     def text(self) -> str:
         return (
-            f"dim {self.dim}, {self.layers} layers, {self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, "
-            f"vocab {self.vocab}, seq {self.seq}, {self.batch_per_rank} sequences per rank "
+            f"{self.model_text()}, {self.batch_per_rank} sequences per rank "
             f"({WORLD * self.batch_per_rank} global)"
         )
 

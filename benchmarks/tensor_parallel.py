@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import allocation_peak, cpu_model, mib, ms, quantile, storage_bytes, write_results
+from common import ModelShape, allocation_peak, cpu_model, mib, ms, quantile, storage_bytes, write_results
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -102,31 +102,12 @@ IMPLS = ("meshtron", "torch", "torch-shared")
 
 
 @dataclass(frozen=True)
-class Shape:
-    dim: int = 256
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 4  # divisible by tp=4, so both sides split the key/value heads
-    ffn: int = 688
-    vocab: int = 4096
+class Shape(ModelShape):
     seq: int = 256
-    batch: int = 4
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            dim=self.dim,
-            n_layers=self.layers,
-            n_heads=self.heads,
-            n_kv_heads=self.kv_heads,
-            ffn_dim=self.ffn,
-            vocab_size=self.vocab,
-        )
+    batch: int = 4  # kv_heads=4 is divisible by tp=4, so both sides split the key/value heads
 
     def text(self) -> str:
-        return (
-            f"dim {self.dim}, {self.layers} layers, {self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, "
-            f"vocab {self.vocab} (untied head), seq {self.seq}, batch {self.batch} (replicated over tp)"
-        )
+        return f"{self.model_text()}, untied head, batch {self.batch} (replicated over tp)"
 
 
 def variant_name(impl: str, sp: bool) -> str:
