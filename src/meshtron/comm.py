@@ -241,6 +241,11 @@ class Comm:
         self.stats.record(group.name, "send", _nbytes(x))
         self.wait(dist.isend(x.contiguous(), dst=group.ranks[dst], group=group.process_group), "send", group)
 
+    def isend(self, x: torch.Tensor, group: CommGroup, dst: int) -> Pending:
+        """Non-blocking send; keep `x` alive until the returned handle has been waited on."""
+        self.stats.record(group.name, "send", _nbytes(x))
+        return Pending(self, dist.isend(x, dst=group.ranks[dst], group=group.process_group), "send", group)
+
     def recv(
         self,
         shape: torch.Size | tuple[int, ...],

@@ -191,7 +191,11 @@ def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimiz
 
 
 def clip_grad_norm_(
-    engine: DataParallelEngine, max_norm: float, comm: Comm, tp_plan: TensorParallelPlan | None = None
+    engine: DataParallelEngine,
+    max_norm: float,
+    comm: Comm,
+    tp_plan: TensorParallelPlan | None = None,
+    pp: CommGroup | None = None,
 ) -> torch.Tensor:
     """Global gradient norm with every element counted once however it is sharded or split; scales the
     gradients in place when it exceeds max_norm (max_norm <= 0: no clipping). Returns the norm."""
@@ -203,6 +207,8 @@ def clip_grad_norm_(
         comm.all_reduce_(parts, engine.norm_group)
     if tp_plan is not None:
         comm.all_reduce_(parts[:1], tp_plan.tp)
+    if pp is not None:  # pipeline stages hold disjoint parameters
+        comm.all_reduce_(parts, pp)
     norm = parts.sum().sqrt()
     if max_norm > 0:
         engine.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))

@@ -27,6 +27,7 @@ from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.pipeline.runtime import PipelineRuntime
 from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
@@ -69,16 +70,26 @@ DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
 
 def ensure_implemented(cfg: Config, dims: ParallelDims) -> None:
     """Layouts the config accepts but this version cannot run yet are refused before any work starts."""
-    missing = {"cp": "context parallel", "pp": "pipeline parallel", "ep": "expert parallel"}
+    missing = {"cp": "context parallel", "ep": "expert parallel"}
     problems = [
         f"parallel.{dim}={dims.size(dim)}: {what} is not implemented yet; use parallel.{dim}=1"
         for dim, what in missing.items()
         if dims.size(dim) > 1
     ]
-    if dims.tp > 1 and (cfg.checkpoint.every or cfg.checkpoint.resume):
+    if dims.pp > 1 and (dims.tp > 1 or dims.size("dp") > 1):
         problems.append(
-            "checkpoints are not implemented yet with parallel.tp > 1; set checkpoint.every=0 "
-            "and checkpoint.resume=false, or parallel.tp=1"
+            "pipeline parallel does not compose with tensor or data parallel yet; use "
+            "parallel.pp alone (tp=1, dp_replicate=1, dp_shard=1)"
+        )
+    if dims.pp > 1 and cfg.model.tie_embeddings:
+        problems.append(
+            "tied embeddings across pipeline stages are not implemented yet; set "
+            "model.tie_embeddings=false or parallel.pp=1"
+        )
+    if (dims.tp > 1 or dims.pp > 1) and (cfg.checkpoint.every or cfg.checkpoint.resume):
+        problems.append(
+            "checkpoints are not implemented yet with parallel.tp > 1 or parallel.pp > 1; set "
+            "checkpoint.every=0 and checkpoint.resume=false"
         )
     if problems:
         raise ConfigError(problems)
@@ -176,6 +187,11 @@ def parallelize(
     return engine, plan
 
 
+def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast over fp32 master weights, or nothing for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
 def micro_batch_loss(
     model: Transformer,
     inputs: torch.Tensor,
@@ -235,6 +251,10 @@ class Trainer:
 
         self.model = build_model(cfg.model, seed=t.seed, device=device)
         self.n_params = self.model.num_params()
+        self.pipeline = None
+        if self.dims.pp > 1:  # prunes the model to this rank's chunks before anything else sees it
+            p = cfg.parallel
+            self.pipeline = PipelineRuntime(self.model, comm, mesh.group("pp"), p.vpp, p.pp_schedule)
         self.engine, self.tp_plan = parallelize(self.model, self.rt, cfg)
         if self.tp_plan is None:
             self.token_loss = cross_entropy_per_token
@@ -258,6 +278,16 @@ class Trainer:
         micro_batches = self.sampler.next_micro_batches(
             self.dataset, self.dp.rank, self.dp.size, t.micro_batch
         )
+        if self.pipeline is not None:
+            self.engine.prepare_micro_batch(is_last=True)
+            loss_sum = self.pipeline.run(
+                micro_batches,
+                self.global_tokens,
+                self.token_loss,
+                partial(autocast_context, self.device, t.dtype),
+            )
+            self.engine.finish_gradients()
+            return self.comm.all_reduce_(loss_sum, self.rt.mesh.group("pp"))
         for index, (inputs, targets) in enumerate(micro_batches):
             self.engine.prepare_micro_batch(is_last=index == len(micro_batches) - 1)
             loss, ce = micro_batch_loss(
@@ -281,7 +311,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.compute_gradients()
-        grad_norm = clip_grad_norm_(self.engine, t.grad_clip, self.comm, self.tp_plan)
+        grad_norm = clip_grad_norm_(
+            self.engine, t.grad_clip, self.comm, self.tp_plan, self.rt.mesh.group("pp")
+        )
         self.optimizer.step()
         self.engine.after_step()
         self.engine.zero_grad()
