@@ -49,3 +49,24 @@ def test_moe_pipeline_matches_single_device(workers, schedule):
     ]
     results = workers(2).run(run_layout, [*TINY, *MOE, *layout])
     assert_parity(merged(results), reference(workers, MOE, micro_batch=2))
+
+
+@pytest.mark.parametrize(
+    "data_parallel",
+    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=1"]],
+    ids=["ddp", "zero1"],
+)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_with_data_parallel(workers, schedule, data_parallel):
+    model = ["--model.n_layers=8"]
+    vpp = 2 if schedule == "interleaved" else 1
+    layout = [
+        "--parallel.pp=2",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.vpp={vpp}",
+        "--training.micro_batch=2",
+        *data_parallel,
+    ]
+    results = workers(4).run(run_layout, [*TINY, *model, *layout])
+    # pp is the outermost mesh dim: ranks 0 and 1 hold the first stage, 2 and 3 the second.
+    assert_parity(merged([results[0], results[2]]), reference(workers, model))

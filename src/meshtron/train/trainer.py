@@ -76,10 +76,10 @@ def ensure_implemented(cfg: Config, dims: ParallelDims) -> None:
         for dim, what in missing.items()
         if dims.size(dim) > 1
     ]
-    if dims.pp > 1 and (dims.tp > 1 or dims.size("dp") > 1):
+    if dims.pp > 1 and (dims.tp > 1 or (dims.dp_shard > 1 and cfg.parallel.zero != 1)):
         problems.append(
-            "pipeline parallel does not compose with tensor or data parallel yet; use "
-            "parallel.pp alone (tp=1, dp_replicate=1, dp_shard=1)"
+            "pipeline parallel composes with DDP (dp_replicate) and ZeRO-1 (dp_shard with zero=1) so "
+            "far, not yet with tensor parallel, ZeRO-2 or ZeRO-3"
         )
     if dims.pp > 1 and cfg.model.tie_embeddings:
         problems.append(
@@ -279,7 +279,8 @@ class Trainer:
             self.dataset, self.dp.rank, self.dp.size, t.micro_batch
         )
         if self.pipeline is not None:
-            self.engine.prepare_micro_batch(is_last=True)
+            # A parameter's gradient is complete only after its chunk's last backward: reduce at the end.
+            self.engine.prepare_micro_batch(is_last=False)
             loss_sum = self.pipeline.run(
                 micro_batches,
                 self.global_tokens,
