@@ -1,9 +1,12 @@
 """Pipeline parallel runtime against the single-device run (tolerances in parity.py): every schedule,
-pp in {2, 4}, micro-batches equal to pp and to 2·pp, vpp=2 for interleaved, the MoE model."""
+pp in {2, 4}, micro-batches equal to pp and to 2·pp, vpp=2 for interleaved, the MoE model, tied
+embeddings, uneven layer splits, and pipeline composed with DDP, ZeRO-1/2/3 and tensor (+ sequence)
+parallel."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from parity import TINY, assert_parity, reference, run_layout
 
 MOE = ["--model.name=tiny-moe", "--model.n_layers=4"]
@@ -17,10 +20,14 @@ CASES = [
 
 
 def merged(results: list[dict]) -> dict:
-    """Each pipeline rank holds different parameters: their gradients together are the whole model's."""
+    """Each pipeline rank holds different parameters: their gradients together are the whole model's.
+    A parameter two stages hold (the tied embedding) must have the same gradient on both."""
     grads = {}
     for r in results:
-        grads.update(r["grads"])
+        for name, grad in r["grads"].items():
+            if name in grads:
+                assert torch.equal(grads[name], grad), f"{name}: the stages' copies differ"
+            grads[name] = grad
     return {**results[-1], "grads": grads}
 
 
@@ -70,3 +77,87 @@ def test_pipeline_with_data_parallel(workers, schedule, data_parallel):
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     # pp is the outermost mesh dim: ranks 0 and 1 hold the first stage, 2 and 3 the second.
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
+
+
+@pytest.mark.parametrize("pp, schedule", [(2, "1f1b"), (4, "zero_bubble"), (4, "interleaved")])
+def test_tied_embeddings_across_first_and_last_stage(workers, pp, schedule):
+    """The embedding (first stage) and the head (last stage) share one matrix: its gradient is the sum of
+    both stages' parts, and the two copies stay equal step after step (the losses would drift if not)."""
+    model = ["--model.n_layers=8", "--model.tie_embeddings=true"]
+    vpp = 2 if schedule == "interleaved" else 1
+    layout = [
+        f"--parallel.pp={pp}",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.vpp={vpp}",
+        "--parallel.dp_shard=1",
+        "--training.micro_batch=2",
+    ]
+    results = workers(pp).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged(results), reference(workers, model))
+
+
+def test_explicit_and_weighted_layer_splits(workers):
+    model = ["--model.n_layers=8"]
+    for split in (
+        ["--parallel.pp_layers=[1, 7]"],
+        ["--parallel.pp_embedding_layers=1", "--parallel.pp_head_layers=2"],
+    ):
+        layout = ["--parallel.pp=2", "--parallel.dp_shard=1", "--training.micro_batch=2", *split]
+        results = workers(2).run(run_layout, [*TINY, *model, *layout])
+        assert_parity(merged(results), reference(workers, model))
+
+
+@pytest.mark.parametrize(
+    "zero, schedule", [(2, "1f1b"), (2, "zero_bubble"), (3, "1f1b"), (3, "interleaved"), (3, "zero_bubble")]
+)
+def test_pipeline_with_sharded_data_parallel(workers, zero, schedule):
+    """ZeRO-2 reduce-scatters every micro-batch's gradients as each chunk's backward produces them; ZeRO-3
+    gathers each block's parameters per forward and backward of every micro-batch (and the stage's
+    embedding or head with the chunk that holds them)."""
+    model = ["--model.n_layers=8"]
+    vpp = 2 if schedule == "interleaved" else 1
+    layout = [
+        "--parallel.pp=2",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.vpp={vpp}",
+        "--parallel.dp_shard=2",
+        f"--parallel.zero={zero}",
+        "--training.micro_batch=2",
+    ]
+    results = workers(4).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_with_tensor_parallel(workers, schedule, sp):
+    """Each stage is tensor parallel over 2 ranks; with sequence parallel the activations passed between
+    stages hold half the sequence."""
+    model = ["--model.n_layers=8"]
+    vpp = 2 if schedule == "interleaved" else 1
+    layout = [
+        "--parallel.pp=2",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.vpp={vpp}",
+        "--parallel.tp=2",
+        f"--parallel.sp={str(sp).lower()}",
+        "--parallel.dp_shard=1",
+        "--training.micro_batch=2",
+    ]
+    results = workers(4).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+
+
+def test_pipeline_tensor_parallel_tied_zero3(workers):
+    """Everything at once on 8 ranks: pp 2 x ZeRO-3 2 x tp 2 with sequence parallel, tied embeddings, MoE."""
+    model = [*MOE, "--model.tie_embeddings=true"]
+    layout = [
+        "--parallel.pp=2",
+        "--parallel.tp=2",
+        "--parallel.sp=true",
+        "--parallel.dp_shard=2",
+        "--parallel.zero=3",
+        "--training.micro_batch=2",
+    ]
+    results = workers(8).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged([results[0], results[4]]), reference(workers, model, micro_batch=2))

@@ -108,6 +108,11 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     vpp: int = 1
+    # Transformer layers of each pipeline chunk (pp*vpp entries, in chunk order); empty: balanced, with
+    # the embedding and the head + loss counted as pp_embedding_layers / pp_head_layers layers of work.
+    pp_layers: list[int] = field(default_factory=list)
+    pp_embedding_layers: float = 0.0
+    pp_head_layers: float = 0.0
     ep: int = 1
 
 
@@ -567,11 +572,19 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             "use cp_impl=ring"
         )
     stages = p.pp * p.vpp
-    if m.n_layers < stages:
+    if p.pp_layers:
+        if len(p.pp_layers) != stages or any(n < 1 for n in p.pp_layers) or sum(p.pp_layers) != m.n_layers:
+            problems.append(
+                f"parallel.pp_layers={p.pp_layers} must give pp*vpp={stages} positive layer counts "
+                f"adding up to model.n_layers={m.n_layers}"
+            )
+    elif m.n_layers < stages:
         problems.append(
             f"model.n_layers={m.n_layers} cannot fill pp*vpp={stages} pipeline chunks; "
             f"use pp*vpp <= {m.n_layers}"
         )
+    if p.pp_embedding_layers < 0 or p.pp_head_layers < 0:
+        problems.append("parallel.pp_embedding_layers and parallel.pp_head_layers must be >= 0")
     if p.vpp > 1 and p.pp_schedule != "interleaved":
         problems.append(f"parallel.vpp={p.vpp} needs parallel.pp_schedule='interleaved'")
     if p.pp_schedule == "interleaved" and p.pp > 1 and p.vpp < 2:

@@ -35,6 +35,8 @@ FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     }
 )
+# The first and the last stage of each pipeline, which share tied embedding weights.
+PP_ENDS = "pp_ends"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class ParallelDims:
         return self.dp_shard * self.cp // self.ep
 
     def size(self, dim: str) -> int:
+        if dim == PP_ENDS:
+            return min(self.pp, 2)
         if dim in FLAT_DIMS:
             return int(np.prod([getattr(self, d) for d in FLAT_DIMS[dim]]))
         return getattr(self, dim)
@@ -98,6 +102,8 @@ class ParallelDims:
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of `dim`: lists of ranks that differ only in their `dim` coordinate(s)."""
+        if dim == PP_ENDS:
+            return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
         if dim in DENSE_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
         elif dim in ("ep", "edp"):
@@ -234,6 +240,11 @@ class ParallelMesh:
         self.world = DeviceMesh(device_type, torch.as_tensor(dims.dense_grid), mesh_dim_names=DENSE_DIMS)
         self.expert = DeviceMesh(device_type, torch.as_tensor(dims.expert_grid), mesh_dim_names=EXPERT_DIMS)
         self._flat = {name: self.world[parts]._flatten(name) for name, parts in FLAT_DIMS.items()}
+        # Not a mesh dim (it skips the middle stages), so a plain process group; every rank takes part
+        # in creating all of them, and a middle stage belongs to none.
+        self._pp_ends = None
+        if dims.pp > 2:
+            self._pp_ends, _ = dist.new_subgroups_by_enumeration(dims.groups(PP_ENDS))
 
     def close(self) -> None:
         """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
@@ -244,6 +255,8 @@ class ParallelMesh:
         for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
+        if self._pp_ends is not None:
+            groups[id(self._pp_ends)] = self._pp_ends
         for group in groups.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -256,6 +269,12 @@ class ParallelMesh:
 
     def group(self, dim: str) -> CommGroup:
         """The named group of `dim` containing this rank, as the comm layer takes it."""
+        if dim == PP_ENDS:
+            if self.dims.pp <= 2:  # the ends are the whole pipeline
+                return CommGroup(dim, tuple(self.ranks("pp")), self.mesh("pp").get_group())
+            if self._pp_ends is None:
+                raise ValueError(f"rank {self.rank} is on a middle pipeline stage: it has no {PP_ENDS} group")
+            return CommGroup(dim, tuple(self.ranks(dim)), self._pp_ends)
         return CommGroup(dim, tuple(self.ranks(dim)), self.mesh(dim).get_group())
 
     def size(self, dim: str) -> int:

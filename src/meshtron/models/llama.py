@@ -145,13 +145,20 @@ class Transformer(nn.Module):
             h, block_aux = block(h, cos, sin)
             if block_aux is not None:
                 aux_loss = aux_loss + block_aux
-        h = self.norm(h)
-        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        logits = output_logits(h, self.norm, self.output, self.tok_embeddings)
         return (logits, aux_loss) if return_aux else logits
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())
         return total - self.tok_embeddings.weight.numel() if exclude_embedding else total
+
+
+def output_logits(
+    h_BSD: torch.Tensor, norm: nn.Module, output: nn.Module | None, tok_embeddings: nn.Module
+) -> torch.Tensor:
+    """Final norm, then the output head, or the embedding matrix when the two are tied."""
+    h_BSD = norm(h_BSD)
+    return F.linear(h_BSD, tok_embeddings.weight) if output is None else output(h_BSD)
 
 
 def parameter_seed(seed: int, name: str) -> int:

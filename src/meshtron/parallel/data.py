@@ -88,14 +88,16 @@ class DataParallelEngine:
         """Wait for every reduction; afterwards the optimizer params' `.grad` hold the global gradient."""
         raise NotImplementedError
 
-    def grad_norm_sq_parts(self, whole_on_every_tp_rank: frozenset[str] = frozenset()) -> torch.Tensor:
+    def grad_norm_sq_parts(
+        self, whole_on_every_tp_rank: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()
+    ) -> torch.Tensor:
         """[split, whole]: sums of squares of the gradient elements this rank owns (each owned by one rank
         of `norm_group`), for parameters split over tensor parallel ranks and for those every tp rank
-        holds whole (and so must be counted once, not tp times)."""
+        holds whole (and so must be counted once, not tp times). Parameters in `skip` are left out."""
         parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for entry in self.owned_rows():
             grad = entry.param.grad
-            if grad is None:
+            if grad is None or entry.name in skip:
                 continue
             local = grad.to_local() if hasattr(grad, "to_local") else grad[: entry.rows]
             parts[entry.name in whole_on_every_tp_rank].append(local)
@@ -150,15 +152,15 @@ class BucketedEngine(DataParallelEngine):
         self.launch_log: list[int] = []
         self._ready_total = 0
         for index, bucket in enumerate(self.buckets):
-            bucket.ready = 0
+            bucket.ready, bucket.launched = 0, False
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
 
     def _start_micro_batch(self, sync: bool) -> None:
+        """`sync`: count the gradients of the coming backward towards launching their buckets. Counts
+        persist until a bucket launches, so a pipeline stage can sync one chunk's buckets at a time."""
         self.sync = sync
         self._ready_total = 0
-        for bucket in self.buckets:
-            bucket.ready = 0
 
     def _on_grad_ready(self, index: int) -> None:
         if not self.sync:
@@ -168,7 +170,16 @@ class BucketedEngine(DataParallelEngine):
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self.launch_log.append(len(self.params) - self._ready_total)
+            bucket.ready = 0
+            bucket.launched = True
             self._launch(bucket)
+
+    def _needs_final_launch(self, bucket: Any) -> bool:
+        """At the end of the step: a bucket some of whose parameters got no gradient (or none did) was
+        not launched from the hooks; launch it now so that every rank runs the same collectives."""
+        needed = bucket.ready > 0 or not bucket.launched
+        bucket.ready, bucket.launched = 0, False
+        return needed
 
     def _launch(self, bucket: Any) -> None:
         raise NotImplementedError
@@ -224,7 +235,7 @@ class DistributedDataParallel(BucketedEngine):
 
     def finish_gradients(self) -> None:
         for bucket in self.buckets:
-            if bucket.pending is None:  # some parameter got no gradient this step (unused)
+            if self._needs_final_launch(bucket):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.pending.wait()

@@ -54,7 +54,8 @@ class FSDPUnit:
             p.untyped_storage().resize_(0)
         self.gathering: tuple[Pending, torch.Tensor] | None = None
         self.unsharded = False
-        self.ready = 0
+        self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
+        self.reduced = False  # reduced at least once this step
         self.reducing: list[tuple[Pending, torch.Tensor]] = []
 
     def start_gather(self, comm: Comm, shard: CommGroup) -> None:
@@ -96,7 +97,10 @@ class FullyShardedDataParallel(DataParallelEngine):
         reduce_dtype: torch.dtype = torch.float32,
         reshard_after_forward: bool = True,
         shard_mesh: Any = None,
+        root: nn.Module | None = None,
     ):
+        """`root`: the module whose forward uses the parameters outside `blocks` (embedding, final norm,
+        head): the model itself, or under pipeline parallel the stage's chunk that holds them."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.shard_mesh = shard_mesh
         self.norm_group = shard
@@ -106,11 +110,17 @@ class FullyShardedDataParallel(DataParallelEngine):
         named: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
         for name, p in model.named_parameters():
             named[block_of.get(id(p), -1) + 1].append((name, p))
-        self.units = [
-            FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype) for group in named
+        # A middle pipeline stage has no root parameters, and so no root unit.
+        modules = [
+            (module, group)
+            for module, group in zip([model if root is None else root, *blocks], named, strict=True)
+            if group
         ]
-        modules = [model, *blocks]
-        for index, (module, unit) in enumerate(zip(modules, self.units, strict=True)):
+        self.has_root = bool(named[0])
+        self.units = [
+            FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype) for _, group in modules
+        ]
+        for index, ((module, _), unit) in enumerate(zip(modules, self.units, strict=True)):
             module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
             module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
             for p in unit.params:
@@ -120,6 +130,8 @@ class FullyShardedDataParallel(DataParallelEngine):
         return self.units[index + 1] if index + 1 < len(self.units) else None
 
     def _next_in_backward(self, index: int) -> FSDPUnit | None:
+        if not self.has_root:
+            return self.units[index - 1] if index > 0 else None
         if index == 0:
             return self.units[-1] if len(self.units) > 1 else None  # after the head: the last block
         return self.units[index - 1] if index > 1 else None  # block 0 is followed by the root, gathered
@@ -150,6 +162,7 @@ class FullyShardedDataParallel(DataParallelEngine):
         unit = self.units[index]
         unit.ready += 1
         if unit.ready == len(unit.params):
+            unit.ready, unit.reduced = 0, True
             self._reduce(unit)
 
     def _reduce(self, unit: FSDPUnit) -> None:
@@ -181,15 +194,17 @@ class FullyShardedDataParallel(DataParallelEngine):
         ]
 
     def prepare_micro_batch(self, is_last: bool) -> None:
-        self._collect()
-        for unit in self.units:
-            unit.ready = 0
+        self._collect()  # every micro-batch is reduced as its backward goes; fold in the previous one
 
     def finish_gradients(self) -> None:
         for unit in self.units:
-            if unit.ready < len(unit.params):  # some parameter got no gradient: reduce what there is
+            if unit.ready > 0 or not unit.reduced:  # some parameter got no gradient: reduce what there is
                 self._reduce(unit)
+            unit.ready, unit.reduced = 0, False
             unit.reshard()
+            if unit.gathering is not None:  # a prefetch nothing used: it holds pre-step values
+                unit.gathering[0].wait()
+                unit.gathering = None
         self._collect()
         for unit in self.units:
             self.comm.all_reduce_(unit.grad_flat, self.replicate)

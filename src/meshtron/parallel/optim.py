@@ -124,8 +124,9 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def finish_gradients(self) -> None:
         for bucket in self.buckets:
-            if bucket.pending is None and (self.stage == 1 or bucket.ready < len(bucket.params)):
-                self._launch(bucket)  # some parameter got no gradient this step
+            if self._needs_final_launch(bucket):
+                self._collect()  # stage 2: the bucket's earlier reduction first
+                self._launch(bucket)
         self._collect()
         for bucket in self.buckets:
             if self.stage == 2:
@@ -196,13 +197,15 @@ def clip_grad_norm_(
     comm: Comm,
     tp_plan: TensorParallelPlan | None = None,
     pp: CommGroup | None = None,
+    counted_elsewhere: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Global gradient norm with every element counted once however it is sharded or split; scales the
-    gradients in place when it exceeds max_norm (max_norm <= 0: no clipping). Returns the norm."""
+    gradients in place when it exceeds max_norm (max_norm <= 0: no clipping). Returns the norm.
+    `counted_elsewhere`: parameters this rank holds a copy of that another pipeline stage counts."""
     whole = frozenset()
     if tp_plan is not None:
         whole = frozenset(e.name for e in engine.owned_rows() if e.name not in tp_plan.split_dims)
-    parts = engine.grad_norm_sq_parts(whole)
+    parts = engine.grad_norm_sq_parts(whole, counted_elsewhere)
     if engine.norm_group is not None:
         comm.all_reduce_(parts, engine.norm_group)
     if tp_plan is not None:

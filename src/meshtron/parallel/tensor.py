@@ -258,7 +258,8 @@ def apply_tensor_parallel(
                 replicated_partial,
             )
 
-    entering_norm(model.norm, "norm")
+    if model.norm is not None:  # absent on pipeline stages without the head
+        entering_norm(model.norm, "norm")
     padded_vocab = math.ceil(cfg.vocab_size / n) * n
     rows_per_rank = padded_vocab // n
     plan.vocab_start = r * rows_per_rank
@@ -269,10 +270,11 @@ def apply_tensor_parallel(
         padded[: cfg.vocab_size] = weight.detach()
         return padded[plan.vocab_start : plan.vocab_start + rows_per_rank].clone()
 
-    model.tok_embeddings = VocabParallelEmbedding(
-        vocab_shard(model.tok_embeddings.weight), plan.vocab_start, exit_
-    )
-    plan.split_dims["tok_embeddings.weight"] = (0, cfg.vocab_size)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(
+            vocab_shard(model.tok_embeddings.weight), plan.vocab_start, exit_
+        )
+        plan.split_dims["tok_embeddings.weight"] = (0, cfg.vocab_size)
     if model.output is not None:
         model.output.weight = nn.Parameter(vocab_shard(model.output.weight))
         plan.split_dims["output.weight"] = (0, cfg.vocab_size)

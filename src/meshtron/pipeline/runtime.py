@@ -1,9 +1,20 @@
 """Pipeline runtime: executes this rank's action list from schedules.py on real tensors.
 
 The model is built whole (so every parameter starts from its layout-independent value) and pruned to
-the chunks this rank holds. A forward keeps what its backward needs (the chunk's output, the received
-input); sends are non-blocking and waited on at the end of the step; receives block. Each micro-batch's
-loss is divided by the global token count, so the sum over micro-batches is the step's mean loss.
+the chunks this rank holds (`keep_rank_chunks`) before tensor parallel shards what is left. Each chunk
+is a `PipelineChunk` module over the model's own blocks, so data-parallel hooks (FSDP gathers) fire
+around it. A forward keeps what its backward needs (the chunk's output, the received input); sends are
+non-blocking and waited on at the end of the step; receives block. Each micro-batch's loss is divided by
+the global token count, so the sum over micro-batches is the step's mean loss.
+
+Gradient synchronisation: before every action that accumulates parameter gradients the runtime calls
+`before_grads(is_last)`, `is_last` being true for the chunk's last such action of the step, which is
+what the data-parallel engines take as "the last micro-batch" (DDP and ZeRO-1 then reduce that chunk's
+buckets while the pipeline goes on; ZeRO-2/3 reduce every micro-batch anyway).
+
+Tied embeddings: the first stage (embedding) and the last (head) each hold a copy of the one matrix;
+after the step's backward their gradients are summed over the `pp_ends` group (`sum_tied_gradients`),
+so the two copies take identical optimizer steps and stay equal.
 
 With the zero-bubble schedule, B computes only the gradient of the chunk's input (keeping the graph)
 and W the parameters' gradients from the same graph; here W runs autograd through the chunk a second
@@ -12,55 +23,109 @@ time, restricted to the parameters, so the split costs compute (a true per-op sp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.models.llama import Transformer, rope_cos_sin
-from meshtron.pipeline.schedules import build_schedule
-from meshtron.pipeline.split import chunks_of_rank, split_layers
+from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
+from meshtron.parallel.data import DataParallelEngine
+from meshtron.pipeline.schedules import Action, build_schedule
+from meshtron.pipeline.split import chunks_of_rank
+
+TIED_WEIGHT = "tok_embeddings.weight"
+
+
+def keep_rank_chunks(model: Transformer, chunks: list[int], layer_split: list[list[int]]) -> None:
+    """Delete every block, and the embedding / final norm / head, that none of `chunks` uses. The last
+    chunk keeps the embedding module when the head is tied to it (its weight is the head's)."""
+    last = len(layer_split) - 1
+    keep = {str(i) for c in chunks for i in layer_split[c]}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    if 0 not in chunks and not (model.cfg.tie_embeddings and last in chunks):
+        model.tok_embeddings = None
+    if last not in chunks:
+        model.norm = None
+        model.output = None
+
+
+class PipelineChunk(nn.Module):
+    """One model chunk: a run of the model's blocks, with the embedding in front when it is the first
+    chunk and the final norm and head behind when it is the last (the model's own modules, grouped)."""
+
+    def __init__(self, model: Transformer, index: int, layers: list[int], n_chunks: int):
+        super().__init__()
+        self.index = index
+        self.is_first, self.is_last = index == 0, index == n_chunks - 1
+        self.blocks = nn.ModuleList([model.layers[str(i)] for i in layers])
+        tied_head = self.is_last and model.cfg.tie_embeddings
+        self.tok_embeddings = model.tok_embeddings if self.is_first or tied_head else None
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+        self.rope_inv_freq = model.rope_inv_freq
+
+    def forward(self, x: torch.Tensor, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, S] or activations [B, S, D]) -> (activations, or logits when last; summed MoE aux)."""
+        h = self.tok_embeddings(x) if self.is_first else x
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype)
+        aux = torch.zeros((), device=h.device)
+        for block in self.blocks:
+            h, block_aux = block(h, cos, sin)
+            if block_aux is not None:
+                aux = aux + block_aux
+        if self.is_last:
+            h = output_logits(h, self.norm, self.output, self.tok_embeddings)
+        return h, aux
+
+    def holds_non_block_params(self) -> bool:
+        return self.is_first or self.is_last
+
+
+def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) -> None:
+    """Add up the tied embedding/head gradient of the first and last stage (whatever rows of it this
+    rank owns: both stages shard the matrix the same way over data parallel)."""
+    for entry in engine.owned_rows():
+        if entry.name == TIED_WEIGHT and entry.param.grad is not None:
+            grad = entry.param.grad
+            comm.all_reduce_(grad.to_local() if hasattr(grad, "to_local") else grad, ends)
 
 
 class PipelineRuntime:
-    def __init__(self, model: Transformer, comm: Comm, pp: CommGroup, vpp: int, schedule: str):
+    def __init__(
+        self,
+        model: Transformer,
+        comm: Comm,
+        pp: CommGroup,
+        vpp: int,
+        schedule: str,
+        layer_split: list[list[int]],
+        seq_shards: int = 1,
+    ):
+        """`model` already pruned by `keep_rank_chunks(model, chunks_of_rank(...), layer_split)`;
+        `seq_shards`: activations between stages hold 1/seq_shards of the sequence (sequence parallel)."""
         self.model, self.comm, self.pp, self.vpp, self.schedule = model, comm, pp, vpp, schedule
+        self.seq_shards = seq_shards
         self.n_chunks = pp.size * vpp
-        self.chunks = chunks_of_rank(pp.rank, pp.size, vpp)
-        layers = split_layers(model.cfg.n_layers, self.n_chunks)
-        self.layers_of = {c: [str(i) for i in layers[c]] for c in self.chunks}
-        keep = {name for c in self.chunks for name in self.layers_of[c]}
-        for name in list(model.layers):
-            if name not in keep:
-                del model.layers[name]
-        if 0 not in self.chunks:
-            model.tok_embeddings = None
-        if self.n_chunks - 1 not in self.chunks:
-            model.norm = None
-            model.output = None
+        self.chunks = {
+            c: PipelineChunk(model, c, layer_split[c], self.n_chunks)
+            for c in chunks_of_rank(pp.rank, pp.size, vpp)
+        }
+        # Per compute action of the last step: (action, start, end) in seconds from the step's start.
+        self.timeline: list[tuple[Action, float, float]] = []
 
-    def chunk_params(self, chunk: int) -> list[nn.Parameter]:
-        model = self.model
-        modules: list[nn.Module] = [model.layers[name] for name in self.layers_of[chunk]]
-        if chunk == 0:
-            modules.append(model.tok_embeddings)
-        if chunk == self.n_chunks - 1:
-            modules += [model.norm, model.output]
-        return [p for m in modules for p in m.parameters()]
+    def boundary_chunk(self) -> PipelineChunk | None:
+        """The chunk of this rank holding the embedding or the head, if any (at most one when pp > 1)."""
+        return next((c for c in self.chunks.values() if c.holds_non_block_params()), None)
 
-    def chunk_forward(self, chunk: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model = self.model
-        h = model.tok_embeddings(x) if chunk == 0 else x
-        cos, sin = rope_cos_sin(model.rope_inv_freq, positions, h.dtype)
-        aux = torch.zeros((), device=h.device)
-        for name in self.layers_of[chunk]:
-            h, block_aux = model.layers[name](h, cos, sin)
-            if block_aux is not None:
-                aux = aux + block_aux
-        if chunk == self.n_chunks - 1:
-            h = model.output(model.norm(h))
-        return h, aux
+    def holds_tied_weight(self) -> bool:
+        return self.model.cfg.tie_embeddings and self.model.tok_embeddings is not None
+
+    def is_last_stage(self) -> bool:
+        return self.n_chunks - 1 in self.chunks
 
     def run(
         self,
@@ -68,22 +133,29 @@ class PipelineRuntime:
         global_tokens: int,
         token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         autocast: Callable[[], object],
+        before_grads: Callable[[bool], None] = lambda is_last: None,
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only)."""
         last = self.n_chunks - 1
         actions = build_schedule(self.pp.size, self.vpp, len(micro_batches), self.schedule)[self.pp.rank]
+        grad_kind = "W" if self.schedule == "zero_bubble" else "B"
+        last_grads = {a.chunk: i for i, a in enumerate(actions) if a.kind == grad_kind}
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
         ce_sum = torch.zeros(())
         tokens0, _ = micro_batches[0]
-        shape = (tokens0.shape[0], tokens0.shape[1], self.model.cfg.dim)
-        positions = torch.arange(tokens0.shape[1]).expand(tokens0.shape[0], -1)
-        for a in actions:
+        batch, seq = tokens0.shape
+        shape = (batch, seq // self.seq_shards, self.model.cfg.dim)
+        positions = torch.arange(seq).expand(batch, -1)
+        self.timeline = []
+        step_start = time.perf_counter()
+        for index, a in enumerate(actions):
             key = (a.chunk, a.mb)
             tokens, targets = micro_batches[a.mb]
+            start = time.perf_counter()
             if a.kind == "RECV_F":
                 inputs[key] = self.comm.recv(shape, torch.float32, "cpu", self.pp, a.peer).requires_grad_(
                     True
@@ -91,7 +163,7 @@ class PipelineRuntime:
             elif a.kind == "F":
                 x = tokens if a.chunk == 0 else inputs[key]
                 with autocast():
-                    out, aux = self.chunk_forward(a.chunk, x, positions)
+                    out, aux = self.chunks[a.chunk](x, positions)
                 share = targets.numel() / global_tokens
                 if a.chunk == last:
                     ce = token_loss(out, targets).sum() / global_tokens
@@ -111,6 +183,7 @@ class PipelineRuntime:
             elif a.kind == "B":
                 roots, grads = outputs[key]
                 if self.schedule != "zero_bubble":
+                    before_grads(last_grads[a.chunk] == index)
                     torch.autograd.backward(roots, grads)
                     outputs.pop(key)
                     if a.chunk > 0:
@@ -119,11 +192,15 @@ class PipelineRuntime:
                     (input_grads[key],) = torch.autograd.grad(roots, [inputs[key]], grads, retain_graph=True)
             elif a.kind == "W":
                 roots, grads = outputs.pop(key)
-                torch.autograd.backward(roots, grads, inputs=self.chunk_params(a.chunk))
+                before_grads(last_grads[a.chunk] == index)
+                params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+                torch.autograd.backward(roots, grads, inputs=params)
                 inputs.pop(key, None)
             elif a.kind == "SEND_B":
                 tensor = input_grads.pop(key).contiguous()
                 sends.append((self.comm.isend(tensor, self.pp, a.peer), tensor))
+            if a.kind in ("F", "B", "W"):
+                self.timeline.append((a, start - step_start, time.perf_counter() - step_start))
         for pending, _ in sends:
             pending.wait()
         return ce_sum

@@ -20,14 +20,15 @@ import torch.nn.functional as F
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config, ConfigError, TrainingConfig, check
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.mesh import PP_ENDS, ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.pipeline.runtime import PipelineRuntime
+from meshtron.pipeline.runtime import TIED_WEIGHT, PipelineRuntime, keep_rank_chunks, sum_tied_gradients
+from meshtron.pipeline.split import chunks_of_rank, split_layers
 from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
@@ -76,20 +77,15 @@ def ensure_implemented(cfg: Config, dims: ParallelDims) -> None:
         for dim, what in missing.items()
         if dims.size(dim) > 1
     ]
-    if dims.pp > 1 and (dims.tp > 1 or (dims.dp_shard > 1 and cfg.parallel.zero != 1)):
+    if dims.pp > 1 and dims.dp_shard > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
         problems.append(
-            "pipeline parallel composes with DDP (dp_replicate) and ZeRO-1 (dp_shard with zero=1) so "
-            "far, not yet with tensor parallel, ZeRO-2 or ZeRO-3"
+            "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
+            "with parallel.pp > 1"
         )
-    if dims.pp > 1 and cfg.model.tie_embeddings:
+    if dims.tp > 1 and (cfg.checkpoint.every or cfg.checkpoint.resume):
         problems.append(
-            "tied embeddings across pipeline stages are not implemented yet; set "
-            "model.tie_embeddings=false or parallel.pp=1"
-        )
-    if (dims.tp > 1 or dims.pp > 1) and (cfg.checkpoint.every or cfg.checkpoint.resume):
-        problems.append(
-            "checkpoints are not implemented yet with parallel.tp > 1 or parallel.pp > 1; set "
-            "checkpoint.every=0 and checkpoint.resume=false"
+            "checkpoints are not implemented yet with parallel.tp > 1; set checkpoint.every=0 and "
+            "checkpoint.resume=false"
         )
     if problems:
         raise ConfigError(problems)
@@ -145,34 +141,49 @@ def resume_if_asked(
 
 def parallelize(
     model: Transformer, rt: Runtime, cfg: Config
-) -> tuple[DataParallelEngine, TensorParallelPlan | None]:
-    """Apply the parallelisms in a fixed, visible order: tensor (+ sequence) parallel, then activation
-    recompute, then data parallel, which returns the engine the loop drives. dp_shard > 1 shards with
-    ZeRO-`zero` (hybrid with dp_replicate > 1); otherwise the replicas are DDP (a group of size 1 costs
-    nothing)."""
+) -> tuple[DataParallelEngine, TensorParallelPlan | None, PipelineRuntime | None]:
+    """Apply the parallelisms in a fixed, visible order: pipeline (keep this stage's chunks), tensor
+    (+ sequence) parallel, activation recompute, then data parallel, which returns the engine the loop
+    drives. dp_shard > 1 shards with ZeRO-`zero` (hybrid with dp_replicate > 1); otherwise the replicas
+    are DDP (a group of size 1 costs nothing)."""
     p, t = cfg.parallel, cfg.training
     comm, mesh = rt.comm, rt.mesh
-    tp = mesh.group("tp")
+    pp, tp = mesh.group("pp"), mesh.group("tp")
+    if pp.size > 1:
+        layer_split = split_layers(
+            cfg.model.n_layers,
+            pp.size * p.vpp,
+            p.pp_embedding_layers,
+            p.pp_head_layers,
+            p.pp_layers or None,
+        )
+        keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp), layer_split)
     plan = apply_tensor_parallel(model, comm, tp, p.sp) if tp.size > 1 else None
     apply_recompute(model, t.recompute)
+    pipeline = None
+    if pp.size > 1:
+        seq_shards = tp.size if p.sp else 1
+        pipeline = PipelineRuntime(model, comm, pp, p.vpp, p.pp_schedule, layer_split, seq_shards)
 
     shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
     reduce_dtype = DTYPES[p.reduce_dtype]
     bucket_bytes = int(p.bucket_mb * 2**20)
     if shard.size == 1:
-        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype), plan
+        engine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype)
+        return engine, plan, pipeline
     if p.zero in (1, 2):
         engine = ZeroShardedOptimizer(
             model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh("dp_shard")
         )
-        return engine, plan
+        return engine, plan, pipeline
     blocks = list(model.layers.values())
     param_dtype = DTYPES[t.dtype]
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", "dp_shard"] if replicate.size > 1 else mesh.mesh("dp_shard")
-        return TorchFSDP(
+        engine = TorchFSDP(
             model, blocks, device_mesh, shard, param_dtype, reduce_dtype, p.reshard_after_forward
-        ), plan
+        )
+        return engine, plan, pipeline
     engine = FullyShardedDataParallel(
         model,
         blocks,
@@ -183,8 +194,9 @@ def parallelize(
         reduce_dtype,
         p.reshard_after_forward,
         mesh.mesh("dp_shard"),
+        root=pipeline.boundary_chunk() if pipeline is not None else None,
     )
-    return engine, plan
+    return engine, plan, pipeline
 
 
 def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -251,11 +263,7 @@ class Trainer:
 
         self.model = build_model(cfg.model, seed=t.seed, device=device)
         self.n_params = self.model.num_params()
-        self.pipeline = None
-        if self.dims.pp > 1:  # prunes the model to this rank's chunks before anything else sees it
-            p = cfg.parallel
-            self.pipeline = PipelineRuntime(self.model, comm, mesh.group("pp"), p.vpp, p.pp_schedule)
-        self.engine, self.tp_plan = parallelize(self.model, self.rt, cfg)
+        self.engine, self.tp_plan, self.pipeline = parallelize(self.model, self.rt, cfg)
         if self.tp_plan is None:
             self.token_loss = cross_entropy_per_token
         else:
@@ -266,6 +274,11 @@ class Trainer:
         self.start_step = resume_if_asked(cfg, self.engine, self.optimizer, self.sampler)
 
         self.dp = self.rt.mesh.group("dp")
+        # The tied embedding's copy on the last stage is the first stage's: its norm counts once.
+        tied_copy = (
+            self.pipeline is not None and self.pipeline.holds_tied_weight() and self.pipeline.is_last_stage()
+        )
+        self.counted_elsewhere = frozenset({TIED_WEIGHT} if tied_copy else ())
         self.global_tokens = t.global_batch * t.seq_len
         self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
@@ -279,15 +292,16 @@ class Trainer:
             self.dataset, self.dp.rank, self.dp.size, t.micro_batch
         )
         if self.pipeline is not None:
-            # A parameter's gradient is complete only after its chunk's last backward: reduce at the end.
-            self.engine.prepare_micro_batch(is_last=False)
             loss_sum = self.pipeline.run(
                 micro_batches,
                 self.global_tokens,
                 self.token_loss,
                 partial(autocast_context, self.device, t.dtype),
+                before_grads=self.engine.prepare_micro_batch,
             )
             self.engine.finish_gradients()
+            if self.pipeline.holds_tied_weight():
+                sum_tied_gradients(self.engine, self.comm, self.rt.mesh.group(PP_ENDS))
             return self.comm.all_reduce_(loss_sum, self.rt.mesh.group("pp"))
         for index, (inputs, targets) in enumerate(micro_batches):
             self.engine.prepare_micro_batch(is_last=index == len(micro_batches) - 1)
@@ -313,7 +327,12 @@ class Trainer:
             group["lr"] = lr
         loss_sum = self.compute_gradients()
         grad_norm = clip_grad_norm_(
-            self.engine, t.grad_clip, self.comm, self.tp_plan, self.rt.mesh.group("pp")
+            self.engine,
+            t.grad_clip,
+            self.comm,
+            self.tp_plan,
+            self.rt.mesh.group("pp"),
+            self.counted_elsewhere,
         )
         self.optimizer.step()
         self.engine.after_step()
