@@ -123,32 +123,32 @@ def test_train_on_one_process(tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=3"]],
-    ids=["ddp", "zero3"],
+    [
+        ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"],
+        ["--parallel.dp_shard=2", "--parallel.zero=3"],
+        ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=zero_bubble"],
+    ],
+    ids=["ddp", "zero3", "pp"],
 )
 def test_train_nproc_agrees_with_one_process(tmp_path, layout):
-    nproc = 2
     common = [
         "--config",
         "configs/demo.toml",
         "--training.steps=3",
-        "--model.n_layers=1",
+        "--model.n_layers=2",
         "--training.seq_len=32",
         "--training.global_batch=4",
         "--training.micro_batch=1",
-        "--run.plot=false",
     ]
-    one = meshtron("train", *common, f"--run.dir={tmp_path / 'one'}")
-    many = meshtron(
-        "train",
-        *common,
-        f"--run.dir={tmp_path / 'many'}",
-        f"--nproc={nproc}",
-        f"--parallel.dp_replicate={nproc}",
-    )
+    one = meshtron("train", *common, "--run.plot=false", f"--run.dir={tmp_path / 'one'}")
+    many = meshtron("train", *common, *layout, f"--run.dir={tmp_path / 'many'}", "--nproc=2")
     assert one.returncode == 0, one.stderr
     assert many.returncode == 0, many.stderr
     read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     for a, b in zip(read("many"), read("one"), strict=True):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5
         assert a["comm_bytes"] > 0 and b["comm_bytes"] == 0
+    if "--parallel.pp=2" in layout:  # the measured timeline of the last step, next to its simulation
+        assert (tmp_path / "many" / "pipeline-timeline.png").exists()
+        assert "% measured" in many.stdout
+        assert all(0 < row["pp_bubble"] < 1 for row in read("many"))

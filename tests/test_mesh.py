@@ -17,6 +17,8 @@ def test_tp_is_innermost_and_pp_outermost():
     assert dims.groups("dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert dims.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1, "edp": 0, "ep": 0}
+    # Tied embeddings: the first and last stage of each pipeline, middle stages left out.
+    assert ParallelDims(pp=4, tp=2).groups("pp_ends") == [[0, 6], [1, 7]]
 
 
 def test_full_5d_layout_groups_partition_the_world():

@@ -5,9 +5,11 @@ parallel."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from parity import TINY, assert_parity, reference, run_layout
+from parity import TINY, assert_parity, reference, run_layout, train_rows
 
 MOE = ["--model.name=tiny-moe", "--model.n_layers=4"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -161,3 +163,25 @@ def test_pipeline_tensor_parallel_tied_zero3(workers):
     ]
     results = workers(8).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[4]]), reference(workers, model, micro_batch=2))
+
+
+def test_checkpoint_written_by_a_pipeline_resumes_on_other_layouts(workers, tmp_path):
+    """Save under pp 2 x ZeRO-3 2 with tied embeddings (both end stages hold the tied matrix: written
+    once); resume on one device and under pp 4 zero-bubble: each continues as the uninterrupted
+    single-device run does."""
+    base = [*TINY, "--model.n_layers=4", "--model.tie_embeddings=true", "--training.steps=6"]
+    saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
+    straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
+    pipeline = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]
+    first = [*base, *saving, *pipeline, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"]
+    assert [r["step"] for r in workers(4).run(train_rows, first)[0]] == [1, 2, 3]
+    for name, world, layout in [
+        ("single", 1, ["--parallel.dp_shard=1"]),
+        ("pp4", 4, ["--parallel.pp=4", "--parallel.pp_schedule=zero_bubble", "--parallel.dp_shard=1"]),
+    ]:
+        shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
+        resume = [*base, *saving, *layout, "--checkpoint.resume=true", f"--run.dir={tmp_path / name}"]
+        rows = workers(world).run(train_rows, [*resume, "--training.micro_batch=2"])[0]
+        assert [r["step"] for r in rows] == [4, 5, 6]
+        for got, want in zip(rows, straight[3:], strict=True):
+            assert abs(got["loss"] - want["loss"]) / want["loss"] <= 1e-5, (name, got["loss"], want["loss"])

@@ -259,6 +259,15 @@ class Comm:
         self.wait(dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group)
         return out
 
+    def all_gather_object(self, obj: Any, group: CommGroup) -> list[Any]:
+        """Every rank's picklable `obj`, in group order: for reports (timelines), not for the step's
+        tensors, and so not counted in the statistics."""
+        if group.size == 1:
+            return [obj]
+        out: list[Any] = [None] * group.size
+        dist.all_gather_object(out, obj, group=group.process_group)
+        return out
+
     def barrier(self, group: CommGroup) -> None:
         if group.size > 1:
             self.wait(dist.barrier(group=group.process_group, async_op=True), "barrier", group)

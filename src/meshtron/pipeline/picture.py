@@ -1,66 +1,107 @@
-"""Draw a pipeline timeline: ranks as rows, forward / backward / weight-gradient blocks with micro-batch
-numbers. The same function draws a simulated schedule and (later) a measured one."""
+"""Draw pipeline timelines: ranks as rows, forward / backward / weight-gradient blocks with micro-batch
+numbers. The same code draws a simulated schedule and one measured in a training run, stacked in panels
+over a shared time axis so the two can be compared."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from meshtron.pipeline.schedules import Action
+from meshtron.pipeline.schedules import Action, build_schedule, idle_fraction, simulate
 
 COLOURS = {"F": "#4c8bd6", "B": "#e0793a", "W": "#58a55c"}
+Timeline = list[list[tuple[Action, float, float]]]
 
 
-def draw_timeline(
-    timeline: list[list[tuple[Action, float, float]]], out_path: str | Path, title: str, vpp: int = 1
-) -> Path:
+def draw_timeline(timeline: Timeline, out_path: str | Path, title: str, vpp: int = 1) -> Path:
+    """One schedule, in units of one stage's forward."""
+    return draw_timelines([(timeline, title)], out_path, vpp, "time (units of one forward of a stage)")
+
+
+def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp: int, xlabel: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pp = len(timeline)
-    makespan = max((end for rank in timeline for _, _, end in rank), default=1.0)
-    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, makespan * 0.35)), 0.55 * pp + 1.3))
-    for r, rank in enumerate(timeline):
-        for action, start, end in rank:
-            # Later virtual chunks are drawn lighter, so interleaving is visible.
-            shade = 1.0 - 0.45 * (action.chunk // pp) / max(1, vpp - 1) if vpp > 1 else 1.0
-            ax.barh(
-                r,
-                end - start,
-                left=start,
-                height=0.8,
-                color=COLOURS[action.kind],
-                alpha=shade,
-                edgecolor="white",
-                linewidth=0.6,
-            )
-            if end - start >= 0.3:
-                ax.text(
-                    (start + end) / 2, r, str(action.mb), ha="center", va="center", fontsize=7, color="white"
-                )
-    ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (units of one forward of a stage)")
-    ax.set_xlim(0, makespan)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(
-        handles,
-        [
-            "forward",
-            "backward (input grad)"
-            if any(a.kind == "W" for rk in timeline for a, _, _ in rk)
-            else "backward",
-            "weight grad",
-        ],
-        loc="upper right",
-        fontsize=7,
-        ncol=3,
+    pp = len(panels[0][0])
+    makespan = max((end for timeline, _ in panels for rank in timeline for _, _, end in rank), default=1.0)
+    mean_block = sum(end - start for _, start, end in panels[0][0][0]) / max(1, len(panels[0][0][0]))
+    width = max(6.0, min(24.0, 0.35 * makespan / max(mean_block, 1e-12)))
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5), sharex=True, squeeze=False
     )
-    ax.set_title(title, fontsize=9)
+    split = any(a.kind == "W" for timeline, _ in panels for rank in timeline for a, _, _ in rank)
+    for ax, (timeline, title) in zip(axes[:, 0], panels, strict=True):
+        for r, rank in enumerate(timeline):
+            for action, start, end in rank:
+                # Later virtual chunks are drawn lighter, so interleaving is visible.
+                shade = 1.0 - 0.45 * (action.chunk // pp) / max(1, vpp - 1) if vpp > 1 else 1.0
+                ax.barh(
+                    r,
+                    end - start,
+                    left=start,
+                    height=0.8,
+                    color=COLOURS[action.kind],
+                    alpha=shade,
+                    edgecolor="white",
+                    linewidth=0.6,
+                )
+                if end - start >= 0.3 * mean_block:
+                    ax.text(
+                        (start + end) / 2,
+                        r,
+                        str(action.mb),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
+        ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+    axes[-1, 0].set_xlabel(xlabel)
+    axes[-1, 0].set_xlim(0, makespan)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    labels = ["forward", "backward (input grad)" if split else "backward", "weight grad"]
+    axes[0, 0].legend(handles, labels, loc="upper right", fontsize=7, ncol=3)
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
     return out_path
+
+
+def draw_measured_timeline(
+    measured: Timeline, schedule: str, vpp: int, microbatches: int, out_path: str | Path
+) -> tuple[Path, float, float]:
+    """A training step's real timeline (seconds from each rank's step start) above the simulation of the
+    same schedule with that step's mean forward / backward / weight-gradient times: what differs is the
+    communication and waiting the simulation leaves out. Returns (picture, measured bubble, simulated)."""
+    ms = [[(a, 1e3 * start, 1e3 * end) for a, start, end in rank] for rank in measured]
+    durations: dict[str, list[float]] = {}
+    split = any(a.kind == "W" for rank in ms for a, _, _ in rank)
+    for rank in ms:
+        for a, start, end in rank:
+            if not (split and a.kind == "B" and a.chunk == 0):  # nothing to do: the first chunk has no input
+                durations.setdefault(a.kind, []).append(end - start)
+    mean = {kind: sum(d) / len(d) for kind, d in durations.items()}
+    pp, cost_w = len(ms), mean.get("W", 0.0)
+    sim = simulate(
+        build_schedule(pp, vpp, microbatches, schedule),
+        mean["F"] * vpp,
+        (mean["B"] + cost_w) * vpp,
+        cost_w * vpp,
+        vpp,
+    )
+    bubble = idle_fraction(ms)
+    where = f"{schedule}, pp={pp}, vpp={vpp}, {microbatches} micro-batches"
+    costs = ", ".join(f"{kind} {t:.2f}" for kind, t in mean.items())
+    panels = [
+        (ms, f"measured ({where}): bubble {100 * bubble:.1f}%"),
+        (
+            sim.timeline,
+            f"simulated with the measured mean times per chunk (ms: {costs}): bubble {100 * sim.bubble_fraction:.1f}%",
+        ),
+    ]
+    return draw_timelines(panels, out_path, vpp, "time in the step (ms)"), bubble, sim.bubble_fraction

@@ -116,6 +116,7 @@ class PipelineRuntime:
         }
         # Per compute action of the last step: (action, start, end) in seconds from the step's start.
         self.timeline: list[tuple[Action, float, float]] = []
+        self.step_seconds = 0.0
 
     def boundary_chunk(self) -> PipelineChunk | None:
         """The chunk of this rank holding the embedding or the head, if any (at most one when pp > 1)."""
@@ -145,11 +146,12 @@ class PipelineRuntime:
         outputs: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
-        ce_sum = torch.zeros(())
         tokens0, _ = micro_batches[0]
         batch, seq = tokens0.shape
         shape = (batch, seq // self.seq_shards, self.model.cfg.dim)
-        positions = torch.arange(seq).expand(batch, -1)
+        device = tokens0.device
+        ce_sum = torch.zeros((), device=device)
+        positions = torch.arange(seq, device=device).expand(batch, -1)
         self.timeline = []
         step_start = time.perf_counter()
         for index, a in enumerate(actions):
@@ -157,7 +159,7 @@ class PipelineRuntime:
             tokens, targets = micro_batches[a.mb]
             start = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.comm.recv(shape, torch.float32, "cpu", self.pp, a.peer).requires_grad_(
+                inputs[key] = self.comm.recv(shape, torch.float32, device, self.pp, a.peer).requires_grad_(
                     True
                 )
             elif a.kind == "F":
@@ -170,14 +172,14 @@ class PipelineRuntime:
                     ce_sum += ce.detach()
                     outputs[key] = ([ce + aux.float() * share], [None])
                 elif aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
-                    outputs[key] = ([out, aux.float() * share], [None, torch.ones(())])
+                    outputs[key] = ([out, aux.float() * share], [None, torch.ones((), device=device)])
                 else:
                     outputs[key] = ([out], [None])
             elif a.kind == "SEND_F":
                 tensor = outputs[key][0][0].detach().float().contiguous()
                 sends.append((self.comm.isend(tensor, self.pp, a.peer), tensor))
             elif a.kind == "RECV_B":
-                grad = self.comm.recv(shape, torch.float32, "cpu", self.pp, a.peer)
+                grad = self.comm.recv(shape, torch.float32, device, self.pp, a.peer)
                 roots, grads = outputs[key]
                 outputs[key] = (roots, [grad, *grads[1:]])
             elif a.kind == "B":
@@ -203,4 +205,10 @@ class PipelineRuntime:
                 self.timeline.append((a, start - step_start, time.perf_counter() - step_start))
         for pending, _ in sends:
             pending.wait()
+        self.step_seconds = time.perf_counter() - step_start
         return ce_sum
+
+    def idle_fraction(self) -> float:
+        """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""
+        busy = sum(end - start for _, start, end in self.timeline)
+        return 1 - busy / self.step_seconds

@@ -227,6 +227,11 @@ def simulate(
         if not progressed:
             stuck = {r: str(schedule[r][position[r]]) for r in range(pp) if position[r] < len(schedule[r])}
             raise ValueError(f"deadlock: ranks wait on receives that are never sent: {stuck}")
-    makespan = max(clock)
+    return Simulation(timeline, max(clock), idle_fraction(timeline), peak)
+
+
+def idle_fraction(timeline: list[list[tuple[Action, float, float]]]) -> float:
+    """The bubble: the share of ranks x step time (until the last compute ends) spent not computing."""
+    makespan = max(end for rank in timeline for _, _, end in rank)
     busy = sum(end - start for rank in timeline for _, start, end in rank)
-    return Simulation(timeline, makespan, 1 - busy / (pp * makespan), peak)
+    return 1 - busy / (len(timeline) * makespan)

@@ -112,6 +112,7 @@ class MetricsLogger:
             f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm "
             f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
             f"peak mem {_human(row['peak_mem_bytes'])}B | comm {_human(row['comm_bytes'])}B"
+            + (f" | bubble {100 * row['pp_bubble']:.0f}%" if "pp_bubble" in row else "")
         )
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.pipeline.runtime import TIED_WEIGHT, PipelineRuntime, keep_rank_chunks, sum_tied_gradients
 from meshtron.pipeline.split import chunks_of_rank, split_layers
 from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
@@ -293,7 +294,7 @@ class Trainer:
         )
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(
-                micro_batches,
+                [(inputs.to(self.device), targets.to(self.device)) for inputs, targets in micro_batches],
                 self.global_tokens,
                 self.token_loss,
                 partial(autocast_context, self.device, t.dtype),
@@ -343,6 +344,11 @@ class Trainer:
         self.comm.stats.reset()
         elapsed = time.perf_counter() - start
         tokens_per_sec = self.global_tokens / elapsed
+        extra = {}
+        if self.pipeline is not None:  # the mean over stages of the time each spent not computing
+            bubble = torch.tensor(self.pipeline.idle_fraction(), dtype=torch.float64)
+            extra["pp_bubble"] = float(self.comm.all_reduce_(bubble, self.rt.mesh.group("pp"), op="avg"))
+            self.comm.stats.reset()
         return {
             "step": step + 1,
             "loss": float(loss_sum),
@@ -354,6 +360,7 @@ class Trainer:
             "comm_bytes": comm_bytes,
             "step_time_s": elapsed,
             "comm_bytes_by_group": comm_by_group,
+            **extra,
         }
 
     def close(self) -> None:
@@ -371,6 +378,26 @@ class Trainer:
             self.comm,
             self.rt.world,
             self.cfg.checkpoint.keep,
+        )
+
+    def draw_pipeline_timeline(self, out_path: Path) -> None:
+        """Collective over each pipeline: rank 0 draws its pipeline's last step as measured, next to the
+        simulation of the schedule with the measured times."""
+        timelines = self.comm.all_gather_object(self.pipeline.timeline, self.rt.mesh.group("pp"))
+        if self.rt.rank != 0:
+            return
+        p = self.cfg.parallel
+        path, measured, simulated = draw_measured_timeline(
+            timelines,
+            p.pp_schedule,
+            p.vpp,
+            self.cfg.training.global_batch // (self.cfg.training.micro_batch * self.dp.size),
+            out_path,
+        )
+        print(
+            f"meshtron: pipeline timeline of the last step in {path}: bubble {100 * measured:.1f}% measured, "
+            f"{100 * simulated:.1f}% simulated with the measured compute times",
+            flush=True,
         )
 
     def run(self) -> list[dict[str, Any]]:
@@ -395,6 +422,8 @@ class Trainer:
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
             plot_loss(logger.rows, run_dir / "loss.png", title)
+        if cfg.run.plot and self.pipeline is not None and cfg.training.steps > self.start_step:
+            self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
         logger.close()
         return logger.rows
 
