@@ -150,6 +150,24 @@ def test_pipeline_with_tensor_parallel(workers, schedule, sp):
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_zero_bubble_with_tensor_parallel_and_recompute(workers, recompute):
+    """Deferred weight gradients under tp (their tp-sum hooks run at W) and under activation recompute
+    (which reruns the deferring linear layers inside B)."""
+    model = ["--model.n_layers=8"]
+    layout = [
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=zero_bubble",
+        "--parallel.tp=2",
+        "--parallel.sp=true",
+        "--parallel.dp_shard=1",
+        "--training.micro_batch=2",
+        f"--training.recompute={recompute}",
+    ]
+    results = workers(4).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+
+
 def test_pipeline_tensor_parallel_tied_zero3(workers):
     """Everything at once on 8 ranks: pp 2 x ZeRO-3 2 x tp 2 with sequence parallel, tied embeddings, MoE."""
     model = [*MOE, "--model.tie_embeddings=true"]

@@ -11,17 +11,33 @@ restores the RNG state for the rerun, so the recomputed activations are the ones
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.models.llama import Transformer
 
 
+def _replay_function_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """Recompute under the torch-function modes the forward ran under (zero-bubble's deferral of weight
+    gradients is one), so that the rerun saves the same tensors the forward did."""
+    return contextlib.nullcontext(), _entered(_get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def _entered(modes: list[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
 def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_replay_function_modes, **kwargs)
 
     return run
 

@@ -16,13 +16,14 @@ Tied embeddings: the first stage (embedding) and the last (head) each hold a cop
 after the step's backward their gradients are summed over the `pp_ends` group (`sum_tied_gradients`),
 so the two copies take identical optimizer steps and stay equal.
 
-With the zero-bubble schedule, B computes only the gradient of the chunk's input (keeping the graph)
-and W the parameters' gradients from the same graph; here W runs autograd through the chunk a second
-time, restricted to the parameters, so the split costs compute (a true per-op split is future work).
+With the zero-bubble schedule, the linear layers of every chunk but the first defer their weight
+gradients from B to W (zero_bubble.py); the first chunk has no input gradient to hurry, so its B is
+empty and its W the whole backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.parallel.data import DataParallelEngine
 from meshtron.pipeline.schedules import Action, build_schedule
 from meshtron.pipeline.split import chunks_of_rank
+from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
 TIED_WEIGHT = "tok_embeddings.weight"
 
@@ -140,8 +142,10 @@ class PipelineRuntime:
         (non-zero on the rank holding the last chunk only)."""
         last = self.n_chunks - 1
         actions = build_schedule(self.pp.size, self.vpp, len(micro_batches), self.schedule)[self.pp.rank]
-        grad_kind = "W" if self.schedule == "zero_bubble" else "B"
-        last_grads = {a.chunk: i for i, a in enumerate(actions) if a.kind == grad_kind}
+        split = self.schedule == "zero_bubble"
+        # Each chunk's last B and last W of the step: after them its gradients (of that kind) are final.
+        last_of = {(a.kind, a.chunk): i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        deferred: dict[tuple[int, int], DeferWeightGrads] = {}
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -164,8 +168,11 @@ class PipelineRuntime:
                 )
             elif a.kind == "F":
                 x = tokens if a.chunk == 0 else inputs[key]
-                with autocast():
+                defer = DeferWeightGrads() if split and a.chunk > 0 else contextlib.nullcontext()
+                with defer, autocast():
                     out, aux = self.chunks[a.chunk](x, positions)
+                if split and a.chunk > 0:
+                    deferred[key] = defer
                 share = targets.numel() / global_tokens
                 if a.chunk == last:
                     ce = token_loss(out, targets).sum() / global_tokens
@@ -182,22 +189,19 @@ class PipelineRuntime:
                 grad = self.comm.recv(shape, torch.float32, device, self.pp, a.peer)
                 roots, grads = outputs[key]
                 outputs[key] = (roots, [grad, *grads[1:]])
-            elif a.kind == "B":
-                roots, grads = outputs[key]
-                if self.schedule != "zero_bubble":
-                    before_grads(last_grads[a.chunk] == index)
-                    torch.autograd.backward(roots, grads)
-                    outputs.pop(key)
-                    if a.chunk > 0:
-                        input_grads[key] = inputs.pop(key).grad
-                elif a.chunk > 0:  # input gradient now, parameters' gradients at W
-                    (input_grads[key],) = torch.autograd.grad(roots, [inputs[key]], grads, retain_graph=True)
-            elif a.kind == "W":
+            elif a.kind == "B" and not (split and a.chunk == 0):
                 roots, grads = outputs.pop(key)
-                before_grads(last_grads[a.chunk] == index)
-                params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-                torch.autograd.backward(roots, grads, inputs=params)
-                inputs.pop(key, None)
+                before_grads(last_of["B", a.chunk] == index)
+                with deferred.get(key, contextlib.nullcontext()):
+                    torch.autograd.backward(roots, grads)
+                if a.chunk > 0:
+                    input_grads[key] = inputs.pop(key).grad
+            elif a.kind == "W":
+                before_grads(last_of["W", a.chunk] == index)
+                if a.chunk == 0:
+                    torch.autograd.backward(*outputs.pop(key))
+                else:
+                    deferred.pop(key).weight_grads()
             elif a.kind == "SEND_B":
                 tensor = input_grads.pop(key).contiguous()
                 sends.append((self.comm.isend(tensor, self.pp, a.peer), tensor))
