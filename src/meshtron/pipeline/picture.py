@@ -61,9 +61,10 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel(xlabel)
     axes[-1, 0].set_xlim(0, makespan)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    labels = ["forward", "backward (input grad)" if split else "backward", "weight grad"]
-    axes[0, 0].legend(handles, labels, loc="upper right", fontsize=7, ncol=3)
+    labels = {"F": "forward", "B": "backward (input grad)" if split else "backward", "W": "weight grad"}
+    kinds = ["F", "B", "W"] if split else ["F", "B"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
+    axes[0, 0].legend(handles, [labels[k] for k in kinds], loc="upper right", fontsize=7, ncol=3)
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
