@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from meshtron.pipeline.schedules import Action, build_schedule, simulate
+from meshtron.pipeline.schedules import Action, build_schedule, send_release_points, simulate
 
 GRID = [(pp, m) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 4 * pp, 3 * pp + 1)]
 
@@ -134,3 +134,21 @@ def test_schedule_command(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "multiple of pp=4" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("name, pp, vpp", [("1f1b", 4, 1), ("interleaved", 4, 2), ("zero_bubble", 4, 1)])
+def test_sent_activations_are_settled_by_a_later_receive(name, pp, vpp):
+    """Every activation a rank sends is proved received by a message the peer sent afterwards, before the
+    rank needs the activation's backward; on the first rank all but the first micro-batch are settled
+    before their own gradient comes back (so the output is freed during the wait, not after it)."""
+    schedule = build_schedule(pp, vpp, 8, name)
+    for rank in range(pp - 1):
+        actions = schedule[rank]
+        settled = {key: i for i, keys in send_release_points(schedule, rank).items() for key in keys}
+        sent = [(a.chunk, a.mb) for a in actions if a.kind == "SEND_F"]
+        assert sorted(settled) == sorted(sent)
+        grad_back = {(a.chunk, a.mb): i for i, a in enumerate(actions) if a.kind == "RECV_B"}
+        assert all(settled[key] <= grad_back[key] for key in sent)
+        if rank == 0:
+            early = sum(settled[key] < grad_back[key] for key in sent)
+            assert early == len(sent) - 1

@@ -111,6 +111,10 @@ class Pending:
     def done(self) -> bool:
         return self.work is None
 
+    def completed(self) -> bool:
+        """Whether the operation has finished (without waiting); `wait()` is still to be called."""
+        return self.work is None or self.work.is_completed()
+
 
 class Comm:
     """Collectives on named groups, with accounting and a deadline on every wait."""

@@ -3,8 +3,9 @@
 The model is built whole (so every parameter starts from its layout-independent value) and pruned to
 the chunks this rank holds (`keep_rank_chunks`) before tensor parallel shards what is left. Each chunk
 is a `PipelineChunk` module over the model's own blocks, so data-parallel hooks (FSDP gathers) fire
-around it. A forward keeps what its backward needs (the chunk's output, the received input); sends are
-non-blocking and waited on at the end of the step; receives block. Each micro-batch's loss is divided by
+around it. A forward keeps what its backward needs (the graph from the received input to the chunk's
+output); sends are non-blocking, and once one has finished the sent output's own storage is released
+(its values are not needed for backward); receives block. Each micro-batch's loss is divided by
 the global token count, so the sum over micro-batches is the step's mean loss.
 
 Gradient synchronisation: before every action that accumulates parameter gradients the runtime calls
@@ -26,14 +27,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.parallel.data import DataParallelEngine
-from meshtron.pipeline.schedules import Action, build_schedule
+from meshtron.pipeline.schedules import Action, build_schedule, send_release_points
 from meshtron.pipeline.split import chunks_of_rank
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
@@ -96,6 +99,17 @@ def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) 
             comm.all_reduce_(grad.to_local() if hasattr(grad, "to_local") else grad, ends)
 
 
+@dataclass
+class Send:
+    """A non-blocking send in flight: its buffer, and the stage output it was taken from (None for a
+    gradient) to release once it is done."""
+
+    pending: Pending
+    buffer: torch.Tensor
+    output: torch.Tensor | None
+    key: tuple[int, int]
+
+
 class PipelineRuntime:
     def __init__(
         self,
@@ -141,15 +155,20 @@ class PipelineRuntime:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only)."""
         last = self.n_chunks - 1
-        actions = build_schedule(self.pp.size, self.vpp, len(micro_batches), self.schedule)[self.pp.rank]
+        schedule = build_schedule(self.pp.size, self.vpp, len(micro_batches), self.schedule)
+        actions = schedule[self.pp.rank]
+        settled_by = send_release_points(schedule, self.pp.rank)
         split = self.schedule == "zero_bubble"
         # Each chunk's last B and last W of the step: after them its gradients (of that kind) are final.
         last_of = {(a.kind, a.chunk): i for i, a in enumerate(actions) if a.kind in ("B", "W")}
         deferred: dict[tuple[int, int], DeferWeightGrads] = {}
         inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor | None]]] = {}
+        # What each forward's backward starts from: graph edges (not tensors) and their gradients.
+        outputs: dict[tuple[int, int], tuple[list[GradientEdge], list[torch.Tensor | None]]] = {}
+        unsent: dict[tuple[int, int], torch.Tensor] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[tuple[Pending, torch.Tensor]] = []
+        sends: list[Send] = []
+        self.released_outputs = 0
         tokens0, _ = micro_batches[0]
         batch, seq = tokens0.shape
         shape = (batch, seq // self.seq_shards, self.model.cfg.dim)
@@ -161,6 +180,7 @@ class PipelineRuntime:
         for index, a in enumerate(actions):
             key = (a.chunk, a.mb)
             tokens, targets = micro_batches[a.mb]
+            sends = self._release_sent(sends, settled_by.get(index - 1, []))
             start = time.perf_counter()
             if a.kind == "RECV_F":
                 inputs[key] = self.comm.recv(shape, torch.float32, device, self.pp, a.peer).requires_grad_(
@@ -174,17 +194,21 @@ class PipelineRuntime:
                 if split and a.chunk > 0:
                     deferred[key] = defer
                 share = targets.numel() / global_tokens
+                one = torch.ones((), device=device)
                 if a.chunk == last:
                     ce = token_loss(out, targets).sum() / global_tokens
                     ce_sum += ce.detach()
-                    outputs[key] = ([ce + aux.float() * share], [None])
-                elif aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
-                    outputs[key] = ([out, aux.float() * share], [None, torch.ones((), device=device)])
+                    roots, grads = [ce + aux.float() * share], [one]
                 else:
-                    outputs[key] = ([out], [None])
+                    unsent[key] = out
+                    roots, grads = [out], [None]
+                    if aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
+                        roots, grads = [out, aux.float() * share], [None, one]
+                outputs[key] = ([get_gradient_edge(r) for r in roots], grads)
             elif a.kind == "SEND_F":
-                tensor = outputs[key][0][0].detach().float().contiguous()
-                sends.append((self.comm.isend(tensor, self.pp, a.peer), tensor))
+                out = unsent.pop(key)
+                tensor = out.detach().float().contiguous()
+                sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, out, key))
             elif a.kind == "RECV_B":
                 grad = self.comm.recv(shape, torch.float32, device, self.pp, a.peer)
                 roots, grads = outputs[key]
@@ -204,13 +228,29 @@ class PipelineRuntime:
                     deferred.pop(key).weight_grads()
             elif a.kind == "SEND_B":
                 tensor = input_grads.pop(key).contiguous()
-                sends.append((self.comm.isend(tensor, self.pp, a.peer), tensor))
+                sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, None, key))
             if a.kind in ("F", "B", "W"):
                 self.timeline.append((a, start - step_start, time.perf_counter() - step_start))
-        for pending, _ in sends:
-            pending.wait()
+        for send in sends:
+            send.pending.wait()
         self.step_seconds = time.perf_counter() - step_start
         return ce_sum
+
+    def _release_sent(self, sends: list[Send], settled: list[tuple[int, int]]) -> list[Send]:
+        """Drop the buffers of finished sends: those the backend reports done (NCCL does) and those the
+        last receive proved taken (`settled`, from the schedule). A sent stage output's values are not
+        needed by its backward (which starts from the graph edge and the received gradient), so its
+        storage is released too: only the graph's saved tensors stay until the backward."""
+        still = []
+        for send in sends:
+            if send.key not in settled and not send.pending.completed():
+                still.append(send)
+                continue
+            send.pending.wait()
+            if send.output is not None:
+                send.output.data = torch.empty(0, dtype=send.output.dtype, device=send.output.device)
+                self.released_outputs += 1
+        return still
 
     def idle_fraction(self) -> float:
         """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""

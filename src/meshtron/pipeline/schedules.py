@@ -148,6 +148,31 @@ def build_schedule(pp: int, vpp: int, microbatches: int, name: str) -> list[list
     return [_with_p2p(order, r, pp, vpp) for r, order in enumerate(orders)]
 
 
+def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, list[tuple[int, int]]]:
+    """When `rank` may free each activation it sent (SEND_F): {index of a receive in rank's list:
+    [(chunk, mb) of the sends it settles]}. A message from the peer that the peer sent after receiving
+    the activation proves the send finished; a backend need not say so by itself (gloo does not).
+    Sends no such receive settles are left out (they finish with the step)."""
+    received_at = {
+        (a.kind, a.chunk, a.mb): i for i, a in enumerate(schedule[rank]) if a.kind.startswith("RECV")
+    }
+    points: dict[int, list[tuple[int, int]]] = {}
+    for a in schedule[rank]:
+        if a.kind != "SEND_F":
+            continue
+        peer = schedule[a.peer]
+        taken = peer.index(Action("RECV_F", a.chunk + 1, a.mb, rank))
+        for later in peer[taken + 1 :]:
+            if later.kind.startswith("SEND") and later.peer == rank:
+                # The receive on `rank` that matches the peer's later send.
+                chunk = later.chunk + 1 if later.kind == "SEND_F" else later.chunk - 1
+                points.setdefault(received_at["RECV" + later.kind[4:], chunk, later.mb], []).append(
+                    (a.chunk, a.mb)
+                )
+                break
+    return points
+
+
 @dataclass
 class Simulation:
     """Result of running action lists with given costs: per-rank (action, start, end) of compute actions."""
