@@ -23,6 +23,19 @@ CASES = [
 ]
 
 
+def pipeline(pp: int = 2, schedule: str = "1f1b", micro_batch: int = 2, *extra: str) -> list[str]:
+    """Overrides for a pipeline layout (dp_shard=1 unless `extra` says otherwise; vpp=2 if interleaved)."""
+    vpp = 2 if schedule == "interleaved" else 1
+    return [
+        f"--parallel.pp={pp}",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.vpp={vpp}",
+        "--parallel.dp_shard=1",
+        f"--training.micro_batch={micro_batch}",
+        *extra,
+    ]
+
+
 def merged(results: list[dict]) -> dict:
     """Each pipeline rank holds different parameters: their gradients together are the whole model's.
     A parameter two stages hold (the tied embedding) must have the same gradient on both."""
@@ -38,27 +51,14 @@ def merged(results: list[dict]) -> dict:
 @pytest.mark.parametrize("schedule, pp, microbatches, vpp", CASES)
 def test_schedules_match_single_device(workers, schedule, pp, microbatches, vpp):
     model = ["--model.n_layers=8"]
-    micro = 8 // microbatches
-    layout = [
-        f"--parallel.pp={pp}",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--parallel.dp_shard=1",
-        f"--training.micro_batch={micro}",
-    ]
+    layout = pipeline(pp, schedule, 8 // microbatches)
     results = workers(pp).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged(results), reference(workers, model))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_moe_pipeline_matches_single_device(workers, schedule):
-    layout = [
-        "--parallel.pp=2",
-        f"--parallel.pp_schedule={schedule}",
-        "--parallel.dp_shard=1",
-        "--training.micro_batch=2",
-    ]
-    results = workers(2).run(run_layout, [*TINY, *MOE, *layout])
+    results = workers(2).run(run_layout, [*TINY, *MOE, *pipeline(2, schedule)])
     assert_parity(merged(results), reference(workers, MOE, micro_batch=2))
 
 
@@ -70,14 +70,7 @@ def test_moe_pipeline_matches_single_device(workers, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_pipeline_with_data_parallel(workers, schedule, data_parallel):
     model = ["--model.n_layers=8"]
-    vpp = 2 if schedule == "interleaved" else 1
-    layout = [
-        "--parallel.pp=2",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--training.micro_batch=2",
-        *data_parallel,
-    ]
+    layout = pipeline(2, schedule, 2, *data_parallel)
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     # pp is the outermost mesh dim: ranks 0 and 1 hold the first stage, 2 and 3 the second.
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
@@ -88,14 +81,7 @@ def test_tied_embeddings_across_first_and_last_stage(workers, pp, schedule):
     """The embedding (first stage) and the head (last stage) share one matrix: its gradient is the sum of
     both stages' parts, and the two copies stay equal step after step (the losses would drift if not)."""
     model = ["--model.n_layers=8", "--model.tie_embeddings=true"]
-    vpp = 2 if schedule == "interleaved" else 1
-    layout = [
-        f"--parallel.pp={pp}",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--parallel.dp_shard=1",
-        "--training.micro_batch=2",
-    ]
+    layout = pipeline(pp, schedule)
     results = workers(pp).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged(results), reference(workers, model))
 
@@ -106,7 +92,7 @@ def test_explicit_and_weighted_layer_splits(workers):
         ["--parallel.pp_layers=[1, 7]"],
         ["--parallel.pp_embedding_layers=1", "--parallel.pp_head_layers=2"],
     ):
-        layout = ["--parallel.pp=2", "--parallel.dp_shard=1", "--training.micro_batch=2", *split]
+        layout = pipeline(2, "1f1b", 2, *split)
         results = workers(2).run(run_layout, [*TINY, *model, *layout])
         assert_parity(merged(results), reference(workers, model))
 
@@ -119,15 +105,7 @@ def test_pipeline_with_sharded_data_parallel(workers, zero, schedule):
     gathers each block's parameters per forward and backward of every micro-batch (and the stage's
     embedding or head with the chunk that holds them)."""
     model = ["--model.n_layers=8"]
-    vpp = 2 if schedule == "interleaved" else 1
-    layout = [
-        "--parallel.pp=2",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--parallel.dp_shard=2",
-        f"--parallel.zero={zero}",
-        "--training.micro_batch=2",
-    ]
+    layout = pipeline(2, schedule, 2, "--parallel.dp_shard=2", f"--parallel.zero={zero}")
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
 
@@ -138,16 +116,7 @@ def test_pipeline_with_tensor_parallel(workers, schedule, sp):
     """Each stage is tensor parallel over 2 ranks; with sequence parallel the activations passed between
     stages hold half the sequence."""
     model = ["--model.n_layers=8"]
-    vpp = 2 if schedule == "interleaved" else 1
-    layout = [
-        "--parallel.pp=2",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--parallel.tp=2",
-        f"--parallel.sp={str(sp).lower()}",
-        "--parallel.dp_shard=1",
-        "--training.micro_batch=2",
-    ]
+    layout = pipeline(2, schedule, 2, "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}")
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
 
@@ -157,15 +126,9 @@ def test_zero_bubble_with_tensor_parallel_and_recompute(workers, recompute):
     """Deferred weight gradients under tp (their tp-sum hooks run at W) and under activation recompute
     (which reruns the deferring linear layers inside B)."""
     model = ["--model.n_layers=8"]
-    layout = [
-        "--parallel.pp=2",
-        "--parallel.pp_schedule=zero_bubble",
-        "--parallel.tp=2",
-        "--parallel.sp=true",
-        "--parallel.dp_shard=1",
-        "--training.micro_batch=2",
-        f"--training.recompute={recompute}",
-    ]
+    layout = pipeline(
+        2, "zero_bubble", 2, "--parallel.tp=2", "--parallel.sp=true", f"--training.recompute={recompute}"
+    )
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
 
@@ -173,14 +136,9 @@ def test_zero_bubble_with_tensor_parallel_and_recompute(workers, recompute):
 def test_pipeline_tensor_parallel_tied_zero3(workers):
     """Everything at once on 8 ranks: pp 2 x ZeRO-3 2 x tp 2 with sequence parallel, tied embeddings, MoE."""
     model = [*MOE, "--model.tie_embeddings=true"]
-    layout = [
-        "--parallel.pp=2",
-        "--parallel.tp=2",
-        "--parallel.sp=true",
-        "--parallel.dp_shard=2",
-        "--parallel.zero=3",
-        "--training.micro_batch=2",
-    ]
+    layout = pipeline(
+        2, "1f1b", 2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.zero=3"
+    )
     results = workers(8).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[4]]), reference(workers, model, micro_batch=2))
 
@@ -192,12 +150,12 @@ def test_checkpoint_written_by_a_pipeline_resumes_on_other_layouts(workers, tmp_
     base = [*TINY, "--model.n_layers=4", "--model.tie_embeddings=true", "--training.steps=6"]
     saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
     straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
-    pipeline = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]
-    first = [*base, *saving, *pipeline, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"]
+    saved_by = pipeline(2, "1f1b", 2, "--parallel.dp_shard=2", "--parallel.zero=3")
+    first = [*base, *saving, *saved_by, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"]
     assert [r["step"] for r in workers(4).run(train_rows, first)[0]] == [1, 2, 3]
     for name, world, layout in [
         ("single", 1, ["--parallel.dp_shard=1"]),
-        ("pp4", 4, ["--parallel.pp=4", "--parallel.pp_schedule=zero_bubble", "--parallel.dp_shard=1"]),
+        ("pp4", 4, pipeline(4, "zero_bubble")),
     ]:
         shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
         resume = [*base, *saving, *layout, "--checkpoint.resume=true", f"--run.dir={tmp_path / name}"]
@@ -220,15 +178,8 @@ def released_and_sent(overrides: list[str]) -> tuple[int, int]:
 def test_sent_stage_outputs_are_released_before_their_backward(workers, schedule):
     """Each stage output's storage is released once its send has finished, before its backward (which
     needs only the graph); the parity tests above show the backward is unaffected."""
-    vpp = 2 if schedule == "interleaved" else 1
-    layout = [
-        "--model.n_layers=4",
-        "--parallel.pp=2",
-        f"--parallel.pp_schedule={schedule}",
-        f"--parallel.vpp={vpp}",
-        "--parallel.dp_shard=1",
-        "--training.micro_batch=2",
-    ]
+    layout = ["--model.n_layers=4", *pipeline(2, schedule)]
     counts = workers(2).run(released_and_sent, [*TINY, *layout])
     assert [released for released, _ in counts] == [sent for _, sent in counts]
-    assert counts[0][1] == 4 * vpp  # the first rank sends every forward of each of its chunks
+    chunks = 2 if schedule == "interleaved" else 1
+    assert counts[0][1] == 4 * chunks  # the first rank sends every forward of each of its chunks
