@@ -258,10 +258,24 @@ class Comm:
         group: CommGroup,
         src: int,
     ) -> torch.Tensor:
+        pending, out = self.irecv(shape, dtype, device, group, src)
+        pending.wait()
+        return out
+
+    def irecv(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: CommGroup,
+        src: int,
+    ) -> tuple[Pending, torch.Tensor]:
+        """Post a receive; the returned tensor holds the message after the handle's `wait()`."""
         out = torch.empty(shape, dtype=dtype, device=device)
         self.stats.record(group.name, "recv", _nbytes(out))
-        self.wait(dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group)
-        return out
+        return Pending(
+            self, dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group
+        ), out
 
     def all_gather_object(self, obj: Any, group: CommGroup) -> list[Any]:
         """Every rank's picklable `obj`, in group order: for reports (timelines), not for the step's

@@ -99,6 +99,35 @@ def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) 
             comm.all_reduce_(grad.to_local() if hasattr(grad, "to_local") else grad, ends)
 
 
+class ReceiveAhead:
+    """Posts each receive of a rank's action list as soon as the one before it has arrived, so that a
+    message lands while the rank computes rather than when it asks for it (receives are posted in list
+    order, the order in which each peer sends to this rank)."""
+
+    def __init__(
+        self, comm: Comm, pp: CommGroup, actions: list[Action], shape: tuple[int, ...], device: torch.device
+    ):
+        self.comm, self.pp, self.shape, self.device = comm, pp, shape, device
+        self.queue = [(i, a.peer) for i, a in enumerate(actions) if a.kind.startswith("RECV")][::-1]
+        self.posted: tuple[int, Pending, torch.Tensor] | None = None
+        self._post_next()
+
+    def _post_next(self) -> None:
+        if self.queue:
+            index, peer = self.queue.pop()
+            pending, buffer = self.comm.irecv(self.shape, torch.float32, self.device, self.pp, peer)
+            self.posted = (index, pending, buffer)
+
+    def take(self, index: int) -> torch.Tensor:
+        """The message of the receive at `index` in the action list (waiting for it if need be)."""
+        posted_index, pending, buffer = self.posted
+        assert posted_index == index, f"receive {index} taken out of order (next posted: {posted_index})"
+        pending.wait()
+        self.posted = None
+        self._post_next()
+        return buffer
+
+
 @dataclass
 class Send:
     """A non-blocking send in flight: its buffer, and the stage output it was taken from (None for a
@@ -177,15 +206,14 @@ class PipelineRuntime:
         positions = torch.arange(seq, device=device).expand(batch, -1)
         self.timeline = []
         step_start = time.perf_counter()
+        receiver = ReceiveAhead(self.comm, self.pp, actions, shape, device)
         for index, a in enumerate(actions):
             key = (a.chunk, a.mb)
             tokens, targets = micro_batches[a.mb]
             sends = self._release_sent(sends, settled_by.get(index - 1, []))
             start = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.comm.recv(shape, torch.float32, device, self.pp, a.peer).requires_grad_(
-                    True
-                )
+                inputs[key] = receiver.take(index).requires_grad_(True)
             elif a.kind == "F":
                 x = tokens if a.chunk == 0 else inputs[key]
                 defer = DeferWeightGrads() if split and a.chunk > 0 else contextlib.nullcontext()
@@ -210,7 +238,7 @@ class PipelineRuntime:
                 tensor = out.detach().float().contiguous()
                 sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, out, key))
             elif a.kind == "RECV_B":
-                grad = self.comm.recv(shape, torch.float32, device, self.pp, a.peer)
+                grad = receiver.take(index)
                 roots, grads = outputs[key]
                 outputs[key] = (roots, [grad, *grads[1:]])
             elif a.kind == "B" and not (split and a.chunk == 0):
