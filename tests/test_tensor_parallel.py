@@ -3,10 +3,12 @@ losses over 10 steps and step-1 gradients gathered back to logical shape (tolera
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
-from parity import TINY, assert_parity, reference, run_layout, trainer_for
+from parity import TINY, assert_parity, reference, run_layout, train_rows, trainer_for
 from test_hf import perturb
 
 from meshtron import hf
@@ -155,3 +157,26 @@ def test_hugging_face_checkpoints_load_into_tensor_parallel_shards(
         expected = reference_model(input_ids=ids).logits
     for logits in workers(2).run(tp_logits_from_hf, str(tmp_path), sequence_parallel):
         assert (logits - expected).abs().max() <= 1e-4
+
+
+def test_checkpoint_written_under_tensor_parallel_resumes_on_other_layouts(workers, tmp_path):
+    """Save under tp 2 + sp x ZeRO-3 2 with a vocabulary (301) that tp pads, MoE included; resume on one
+    device, under tp 4 (other cuts of every split dim) and under pp 2 x tp 2: each continues as the
+    uninterrupted single-device run does."""
+    base = [*TINY, *MOE, "--model.vocab_size=301", "--training.steps=6", "--training.micro_batch=2"]
+    saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
+    straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
+    saved_by = ["--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.zero=3"]
+    first = [*base, *saving, *saved_by, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"]
+    assert [r["step"] for r in workers(4).run(train_rows, first)[0]] == [1, 2, 3]
+    for name, world, layout in [
+        ("single", 1, ["--parallel.dp_shard=1"]),
+        ("tp4", 4, ["--parallel.tp=4", "--parallel.dp_shard=1"]),
+        ("pp2_tp2", 4, ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp_shard=1"]),
+    ]:
+        shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
+        resume = [*base, *saving, *layout, "--checkpoint.resume=true", f"--run.dir={tmp_path / name}"]
+        rows = workers(world).run(train_rows, resume)[0]
+        assert [r["step"] for r in rows] == [4, 5, 6]
+        for got, want in zip(rows, straight[3:], strict=True):
+            assert abs(got["loss"] - want["loss"]) / want["loss"] <= 1e-5, (name, got["loss"], want["loss"])

@@ -117,8 +117,9 @@ def test_unimplemented_layouts_are_refused():
         ensure_implemented(load_config(None, []), ParallelDims(cp=2))
     with pytest.raises(ConfigError, match="fully_shard is not wired into the pipeline runtime"):
         ensure_implemented(load_config(None, ["--parallel.fsdp_impl=torch"]), ParallelDims(pp=2, dp_shard=2))
-    with pytest.raises(ConfigError, match="checkpoints are not implemented yet with parallel.tp > 1"):
-        ensure_implemented(load_config(None, ["--checkpoint.every=5"]), ParallelDims(tp=2))
+    torch_fsdp = ["--checkpoint.every=5", "--parallel.fsdp_impl=torch"]
+    with pytest.raises(ConfigError, match="fully_shard over tensor-parallel shards"):
+        ensure_implemented(load_config(None, torch_fsdp), ParallelDims(tp=2, dp_shard=2))
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -1,8 +1,15 @@
 """Checkpoints through torch.distributed.checkpoint: every rank writes its own part, in parallel.
 
 The state is that of every logical parameter, by name: its value and its AdamW moments, each as the
-rows this rank owns (a DTensor sharded on dim 0 when parameters are sharded), so a checkpoint written by
-one data-parallel layout loads into any other (e.g. ZeRO-3 on 4 ranks -> DDP on 2 -> 1 device).
+block of the logical tensor this rank holds, so a checkpoint written by one layout loads into any other
+(e.g. ZeRO-3 on 4 ranks -> DDP on 2 -> 1 device; tp 2 x pp 2 -> tp 4). A block is
+
+  - a DTensor sharded on dim 0 over dp_shard, for parameters whole on every tensor-parallel rank
+    (their copies on the other tp ranks are the same entries, written once);
+  - a ShardedTensor with explicit offsets, for parameters split over tensor parallel: the tp slice
+    (along its split dim) holds the rows this rank owns over dp_shard; the vocabulary's padding rows
+    are left out. (DTensor placements cannot say "tp outer, data parallel inner" on one dim when sizes
+    do not divide evenly; explicit offsets can.)
 
 A checkpoint is written into `step-NNNNNNNN.tmp/` and renamed to `step-NNNNNNNN/` only once every rank
 has finished, so a crash mid-save leaves the previous checkpoint as the newest complete one. The state
@@ -15,16 +22,23 @@ from __future__ import annotations
 import re
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.parallel.data import DataParallelEngine, OwnedRows
+from meshtron.parallel.shard import ShardedShape
+from meshtron.parallel.tensor import TensorParallelPlan
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -67,6 +81,52 @@ def _wrap(local: torch.Tensor, entry: OwnedRows, mesh: Any) -> torch.Tensor:
     )
 
 
+@dataclass(frozen=True)
+class TensorParallelBlocks:
+    """Where the tensor-parallel shards of this rank's slice of the mesh sit: `ranks[s][t]` is the global
+    rank holding dp_shard block s of tp shard t."""
+
+    plan: TensorParallelPlan
+    ranks: list[list[int]]
+
+    def block(
+        self, name: str, local_shape: tuple[int, ...], t: int, s: int
+    ) -> tuple[list[int], list[int]] | None:
+        """(offsets, sizes) in the logical tensor of the rows dp rank s owns of tp rank t's shard of
+        parameter `name` (None: padding only)."""
+        dim, logical = self.plan.split_dims[name]
+        per_tp = local_shape[dim]
+        valid_tp = max(0, min(per_tp, logical - t * per_tp))  # the padded vocabulary's last shard
+        start, stop = ShardedShape(local_shape, len(self.ranks)).row_range(s)
+        offsets, sizes = [0] * len(local_shape), list(local_shape)
+        offsets[dim], sizes[dim] = t * per_tp, valid_tp
+        if dim == 0:
+            stop = min(stop, valid_tp)
+        offsets[0] += start
+        sizes[0] = stop - start
+        return (offsets, sizes) if sizes[0] > 0 and sizes[dim] > 0 else None
+
+    def wrap(self, local: torch.Tensor, entry: OwnedRows) -> ShardedTensor:
+        """This rank's rows of its tp shard, as a ShardedTensor that knows every rank's block."""
+        me_t, me_s = self.plan.tp.rank, next(i for i, row in enumerate(self.ranks) if dist.get_rank() in row)
+        logical = list(entry.shape)
+        dim, logical[dim] = self.plan.split_dims[entry.name]
+        device = local.device.type
+        shards, mine = [], None
+        for s, row in enumerate(self.ranks):
+            for t, rank in enumerate(row):
+                block = self.block(entry.name, entry.shape, t, s)
+                if block is not None:
+                    shards.append(ShardMetadata(block[0], block[1], f"rank:{rank}/{device}"))
+                    if (t, s) == (me_t, me_s):
+                        mine = shards[-1]
+        local_shards = [LocalShard(local[: mine.shard_sizes[0]], mine)] if mine is not None else []
+        metadata = ShardedTensorMetadata(
+            shards, torch.Size(logical), TensorProperties.create_from_tensor(local)
+        )
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
 def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
     """AdamW's state for `param`, created (as a fresh optimizer would) if it has not stepped yet."""
     state = optimizer.state[param]
@@ -78,18 +138,25 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> d
 
 
 def _state(
-    engine: DataParallelEngine, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    engine: DataParallelEngine,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    tp_blocks: TensorParallelBlocks | None,
 ) -> dict[str, Any]:
     model_sd: dict[str, torch.Tensor] = {}
     optim_sd: dict[str, dict[str, torch.Tensor]] = {}
     for entry in engine.owned_rows():
+        if tp_blocks is not None and tp_blocks.plan.split_dims.get(entry.name) is not None:
+            wrap = partial(tp_blocks.wrap, entry=entry)
+        else:
+            wrap = partial(_wrap, entry=entry, mesh=engine.shard_mesh)
         rows = slice(0, entry.rows)
-        model_sd[entry.name] = _wrap(entry.param.detach()[rows], entry, engine.shard_mesh)
+        model_sd[entry.name] = wrap(entry.param.detach()[rows])
         state = _optimizer_state(optimizer, entry.param)
         optim_sd[entry.name] = {
             "step": state["step"],
-            "exp_avg": _wrap(state["exp_avg"][rows], entry, engine.shard_mesh),
-            "exp_avg_sq": _wrap(state["exp_avg_sq"][rows], entry, engine.shard_mesh),
+            "exp_avg": wrap(state["exp_avg"][rows]),
+            "exp_avg_sq": wrap(state["exp_avg_sq"][rows]),
         }
     return {"model": model_sd, "optimizer": optim_sd, "train": train_state}
 
@@ -103,6 +170,7 @@ def save_checkpoint(
     comm: Comm,
     world: CommGroup,
     keep: int,
+    tp_blocks: TensorParallelBlocks | None = None,
 ) -> Path:
     """Collective: every rank must call it. Returns the final directory."""
     final = root / f"step-{step:08d}"
@@ -111,7 +179,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save of this step
     comm.barrier(world)
-    dcp.save(_state(engine, optimizer, train_state), checkpoint_id=str(tmp))
+    dcp.save(_state(engine, optimizer, train_state, tp_blocks), checkpoint_id=str(tmp))
     comm.barrier(world)
     if world.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -123,10 +191,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, engine: DataParallelEngine, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    path: Path,
+    engine: DataParallelEngine,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    tp_blocks: TensorParallelBlocks | None = None,
 ) -> dict[str, Any]:
     """Load `path` (written by any layout) into this layout in place; returns the saved train state."""
-    state = _state(engine, optimizer, train_state)
+    state = _state(engine, optimizer, train_state, tp_blocks)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (CheckpointException, RuntimeError, ValueError) as err:

@@ -30,7 +30,13 @@ from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, 
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.pipeline.runtime import TIED_WEIGHT, PipelineRuntime, keep_rank_chunks, sum_tied_gradients
 from meshtron.pipeline.split import chunks_of_rank, split_layers
-from meshtron.train.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint, save_checkpoint
+from meshtron.train.checkpoint import (
+    CheckpointError,
+    TensorParallelBlocks,
+    complete_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from meshtron.train.data import BatchSampler, DataError, PreparedData, default_dataset
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
 
@@ -83,10 +89,11 @@ def ensure_implemented(cfg: Config, dims: ParallelDims) -> None:
             "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
             "with parallel.pp > 1"
         )
-    if dims.tp > 1 and (cfg.checkpoint.every or cfg.checkpoint.resume):
+    torch_fsdp = dims.dp_shard > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch"
+    if dims.tp > 1 and torch_fsdp and (cfg.checkpoint.every or cfg.checkpoint.resume):
         problems.append(
-            "checkpoints are not implemented yet with parallel.tp > 1; set checkpoint.every=0 and "
-            "checkpoint.resume=false"
+            "checkpoints of PyTorch's fully_shard over tensor-parallel shards are not implemented; use "
+            "parallel.fsdp_impl='meshtron', or checkpoint.every=0 and checkpoint.resume=false"
         )
     if problems:
         raise ConfigError(problems)
@@ -118,7 +125,11 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 def resume_if_asked(
-    cfg: Config, engine: DataParallelEngine, optimizer: torch.optim.Optimizer, sampler: BatchSampler
+    cfg: Config,
+    engine: DataParallelEngine,
+    optimizer: torch.optim.Optimizer,
+    sampler: BatchSampler,
+    tp_blocks: TensorParallelBlocks | None,
 ) -> int:
     """The step to start from: the newest complete checkpoint's with checkpoint.resume, else 0. Starting
     afresh over existing checkpoints is refused so that they are never overwritten by accident."""
@@ -133,7 +144,9 @@ def resume_if_asked(
         return 0
     if not existing:
         return 0
-    train_state = load_checkpoint(existing[-1].path, engine, optimizer, {"sampler": sampler.state_dict()})
+    train_state = load_checkpoint(
+        existing[-1].path, engine, optimizer, {"sampler": sampler.state_dict()}, tp_blocks
+    )
     sampler.load_state_dict(train_state["sampler"])  # the sampler's next step is the step to resume at
     if dist.get_rank() == 0:
         print(f"meshtron: resumed from {existing[-1].path} at step {sampler.step}", flush=True)
@@ -272,7 +285,12 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
         )
-        self.start_step = resume_if_asked(cfg, self.engine, self.optimizer, self.sampler)
+        self.tp_blocks = None
+        if self.tp_plan is not None:
+            at = self.dims.coords(rank)
+            grid = self.dims.dense_grid[at["pp"], at["dp_replicate"], :, at["cp"], :]
+            self.tp_blocks = TensorParallelBlocks(self.tp_plan, grid.tolist())
+        self.start_step = resume_if_asked(cfg, self.engine, self.optimizer, self.sampler, self.tp_blocks)
 
         self.dp = self.rt.mesh.group("dp")
         # The tied embedding's copy on the last stage is the first stage's: its norm counts once.
@@ -378,6 +396,7 @@ class Trainer:
             self.comm,
             self.rt.world,
             self.cfg.checkpoint.keep,
+            self.tp_blocks,
         )
 
     def draw_pipeline_timeline(self, out_path: Path) -> None:
