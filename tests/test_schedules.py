@@ -152,3 +152,25 @@ def test_sent_activations_are_settled_by_a_later_receive(name, pp, vpp):
         if rank == 0:
             early = sum(settled[key] < grad_back[key] for key in sent)
             assert early == len(sent) - 1
+
+
+@pytest.mark.parametrize("name, vpp", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+def test_measured_timeline_is_simulated_from_its_own_action_times(tmp_path, name, vpp):
+    """A timeline with unequal stages (the last chunk twice as slow) and free communication: simulated
+    from its own per-chunk action times, it comes out the same, bubble and all."""
+    from meshtron.pipeline.picture import draw_measured_timeline
+
+    pp, m = 3, 6
+    slow = {
+        (kind, c): (2.0 if c == pp * vpp - 1 else 1.0) * base
+        for kind, base in (("F", 1.0), ("B", 1.5), ("W", 0.5))
+        for c in range(pp * vpp)
+    }
+    truth = simulate(build_schedule(pp, vpp, m, name), vpp=vpp, chunk_costs=slow)
+    as_seconds = [[(a, start / 1e3, end / 1e3) for a, start, end in rank] for rank in truth.timeline]
+    path, measured, simulated = draw_measured_timeline(as_seconds, name, vpp, m, tmp_path / "t.png")
+    assert path.exists()
+    assert measured == pytest.approx(truth.bubble_fraction, abs=1e-12)
+    assert simulated == pytest.approx(truth.bubble_fraction, abs=1e-12)
+    uniform = simulate(build_schedule(pp, vpp, m, name), vpp=vpp)
+    assert truth.bubble_fraction > uniform.bubble_fraction  # the slow last stage makes the others wait

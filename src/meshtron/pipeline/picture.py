@@ -77,32 +77,24 @@ def draw_measured_timeline(
     measured: Timeline, schedule: str, vpp: int, microbatches: int, out_path: str | Path
 ) -> tuple[Path, float, float]:
     """A training step's real timeline (seconds from each rank's step start) above the simulation of the
-    same schedule with that step's mean forward / backward / weight-gradient times: what differs is the
-    communication and waiting the simulation leaves out. Returns (picture, measured bubble, simulated)."""
+    same schedule with that step's mean time of each kind of action on each chunk: the simulation has
+    the same compute, stage imbalance included, and free communication, so what differs is the
+    communication and the waiting on it. Returns (picture, measured bubble, simulated bubble)."""
     ms = [[(a, 1e3 * start, 1e3 * end) for a, start, end in rank] for rank in measured]
-    durations: dict[str, list[float]] = {}
-    split = any(a.kind == "W" for rank in ms for a, _, _ in rank)
+    durations: dict[tuple[str, int], list[float]] = {}
     for rank in ms:
         for a, start, end in rank:
-            if not (split and a.kind == "B" and a.chunk == 0):  # nothing to do: the first chunk has no input
-                durations.setdefault(a.kind, []).append(end - start)
-    mean = {kind: sum(d) / len(d) for kind, d in durations.items()}
-    pp, cost_w = len(ms), mean.get("W", 0.0)
-    sim = simulate(
-        build_schedule(pp, vpp, microbatches, schedule),
-        mean["F"] * vpp,
-        (mean["B"] + cost_w) * vpp,
-        cost_w * vpp,
-        vpp,
-    )
+            durations.setdefault((a.kind, a.chunk), []).append(end - start)
+    mean = {key: sum(d) / len(d) for key, d in durations.items()}
+    sim = simulate(build_schedule(len(ms), vpp, microbatches, schedule), vpp=vpp, chunk_costs=mean)
     bubble = idle_fraction(ms)
-    where = f"{schedule}, pp={pp}, vpp={vpp}, {microbatches} micro-batches"
-    costs = ", ".join(f"{kind} {t:.2f}" for kind, t in mean.items())
+    where = f"{schedule}, pp={len(ms)}, vpp={vpp}, {microbatches} micro-batches"
     panels = [
         (ms, f"measured ({where}): bubble {100 * bubble:.1f}%"),
         (
             sim.timeline,
-            f"simulated with the measured mean times per chunk (ms: {costs}): bubble {100 * sim.bubble_fraction:.1f}%",
+            f"simulated (measured mean time per action kind and chunk, free communication): "
+            f"bubble {100 * sim.bubble_fraction:.1f}%",
         ),
     ]
     return draw_timelines(panels, out_path, vpp, "time in the step (ms)"), bubble, sim.bubble_fraction

@@ -19,6 +19,7 @@ runtime, the simulator (`simulate`) and the pictures.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -186,13 +187,19 @@ class Simulation:
 
 
 def simulate(
-    schedule: list[list[Action]], cost_f: float = 1.0, cost_b: float = 2.0, cost_w: float = 0.0, vpp: int = 1
+    schedule: list[list[Action]],
+    cost_f: float = 1.0,
+    cost_b: float = 2.0,
+    cost_w: float = 0.0,
+    vpp: int = 1,
+    chunk_costs: Mapping[tuple[str, int], float] | None = None,
 ) -> Simulation:
     """Execute the lists (compute takes its cost, a chunk's cost is 1/vpp of a stage's; sends take no time;
     a receive waits for its send). Checks every backward follows its forward, every send has a matching
     receive, and that the lists cannot deadlock; raises ValueError naming the problem otherwise.
 
-    For schedules without W actions, cost_b is the whole backward; with them, B costs cost_b - cost_w."""
+    For schedules without W actions, cost_b is the whole backward; with them, B costs cost_b - cost_w.
+    `chunk_costs[(kind, chunk)]`, when given, is every action's own cost instead (e.g. measured ones)."""
     pp = len(schedule)
     split = any(a.kind == "W" for actions in schedule for a in actions)
     costs = {"F": cost_f / vpp, "B": (cost_b - (cost_w if split else 0.0)) / vpp, "W": cost_w / vpp}
@@ -240,7 +247,8 @@ def simulate(
                         )
                     if a.kind == "W" and ("B", a.chunk, a.mb) not in done:
                         raise ValueError(f"rank {r}: {a} runs before its input-gradient backward")
-                    start, end = clock[r], clock[r] + costs[a.kind]
+                    cost = chunk_costs[a.kind, a.chunk] if chunk_costs is not None else costs[a.kind]
+                    start, end = clock[r], clock[r] + cost
                     timeline[r].append((a, start, end))
                     clock[r] = end
                     done[(a.kind, a.chunk, a.mb)] = end
