@@ -160,6 +160,16 @@ def test_missing_file_and_malformed_toml(tmp_path):
             2,
             "needs parallel.vpp >= 2",
         ),
+        (
+            ["--parallel.pp=2", "--parallel.pp_layers=[1, 2]", "--training.global_batch=16"],
+            2,
+            "parallel.pp_layers=[1, 2] must give pp*vpp=2 positive layer counts adding up to model.n_layers=4",
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.pp_layers=[1, 3]", "--parallel.pp_head_layers=1"],
+            2,
+            "set one or the other",
+        ),
         (["--parallel.ep=2"], 2, "parallel.ep=2 needs an MoE model (model.n_experts > 0)"),
         (
             ["--model.n_experts=6", "--parallel.ep=4"],

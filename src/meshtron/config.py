@@ -585,6 +585,11 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         )
     if p.pp_embedding_layers < 0 or p.pp_head_layers < 0:
         problems.append("parallel.pp_embedding_layers and parallel.pp_head_layers must be >= 0")
+    elif p.pp_layers and (p.pp_embedding_layers or p.pp_head_layers):
+        problems.append(
+            "parallel.pp_layers gives the split explicitly; parallel.pp_embedding_layers and "
+            "parallel.pp_head_layers only weigh a balanced split: set one or the other"
+        )
     if p.vpp > 1 and p.pp_schedule != "interleaved":
         problems.append(f"parallel.vpp={p.vpp} needs parallel.pp_schedule='interleaved'")
     if p.pp_schedule == "interleaved" and p.pp > 1 and p.vpp < 2:
