@@ -7,6 +7,7 @@ it as `common` (the spawned worker ranks inherit that path).
 
 from __future__ import annotations
 
+import argparse
 import math
 import platform
 import re
@@ -137,3 +138,20 @@ class ModelShape:
             f"dim {self.dim}, {self.layers} layers, {self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, "
             f"vocab {self.vocab}, seq {self.seq}"
         )
+
+
+def timed_run_parser(doc: str, section: str) -> argparse.ArgumentParser:
+    """The arguments every side-by-side benchmark takes: timed and warm-up steps, the results file whose
+    `section` it replaces, and the seed."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
+    parser.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "RESULTS.md"),
+        help=f"results file whose {section} section is replaced; '-' writes nothing",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights (build_model) and token batches")
+    return parser

@@ -72,6 +72,7 @@ from common import (
     ms,
     quantile,
     storage_bytes,
+    timed_run_parser,
     write_results,
 )
 from torch import nn
@@ -764,20 +765,10 @@ def findings_text(summaries: dict[str, Summary], floor: dict[str, float], bucket
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
-    parser.add_argument(
-        "--out",
-        default=str(Path(__file__).resolve().parent / "RESULTS.md"),
-        help="results file whose data-parallel section is replaced; '-' writes nothing",
-    )
+    parser = timed_run_parser(__doc__, "data-parallel")
     parser.add_argument(
         "--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size, both sides"
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights (build_model) and token batches")
     parser.add_argument(
         "--only",
         nargs="+",

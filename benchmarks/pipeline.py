@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import ModelShape, cpu_model, median_ci, ms, quantile, write_results
+from common import ModelShape, cpu_model, median_ci, ms, quantile, timed_run_parser, write_results
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -564,20 +564,10 @@ def section_text(
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
-    parser.add_argument(
-        "--out",
-        default=str(Path(__file__).resolve().parent / "RESULTS.md"),
-        help="results file whose pipeline section is replaced; '-' writes nothing",
-    )
+    parser = timed_run_parser(__doc__, "pipeline")
     parser.add_argument(
         "--schedules", nargs="+", choices=tuple(SCHEDULE_VPP), default=list(SCHEDULE_VPP), help="schedules"
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights (build_model) and token batches")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")

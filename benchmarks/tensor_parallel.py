@@ -74,7 +74,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import ModelShape, allocation_peak, cpu_model, mib, ms, quantile, storage_bytes, write_results
+from common import (
+    ModelShape,
+    allocation_peak,
+    cpu_model,
+    mib,
+    ms,
+    quantile,
+    storage_bytes,
+    timed_run_parser,
+    write_results,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -845,16 +855,7 @@ def section_text(
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
-    parser.add_argument(
-        "--out",
-        default=str(Path(__file__).resolve().parent / "RESULTS.md"),
-        help="results file whose tensor-parallel section is replaced; '-' writes nothing",
-    )
+    parser = timed_run_parser(__doc__, "tensor-parallel")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="tp degrees (one world each)")
     parser.add_argument(
         "--sp", choices=("both", "off", "on"), default="both", help="sequence parallel variants to run"
@@ -866,7 +867,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=list(IMPLS[1:]),
         help="torch plans to compare with: torchtitan's, and the same with one shared input DTensor",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights (build_model) and token batches")
     parser.add_argument("--profile", action="store_true", help="print rank 0's op table of the profiled step")
     args = parser.parse_args(argv)
     if args.warmup + args.steps < 2:
