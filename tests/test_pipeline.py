@@ -67,8 +67,10 @@ def test_moe_pipeline_matches_single_device(workers, schedule):
     [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=1"]],
     ids=["ddp", "zero1"],
 )
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
 def test_pipeline_with_data_parallel(workers, schedule, data_parallel):
+    """DDP and ZeRO-1 reduce a chunk's buckets after its last backward; with zero-bubble, the norms'
+    gradients are final after the chunk's last B and the linear weights' after its last W."""
     model = ["--model.n_layers=8"]
     layout = pipeline(2, schedule, 2, *data_parallel)
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
@@ -131,6 +133,16 @@ def test_zero_bubble_with_tensor_parallel_and_recompute(workers, recompute):
     )
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers, model))
+
+
+def test_pipeline_with_hybrid_sharded_data_parallel(workers):
+    """HSDP inside each stage: ZeRO-3 over 2 ranks, replicated over 2 (gradient shards all-reduced)."""
+    model = ["--model.n_layers=8"]
+    layout = pipeline(
+        2, "zero_bubble", 1, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"
+    )
+    results = workers(8).run(run_layout, [*TINY, *model, *layout])
+    assert_parity(merged([results[0], results[4]]), reference(workers, model))
 
 
 def test_pipeline_tensor_parallel_tied_zero3(workers):

@@ -72,7 +72,9 @@ class DeferWeightGrads(TorchFunctionMode):
             if weight.requires_grad:
                 records: list[tuple[torch.Tensor, torch.Tensor]] = []
                 self.calls.append((weight, records))
-                return _Linear.apply(named["input"], weight, named.get("bias"), records)
+                # Detached: were the weight an input of the graph, B would reach its AccumulateGrad,
+                # whose post-accumulate hooks (data-parallel readiness counts) fire even for no gradient.
+                return _Linear.apply(named["input"], weight.detach(), named.get("bias"), records)
         return func(*args, **kwargs)
 
     def weight_grads(self) -> None:
