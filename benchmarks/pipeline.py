@@ -3,11 +3,18 @@ ranks on CPU (fp32).
 
 What is measured: the wall time of one pipeline step -- the forwards and backwards of every micro-batch,
 cross-entropy loss on the last stage, no optimizer -- of the same Llama model on the same token batches,
-pp=2, for two schedules:
+pp=2, for three schedules:
 
   * 1F1B: meshtron's `PipelineRuntime(schedule="1f1b")` vs torch's `Schedule1F1B` (one stage per rank);
   * interleaved 1F1B, vpp=2: meshtron's `PipelineRuntime(schedule="interleaved", vpp=2)` vs torch's
-    `ScheduleInterleaved1F1B` (two stages per rank, stage i on rank i % pp on both sides).
+    `ScheduleInterleaved1F1B` (two stages per rank, stage i on rank i % pp on both sides);
+  * zero-bubble (backward split into B, the input gradient, and W, the weight gradients, run later):
+    meshtron's `PipelineRuntime(schedule="zero_bubble")` (ZB-H1) vs torch's
+    `ScheduleInterleavedZeroBubble` given one stage per rank, its only zero-bubble schedule that takes
+    that placement (`ScheduleZBVZeroBubble` and `ScheduleDualPipeV` need two stages per rank, V-shaped).
+    The two orders differ (see the notes), and so do the splits: meshtron's W recomputes the linear
+    layers' weight gradients from recorded inputs and output gradients, torch's runs autograd again
+    from the graph that B kept.
 
 Both sides run the same modules: each builds the model with `build_model(cfg, seed)` and prunes it to
 this rank's chunks with `keep_rank_chunks`; meshtron wraps the chunks in its `PipelineChunk`s, torch's
@@ -25,23 +32,25 @@ How:
   * every implementation lives in every rank with its own model copy; the token batches are random,
     drawn from (seed, step), and split into micro-batches the same way (`tensor_split` on dim 0);
   * correctness, before any timing: after one step from the same weights on the same batch, the loss
-    and every parameter gradient of each torch pipeline must match meshtron's to `RTOL` (relative), and
-    the loss must match the whole model's loss on one device; otherwise the run stops and writes
-    nothing;
+    and every parameter gradient of each torch pipeline must match meshtron's, and meshtron's
+    zero-bubble must match its 1F1B, to `RTOL` (relative), and the loss must match the whole model's
+    loss on one device; otherwise the run stops and writes nothing;
   * then `--warmup` untimed steps each, and `--steps` timed steps each with the implementations taking
     turns (the order rotates every round) so that machine noise hits all alike; gradients are zeroed
     (set to None) before each step, outside the timing, and a barrier precedes every step. A rank's
     step time is the wall time of `PipelineRuntime.run` / `schedule.step`; the step time is the
     slowest rank's;
   * bubble, measured the same way on both sides from per-action compute times: meshtron's from
-    `PipelineRuntime.timeline` (every F and B; the last stage's F includes the loss), torch's by
-    timing `PipelineStage.forward_one_chunk` / `backward_one_chunk` (a subclass) and the loss function
-    (which torch's schedules call right after the last stage's forward). Per step, bubble =
-    1 - sum over ranks of compute time / (pp x step time): the idle share of the ranks, waiting on
-    receives, schedule overhead and imbalance included; reported as the mean over timed steps next to
-    the theory for equal stages and free communication, (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1)
-    interleaved, and the bubble that the two ranks' measured compute alone would force (the stages
-    are not equal here), to separate the imbalance from what the runtime adds.
+    `PipelineRuntime.timeline` (every F, B and W; the last stage's F includes the loss), torch's by
+    timing `PipelineStage.forward_one_chunk` / `backward_one_chunk` / `backward_weight_one_chunk` (a
+    subclass) and the loss function (which torch's schedules call right after the last stage's
+    forward). Per step, bubble = 1 - sum over ranks of compute time / (pp x step time): the idle share
+    of the ranks, waiting on receives, schedule overhead and imbalance included; reported as the mean
+    over timed steps next to the theory for equal stages and free communication ((p-1)/(m+p-1) for
+    1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 with F = B = W), and next to the bound
+    from compute: the simulator (`meshtron.pipeline.schedules.simulate`) running each
+    implementation's own order of actions with their measured median costs and free communication,
+    which separates what the order and the stages' imbalance force from what the runtime adds.
 
 Run `python benchmarks/pipeline.py` (writes its section of benchmarks/RESULTS.md), or e.g.
 `python benchmarks/pipeline.py --steps 4 --warmup 1 --out -`.
@@ -57,8 +66,9 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +76,19 @@ import torch
 import torch.distributed as dist
 from common import ModelShape, cpu_model, median_ci, ms, quantile, timed_run_parser, write_results
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
+from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
 from meshtron.pipeline.split import chunks_of_rank, split_layers
 from meshtron.train.trainer import cross_entropy_per_token
 from meshtron.workers import WorkerPool
@@ -80,7 +96,9 @@ from meshtron.workers import WorkerPool
 SECTION_TITLE = "## Pipeline parallel: meshtron vs torch.distributed.pipelining (2 gloo ranks, CPU)"
 PP = 2  # one rank per core of this 2-core machine
 RTOL = 1e-5
-SCHEDULE_VPP = {"1f1b": 1, "interleaved": 2}
+SCHEDULE_VPP = {"1f1b": 1, "interleaved": 2, "zero_bubble": 1}
+# A compute action of one step on one rank: (kind F / B / W, chunk, micro-batch, seconds).
+ActionTime = tuple[str, int, int, float]
 
 
 @dataclass(frozen=True)
@@ -110,9 +128,13 @@ class Shape(ModelShape):
         )
 
 
-def theory_bubble(pp: int, vpp: int, microbatches: int) -> float:
-    """Idle share of equal stages with free communication (Megatron's (p-1)/(v*m+p-1))."""
-    return (pp - 1) / (vpp * microbatches + pp - 1)
+def theory_bubble(schedule: str, microbatches: int) -> float:
+    """Idle share of equal stages with free communication, backward = 2 x forward, split into B = W
+    when the schedule splits it: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1)
+    for ZB-H1."""
+    vpp = SCHEDULE_VPP[schedule]
+    cost_w = 1.0 if schedule == "zero_bubble" else 0.0
+    return simulate(build_schedule(PP, vpp, microbatches, schedule), 1.0, 2.0, cost_w, vpp).bubble_fraction
 
 
 def batch(shape: Shape, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,12 +154,17 @@ class Pipeline:
     schedule: str
     model: Transformer
 
+    @property
+    def name(self) -> str:
+        return f"{self.schedule} {self.impl}"
+
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
         """One step's forwards and backwards; this rank's share of the mean loss (0 off the last stage)."""
         raise NotImplementedError
 
-    def compute_seconds(self) -> float:
-        """Time spent in forward / backward / loss actions during the last step."""
+    def actions(self) -> list[ActionTime]:
+        """The compute actions of the last step in the order they ran: F (the last stage's includes the
+        loss), B (the whole backward, or its input-gradient part when the schedule splits it) and W."""
         raise NotImplementedError
 
 
@@ -166,8 +193,8 @@ class MeshtronPipeline(Pipeline):
         )
         return float(loss)
 
-    def compute_seconds(self) -> float:
-        return sum(end - start for _, start, end in self.runtime.timeline)
+    def actions(self) -> list[ActionTime]:
+        return [(a.kind, a.chunk, a.mb, end - start) for a, start, end in self.runtime.timeline]
 
 
 class StageModule(nn.Module):
@@ -186,23 +213,29 @@ class StageModule(nn.Module):
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that adds the duration of each forward and backward to `busy_s`. Receives are
-    waited on by the schedule before these calls, so the times hold compute only."""
+    """A PipelineStage that appends each forward (F), backward or input-gradient backward (B) and
+    weight-gradient backward (W) to `actions`. Receives are waited on by the schedule before these
+    calls, so the times hold compute only."""
 
-    def __init__(self, *args: Any, busy_s: list[float], **kwargs: Any):
+    def __init__(self, *args: Any, actions: list[ActionTime], **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.busy_s = busy_s
+        self.actions = actions
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, kind: str, mb: int, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        out = super().forward_one_chunk(*args, **kwargs)
-        self.busy_s.append(time.perf_counter() - start)
+        out = run(mb, *args, **kwargs)
+        self.actions.append((kind, self.stage_index, mb, time.perf_counter() - start))
         return out
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        super().backward_one_chunk(*args, **kwargs)
-        self.busy_s.append(time.perf_counter() - start)
+    # torch's schedules pass the micro-batch index first, positionally.
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("F", mb, super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self._timed("B", mb, super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self._timed("W", mb, super().backward_weight_one_chunk, *args, **kwargs)
 
 
 class TorchPipeline(Pipeline):
@@ -211,7 +244,8 @@ class TorchPipeline(Pipeline):
         vpp = SCHEDULE_VPP[schedule]
         n_stages = pp.size * vpp
         self.model = pruned_model(shape.model_config(), seed, pp, vpp, layer_split)
-        self.busy_s: list[float] = []
+        self.last_stage = n_stages - 1
+        self.step_actions: list[ActionTime] = []
         stages = [
             TimedStage(
                 StageModule(PipelineChunk(self.model, c, layer_split[c], n_stages)),
@@ -219,7 +253,7 @@ class TorchPipeline(Pipeline):
                 n_stages,
                 torch.device("cpu"),
                 group=pp.process_group,
-                busy_s=self.busy_s,
+                actions=self.step_actions,
             )
             for c in chunks_of_rank(pp.rank, pp.size, vpp)
         ]
@@ -227,24 +261,32 @@ class TorchPipeline(Pipeline):
         # scale_grads=False: the loss is already divided by the global token count, as meshtron's is.
         if schedule == "1f1b":
             self.pipeline = Schedule1F1B(stages[0], m, loss_fn=self.loss, scale_grads=False)
-        else:
+        elif schedule == "interleaved":
             self.pipeline = ScheduleInterleaved1F1B(stages, m, loss_fn=self.loss, scale_grads=False)
+        else:
+            self.pipeline = ScheduleInterleavedZeroBubble(stages, m, loss_fn=self.loss, scale_grads=False)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         loss = cross_entropy_per_token(logits, targets).sum() / self.shape.global_tokens
-        self.busy_s.append(time.perf_counter() - start)
+        if not self.step_actions:  # torch's shape inference, at its first step before any action
+            return loss
+        # torch's schedules compute the loss right after the last stage's forward: it joins that
+        # forward's time, as in meshtron's timeline.
+        kind, chunk, mb, seconds = self.step_actions[-1]
+        assert (kind, chunk) == ("F", self.last_stage), self.step_actions[-1]
+        self.step_actions[-1] = (kind, chunk, mb, seconds + time.perf_counter() - start)
         return loss
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
-        self.busy_s.clear()
+        self.step_actions.clear()
         losses: list[torch.Tensor] = []  # filled on the rank of the last stage only
         # Every rank passes both: torch uses the inputs on the first stage, the targets on the last.
         self.pipeline.step(inputs_BS, target=targets_BS, losses=losses, return_outputs=False)
         return float(sum(loss.detach() for loss in losses))
 
-    def compute_seconds(self) -> float:
-        return sum(self.busy_s)
+    def actions(self) -> list[ActionTime]:
+        return list(self.step_actions)
 
 
 def reference_loss(shape: Shape, seed: int, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
@@ -254,31 +296,38 @@ def reference_loss(shape: Shape, seed: int, inputs_BS: torch.Tensor, targets_BS:
         return float(cross_entropy_per_token(logits, targets_BS).mean())
 
 
-def gradient_difference(ours: Transformer, theirs: Transformer) -> tuple[float, str, int]:
-    """(worst over parameters of |g_ours - g_torch| / |g_torch| (Frobenius), its parameter, parameters)."""
+def gradient_difference(ours: Pipeline, theirs: Pipeline) -> tuple[float, str, int]:
+    """(worst over parameters of |g_ours - g_theirs| / |g_theirs| (Frobenius), its parameter, parameters)."""
     worst, worst_name = 0.0, ""
-    theirs_params = dict(theirs.named_parameters())
-    for name, param in ours.named_parameters():
+    theirs_params = dict(theirs.model.named_parameters())
+    for name, param in ours.model.named_parameters():
         other = theirs_params[name].grad
         if param.grad is None or other is None:
-            raise RuntimeError(
-                f"{name}: no gradient on the {'meshtron' if param.grad is None else 'torch'} side"
-            )
+            raise RuntimeError(f"{name}: no gradient in {(ours if param.grad is None else theirs).name}")
         diff = float((param.grad - other).norm() / other.norm())
         if diff >= worst:
             worst, worst_name = diff, name
     return worst, worst_name, len(theirs_params)
 
 
+def comparisons(schedules: Sequence[str]) -> list[tuple[str, str, str]]:
+    """The check's (label, pipeline, reference): each schedule's torch pipeline against meshtron's, and
+    meshtron's zero-bubble against its 1F1B (the split backward must not change a gradient)."""
+    pairs = [(s, f"{s} meshtron", f"{s} torch") for s in schedules]
+    if "zero_bubble" in schedules:
+        pairs.append(("zero_bubble vs 1f1b", "zero_bubble meshtron", "1f1b meshtron"))
+    return pairs
+
+
 def timed_step(
     pipeline: Pipeline, inputs_BS: torch.Tensor, targets_BS: torch.Tensor
-) -> tuple[float, float, float]:
-    """(step seconds, compute seconds, loss share) of one step on this rank."""
+) -> tuple[float, list[ActionTime], float]:
+    """(step seconds, compute actions, loss share) of one step on this rank."""
     pipeline.model.zero_grad(set_to_none=True)
     dist.barrier()  # every rank starts together, so the step time is not another rank's leftover
     start = time.perf_counter()
     loss = pipeline.step(inputs_BS, targets_BS)
-    return time.perf_counter() - start, pipeline.compute_seconds(), loss
+    return time.perf_counter() - start, pipeline.actions(), loss
 
 
 def bench_rank(shape: Shape, seed: int, warmup: int, steps: int, schedules: Sequence[str]) -> dict[str, Any]:
@@ -291,25 +340,24 @@ def bench_rank(shape: Shape, seed: int, warmup: int, steps: int, schedules: Sequ
         pipelines.append(MeshtronPipeline(shape, seed, comm, pp, schedule, layer_split))
         pipelines.append(TorchPipeline(shape, seed, pp, schedule, layer_split))
 
-    # The check step: both sides from the same weights on the same batch, before any timing.
+    # The check step: every pipeline from the same weights on the same batch, before any timing.
     inputs, targets = batch(shape, seed, 0)
     check: dict[str, Any] = {"reference": reference_loss(shape, seed, inputs, targets)}
-    losses = {}
-    for p in pipelines:
-        losses[(p.schedule, p.impl)] = timed_step(p, inputs, targets)[2]
-    for ours, theirs in zip(pipelines[::2], pipelines[1::2], strict=True):
-        worst, name, count = gradient_difference(ours.model, theirs.model)
-        check[ours.schedule] = {
-            "loss": (losses[(ours.schedule, "meshtron")], losses[(ours.schedule, "torch")]),
-            "grad": (worst, name, count),
+    by_name = {p.name: p for p in pipelines}
+    losses = {p.name: timed_step(p, inputs, targets)[2] for p in pipelines}
+    labels = comparisons(schedules)
+    for label, ours, theirs in labels:
+        check[label] = {
+            "loss": (losses[ours], losses[theirs]),
+            "grad": gradient_difference(by_name[ours], by_name[theirs]),
         }
     # Every rank must agree to go on: a rank that stopped alone would leave the other in a collective.
     holds_loss = pp.rank == pp.size - 1
     local_bad = any(
-        check[s]["grad"][0] > RTOL
-        or rel(*check[s]["loss"]) > RTOL
-        or (holds_loss and rel(check[s]["loss"][0], check["reference"]) > RTOL)
-        for s in schedules
+        check[label]["grad"][0] > RTOL
+        or rel(*check[label]["loss"]) > RTOL
+        or (holds_loss and rel(check[label]["loss"][0], check["reference"]) > RTOL)
+        for label, _, _ in labels
     )
     bad = torch.tensor(float(local_bad))
     comm.all_reduce_(bad, pp)
@@ -317,12 +365,12 @@ def bench_rank(shape: Shape, seed: int, warmup: int, steps: int, schedules: Sequ
         mesh.close()
         return {"check": check, "records": None}
 
-    records: dict[str, list[tuple[float, float, float]]] = {f"{p.schedule} {p.impl}": [] for p in pipelines}
+    records: dict[str, list[tuple[float, list[ActionTime], float]]] = {p.name: [] for p in pipelines}
     for round_ in range(warmup + steps):
         inputs, targets = batch(shape, seed, 1 + round_)
         shift = round_ % len(pipelines)  # rotate who goes first, so no one always follows the same peer
         for p in pipelines[shift:] + pipelines[:shift]:
-            records[f"{p.schedule} {p.impl}"].append(timed_step(p, inputs, targets))
+            records[p.name].append(timed_step(p, inputs, targets))
     mesh.close()
     return {"check": check, "records": {name: recs[warmup:] for name, recs in records.items()}}
 
@@ -340,6 +388,8 @@ class Summary:
     impl: str
     steps: list[float]  # slowest rank's step time per timed step (s)
     compute: list[list[float]]  # per rank, compute seconds per timed step
+    order: list[list[tuple[str, int, int]]]  # per rank, the (kind, chunk, micro-batch) it ran, in order
+    costs: dict[tuple[str, int], float]  # per (kind, chunk), an action's time (s): see `action_costs`
     microbatches: int
 
     @property
@@ -358,18 +408,39 @@ class Summary:
             for i, step in enumerate(self.steps)
         )
 
+    @cached_property
+    def simulated(self) -> Simulation:
+        """This implementation's own order on each rank, every action taking its measured cost and
+        communication taking none: what the order and the stages' compute alone force."""
+        vpp = SCHEDULE_VPP[self.schedule]
+        # The schedules' own helper, so that a recorded order gets its receives and sends where
+        # meshtron's lists have them: each receive right before the compute that needs it, each send
+        # right after the compute that makes it.
+        schedule = [with_p2p(order, rank, PP, vpp) for rank, order in enumerate(self.order)]
+        return simulate(schedule, chunk_costs=self.costs)
+
     @property
     def bound(self) -> float:
-        """The shortest step the ranks' median compute allows with free communication (pp=2): rank 1's
-        compute all falls between rank 0's first forward and its last backward of one micro-batch
-        through chunk 0, taken as 1/(m*v) of rank 0's compute (its chunks and micro-batches costing
-        alike)."""
-        first, last = self.compute_medians
-        return max(first, last + first / (self.microbatches * SCHEDULE_VPP[self.schedule]))
+        return self.simulated.makespan
 
     @property
     def bound_bubble(self) -> float:
-        return 1 - sum(self.compute_medians) / (len(self.compute) * self.bound)
+        return self.simulated.bubble_fraction
+
+
+def action_costs(per_rank: list[list[tuple[float, list[ActionTime], float]]]) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the median over timed steps of the step's mean time of that action. Means
+    within a step keep the step's compute whole (a median over single actions would drop the slow ones
+    that every step has); the median over steps drops the steps that other jobs slowed."""
+    means: dict[tuple[str, int], list[float]] = {}
+    for rank in per_rank:
+        for _, actions, _ in rank:
+            step: dict[tuple[str, int], list[float]] = {}
+            for kind, chunk, _, seconds in actions:
+                step.setdefault((kind, chunk), []).append(seconds)
+            for key, times in step.items():
+                means.setdefault(key, []).append(statistics.fmean(times))
+    return {key: statistics.median(values) for key, values in means.items()}
 
 
 def summarise(results: list[dict[str, Any]], shape: Shape) -> dict[tuple[str, str], Summary]:
@@ -378,26 +449,28 @@ def summarise(results: list[dict[str, Any]], shape: Shape) -> dict[tuple[str, st
         schedule, impl = name.split()
         per_rank = [r["records"][name] for r in results]
         steps = [max(rank[i][0] for rank in per_rank) for i in range(len(per_rank[0]))]
-        compute = [[rec[1] for rec in rank] for rank in per_rank]
-        out[(schedule, impl)] = Summary(schedule, impl, steps, compute, shape.microbatches)
+        compute = [[sum(a[3] for a in rec[1]) for rec in rank] for rank in per_rank]
+        order = [[a[:3] for a in rank[0][1]] for rank in per_rank]  # the same every step
+        costs = action_costs(per_rank)
+        out[(schedule, impl)] = Summary(schedule, impl, steps, compute, order, costs, shape.microbatches)
     return out
 
 
 def check_lines(results: list[dict[str, Any]], schedules: Sequence[str]) -> tuple[list[str], bool]:
-    """One line per schedule (losses summed over ranks: only the last stage's is non-zero), and ok."""
+    """One line per comparison (losses summed over ranks: only the last stage's is non-zero), and ok."""
     lines, ok = [], True
     reference = results[0]["check"]["reference"]
-    for s in schedules:
-        ours = sum(r["check"][s]["loss"][0] for r in results)
-        theirs = sum(r["check"][s]["loss"][1] for r in results)
-        worst_rank = max(results, key=lambda r: r["check"][s]["grad"][0])
-        grad, name, _ = worst_rank["check"][s]["grad"]
-        count = sum(r["check"][s]["grad"][2] for r in results)
+    for label, ours_name, theirs_name in comparisons(schedules):
+        ours = sum(r["check"][label]["loss"][0] for r in results)
+        theirs = sum(r["check"][label]["loss"][1] for r in results)
+        worst_rank = max(results, key=lambda r: r["check"][label]["grad"][0])
+        grad, name, _ = worst_rank["check"][label]["grad"]
+        count = sum(r["check"][label]["grad"][2] for r in results)
         loss_diff, ref_diff = rel(ours, theirs), rel(ours, reference)
         good = loss_diff <= RTOL and ref_diff <= RTOL and grad <= RTOL
         ok = ok and good
         lines.append(
-            f"- {s}: loss {ours:.6f} (meshtron) vs {theirs:.6f} (torch), relative difference "
+            f"- {label}: loss {ours:.6f} ({ours_name}) vs {theirs:.6f} ({theirs_name}), relative difference "
             f"{loss_diff:.1e}; whole model on one device {reference:.6f} ({ref_diff:.1e}); gradients of "
             f"all {count} parameter tensors, worst relative difference {grad:.1e} (`{name}`)"
             + (" (ok)" if good else f" (FAILED, tolerance {RTOL:.0e})")
@@ -405,10 +478,11 @@ def check_lines(results: list[dict[str, Any]], schedules: Sequence[str]) -> tupl
     return lines, ok
 
 
-def pair_ratio(ours: Summary, theirs: Summary) -> tuple[float, float, float]:
-    """Median and 95% CI of meshtron's step / the torch step of the same round (robust to drift)."""
+def pair_ratio(ours: Summary, theirs: Summary) -> str:
+    """Median and 95% CI of our step / their step of the same round (robust to drift)."""
     pairs = [a / b for a, b in zip(ours.steps, theirs.steps, strict=True)]
-    return (statistics.median(pairs), *median_ci(pairs))
+    lo, hi = median_ci(pairs)
+    return f"{statistics.median(pairs):.3f} ({lo:.3f}-{hi:.3f})"
 
 
 TABLE_HEADER = (
@@ -432,11 +506,10 @@ def table_rows(summaries: dict[tuple[str, str], Summary], schedules: Sequence[st
     rows = []
     for schedule in schedules:
         ours, theirs = summaries[(schedule, "meshtron")], summaries[(schedule, "torch")]
-        theory = theory_bubble(PP, SCHEDULE_VPP[schedule], ours.microbatches)
-        pair, lo, hi = pair_ratio(ours, theirs)
+        theory = theory_bubble(schedule, ours.microbatches)
         rows.append(
             f"| {schedule_label(schedule)} | {ms(ours.median)} | {ms(theirs.median)} "
-            f"| **{ours.median / theirs.median:.3f}** | {pair:.3f} ({lo:.3f}-{hi:.3f}) "
+            f"| **{ours.median / theirs.median:.3f}** | {pair_ratio(ours, theirs)} "
             f"| {ours.bubble:.1%} | {theirs.bubble:.1%} | {theory:.1%} |"
         )
     return rows
@@ -464,25 +537,27 @@ def notes_lines(
             for s in (ours, theirs)
         )
         lines.append(
-            f"- {schedule}: the stages' imbalance alone forces a bubble of {ours.bound_bubble:.1%} "
-            f"(meshtron) / {theirs.bound_bubble:.1%} (torch), against "
-            f"{theory_bubble(PP, SCHEDULE_VPP[schedule], ours.microbatches):.1%} for equal stages. Median "
-            f"step above the bound from its own compute (p2p, schedule overhead, noise, and the bound's "
-            f"even-share approximation): {over}."
+            f"- {schedule}: its order and the measured compute alone force a bubble of "
+            f"{ours.bound_bubble:.1%} (meshtron) / {theirs.bound_bubble:.1%} (torch), against "
+            f"{theory_bubble(schedule, ours.microbatches):.1%} for equal stages. Median step above the "
+            f"bound from its own compute (p2p, schedule overhead, noise): {over}."
         )
-    if len(schedules) == len(SCHEDULE_VPP):
+    if {"1f1b", "interleaved"} <= set(schedules):
         one, inter = summaries[("1f1b", "meshtron")], summaries[("interleaved", "meshtron")]
         lines.append(
             "- Interleaving halves the ramp in theory, but rank 1 is the bottleneck (it carries the head "
             "and loss) and is busy for the same compute either way, so only the ramp can shrink, at twice "
             f"the messages: meshtron interleaved {ms(inter.median)} ms vs 1F1B {ms(one.median)} ms."
         )
+    if "zero_bubble" in schedules:
+        lines += zero_bubble_notes(summaries)
     message_kib = shape.micro_batch * shape.seq * shape.dim * 4 / 2**10
     lines += [
         "- p2p is not like-for-like: meshtron's runtime posts each send without waiting (settling it when "
         "a later message proves it received, or at the end of the step) and posts each receive as soon as "
         "the previous one has arrived; torch's `Schedule1F1B` batches each send with the next receive and "
-        "waits on both, and `ScheduleInterleaved1F1B` posts receives ahead of the compute. A message is "
+        "waits on both, and `ScheduleInterleaved1F1B` and `ScheduleInterleavedZeroBubble` (one runtime) "
+        "post receives ahead of the compute. A message is "
         "one micro-batch's "
         f"activations or their gradient (fp32 [{shape.micro_batch}, {shape.seq}, {shape.dim}], "
         f"{message_kib:.0f} KiB), cheap between two processes on one machine, so these choices show up "
@@ -495,6 +570,44 @@ def notes_lines(
         "trusting a difference of a few percent.",
     ]
     return lines
+
+
+def zero_bubble_notes(summaries: dict[tuple[str, str], Summary]) -> list[str]:
+    """What the split backward buys here: zero-bubble against both 1F1Bs, and why (compute, order)."""
+    zb, one = summaries[("zero_bubble", "meshtron")], summaries[("1f1b", "meshtron")]
+    torch_zb, torch_one = summaries[("zero_bubble", "torch")], summaries[("1f1b", "torch")]
+
+    def late_w(s: Summary) -> str:
+        """Per rank, how many W its order runs after its last B."""
+        counts = []
+        for order in s.order:
+            last_b = max(i for i, (kind, _, _) in enumerate(order) if kind == "B")
+            counts.append(sum(kind == "W" for kind, _, _ in order[last_b + 1 :]))
+        return " / ".join(map(str, counts))
+
+    def chunk0(s: Summary) -> str:
+        return f"B {ms(s.costs['B', 0])} ms, W {ms(s.costs['W', 0])} ms"
+
+    return [
+        f"- zero_bubble against 1F1B (per-round ratios, 95% CI): meshtron's ZB-H1 ({ms(zb.median)} ms) "
+        f"takes {pair_ratio(zb, one)} x meshtron's 1F1B and {pair_ratio(zb, torch_one)} x torch's "
+        f"`Schedule1F1B`; torch's zero-bubble ({ms(torch_zb.median)} ms) {pair_ratio(torch_zb, torch_one)} "
+        f"x `Schedule1F1B`. Bounds from compute: meshtron {ms(zb.bound)} ms zero-bubble vs {ms(one.bound)} "
+        f"ms 1F1B, torch {ms(torch_zb.bound)} vs {ms(torch_one.bound)} ms.",
+        f"- Where the time goes. The split's own cost: compute over both ranks, zero-bubble vs 1F1B, "
+        f"meshtron {ms(sum(zb.compute_medians))} vs {ms(sum(one.compute_medians))} ms, torch "
+        f"{ms(sum(torch_zb.compute_medians))} vs {ms(sum(torch_one.compute_medians))} ms. Rank 0 holds "
+        "the first stage, which has no input gradient to hurry: meshtron runs its whole backward as B and "
+        "leaves W empty, torch as W after an empty B (per micro-batch, meshtron "
+        f"{chunk0(zb)}; torch {chunk0(torch_zb)}). W run after each rank's last B, rank 0 / rank 1: "
+        f"meshtron {late_w(zb)}, torch {late_w(torch_zb)} (meshtron's order lets at most pp - 1 W wait).",
+        "- torch 2.13 has no schedule named ZB-H1. `ScheduleInterleavedZeroBubble` (ZB1P in its docstring, "
+        "written for several stages per rank) accepts one stage per rank and then runs 1F1B with the "
+        "backward split, which is the like-for-like comparison used here. `ScheduleZBVZeroBubble` and "
+        "`ScheduleDualPipeV` require exactly two stages per rank in a V (rank 0 holds the first and the "
+        "last stage), a different placement and split of the layers, so they are not comparable to a "
+        "one-stage-per-rank ZB-H1.",
+    ]
 
 
 def section_text(
@@ -513,33 +626,36 @@ def section_text(
         "the last stage; no optimizer) of the same meshtron Llama model (same seed, same weights) on the "
         "same random token batches, pp=2 in one gloo world: meshtron's `PipelineRuntime` against "
         "`torch.distributed.pipelining` (`Schedule1F1B`; `ScheduleInterleaved1F1B` with two stages per "
-        "rank). Both prune the model with `keep_rank_chunks` and run the same `PipelineChunk` modules "
-        "(torch's `PipelineStage` wraps each in a module that returns only the activations / logits); both "
-        "divide each micro-batch's summed cross-entropy by the global token count (torch: `loss_fn`, "
-        "`scale_grads=False`). The implementations take turns step by step after warmup, the order "
-        "rotating every round; gradients are set to None before each step, outside the timing; a barrier "
-        "precedes every step. **step** = the slowest rank's wall time of `run` / `schedule.step`. "
+        "rank; for meshtron's zero-bubble ZB-H1, `ScheduleInterleavedZeroBubble` with one stage per rank, "
+        "see the notes). Both prune the model with `keep_rank_chunks` and run the same `PipelineChunk` "
+        "modules (torch's `PipelineStage` wraps each in a module that returns only the activations / "
+        "logits); both divide each micro-batch's summed cross-entropy by the global token count (torch: "
+        "`loss_fn`, `scale_grads=False`). The implementations take turns step by step after warmup, the "
+        "order rotating every round; gradients are set to None before each step, outside the timing; a "
+        "barrier precedes every step. **step** = the slowest rank's wall time of `run` / `schedule.step`. "
         "**ratio** = median meshtron step / median torch step (< 1: meshtron faster); the **per-round "
         "ratio** pairs each meshtron step with the torch step of the same round, which cancels load that "
         "comes and goes on this shared machine. **measured bubble** = mean over timed steps of 1 - "
-        "(compute summed over ranks) / (2 x step), where compute is every forward, backward and loss "
-        "action, timed the same way on both sides: meshtron's from `PipelineRuntime.timeline`, torch's by "
-        "timing `PipelineStage.forward_one_chunk` / `backward_one_chunk` (in a subclass) and the loss "
-        "function; it counts all idle time: waits on receives, p2p and schedule overhead, and the stages' "
-        "imbalance. **theory** = (p-1)/(m+p-1) for 1F1B, (p-1)/(v·m+p-1) interleaved (equal stages, free "
-        "communication). **step bound from compute** = the shortest step the two ranks' median compute "
-        "allows with free communication, approximately: max(c0, c1 + c0/(m·v)), since all of rank 1's "
-        "work falls between rank 0's first forward and its last backward of one micro-batch through one "
-        "chunk (taken as an even share of rank 0's compute); the **bubble at the bound** is the idle share "
-        "that the imbalance alone forces.",
+        "(compute summed over ranks) / (2 x step), where compute is every forward, backward (B, and W "
+        "where split) and loss action, timed the same way on both sides: meshtron's from "
+        "`PipelineRuntime.timeline`, torch's by timing `PipelineStage.forward_one_chunk` / "
+        "`backward_one_chunk` / `backward_weight_one_chunk` (in a subclass) and the loss function; it counts "
+        "all idle time: waits on receives, p2p and schedule overhead, the order and the stages' imbalance. "
+        "**theory** = the bubble of equal stages with free communication: (p-1)/(m+p-1) for 1F1B, "
+        "(p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 with B = W = F. **step bound from "
+        "compute** = `meshtron.pipeline.schedules.simulate` running each implementation's own order of "
+        "actions on each rank, every action taking its measured time (per kind and chunk, the median over "
+        "timed steps of the step's mean), with free communication; the **bubble at the bound** is the idle "
+        "share that the order and the stages' compute alone force. (This replaces the approximation "
+        "max(c0, c1 + c0/(m·v)) of earlier runs, which assumed 1F1B-like orders.)",
         "",
         f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
         f"- torch {torch.__version__}, Python {platform.python_version()}",
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical CPUs, shared with other jobs); {PP} ranks x "
         "`torch.set_num_threads(1)` (OMP_NUM_THREADS=1), one rank per core",
         f"- model: {shape.text()}; fp32; layers split evenly over the pp x vpp chunks (`split_layers`: "
-        "4 + 4 for 1F1B, 2 per chunk interleaved), so rank 0 also runs the embedding and rank 1 the final "
-        "norm, head and loss",
+        "4 + 4 for 1F1B and zero-bubble, 2 per chunk interleaved), so rank 0 also runs the embedding and "
+        "rank 1 the final norm, head and loss",
         f"- {args.steps} timed steps per implementation after {args.warmup} warmup and the check step; "
         f"run took {wall_s:.0f} s",
         f"- reproduce: `{' '.join(['python', 'benchmarks/pipeline.py', *argv])}`",
@@ -571,6 +687,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
+    if "zero_bubble" in args.schedules and "1f1b" not in args.schedules:
+        parser.error("zero_bubble is checked and compared against 1f1b: list 1f1b too")
     return args
 
 

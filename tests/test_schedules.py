@@ -49,6 +49,12 @@ def test_zero_bubble_h1_has_a_third_of_1f1b_bubble_at_the_same_memory(pp, m):
     assert idle == pytest.approx((one_f_one_b.makespan - 3 * m) / 3)
     assert zb.bubble_fraction < one_f_one_b.bubble_fraction
     assert zb.peak_in_flight == one_f_one_b.peak_in_flight
+    for actions in build_schedule(pp, 1, m, "zero_bubble"):  # what W needs is kept for <= pp micro-batches
+        waiting = [
+            sum(a.kind == "B" for a in actions[:i]) - sum(a.kind == "W" for a in actions[:i])
+            for i in range(len(actions))
+        ]
+        assert max(waiting) <= pp
 
 
 @pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])

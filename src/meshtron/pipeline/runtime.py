@@ -18,8 +18,9 @@ after the step's backward their gradients are summed over the `pp_ends` group (`
 so the two copies take identical optimizer steps and stay equal.
 
 With the zero-bubble schedule, the linear layers of every chunk but the first defer their weight
-gradients from B to W (zero_bubble.py); the first chunk has no input gradient to hurry, so its B is
-empty and its W the whole backward.
+gradients from B to W (zero_bubble.py). The first chunk has no input gradient to hurry: its B is the
+whole backward, as in 1F1B, and its W empty (deferring it would move the first stage's entire backward
+into the end of the step, where nothing can overlap it).
 """
 
 from __future__ import annotations
@@ -241,19 +242,16 @@ class PipelineRuntime:
                 grad = receiver.take(index)
                 roots, grads = outputs[key]
                 outputs[key] = (roots, [grad, *grads[1:]])
-            elif a.kind == "B" and not (split and a.chunk == 0):
+            elif a.kind == "B":
                 roots, grads = outputs.pop(key)
                 before_grads(last_of["B", a.chunk] == index)
                 with deferred.get(key, contextlib.nullcontext()):
                     torch.autograd.backward(roots, grads)
                 if a.chunk > 0:
                     input_grads[key] = inputs.pop(key).grad
-            elif a.kind == "W":
+            elif a.kind == "W" and key in deferred:
                 before_grads(last_of["W", a.chunk] == index)
-                if a.chunk == 0:
-                    torch.autograd.backward(*outputs.pop(key))
-                else:
-                    deferred.pop(key).weight_grads()
+                deferred.pop(key).weight_grads()
             elif a.kind == "SEND_B":
                 tensor = input_grads.pop(key).contiguous()
                 sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, None, key))

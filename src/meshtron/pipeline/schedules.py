@@ -85,8 +85,9 @@ def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tupl
 
 def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
     """ZB-H1 by list scheduling with unit F, B, W times: each rank, when free, runs a ready B first, else
-    a ready F if fewer than pp - r micro-batches are between forward and backward (1F1B's bound), else a
-    deferred W. The bubble comes out at (pp - 1)·(F + B - W), the paper's ZB-H1 figure."""
+    a deferred W if pp - 1 are already waiting, else a ready F if fewer than pp - r micro-batches are
+    between forward and backward (1F1B's bound), else a deferred W. The bubble comes out at
+    (pp - 1)·(F + B - W), the paper's ZB-H1 figure."""
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
     f_done = [[-1] * m for _ in range(pp)]  # finish times
     b_done = [[-1] * m for _ in range(pp)]
@@ -108,6 +109,10 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
                 next_b[r] += 1
                 in_flight[r] -= 1
                 pending_w[r].append(mb_b)
+            elif len(pending_w[r]) > pp - 1:
+                # At most pp - 1 W wait for a gap (as many as a pipeline's ramp leaves); the rest run at
+                # once, so the inputs and output gradients kept for W never exceed pp micro-batches'.
+                orders[r].append(("W", r, pending_w[r].pop(0)))
             elif f_ready:
                 orders[r].append(("F", r, mb_f))
                 f_done[r][mb_f] = t + 1
@@ -122,8 +127,10 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
     return orders
 
 
-def _with_p2p(order: list[tuple[str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
-    """Receives before the compute that needs them, sends right after the compute that makes them."""
+def with_p2p(order: list[tuple[str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
+    """A rank's actions from its compute order [(kind, chunk, mb)]: receives right before the compute
+    that needs them, sends right after the compute that makes them (also for orders recorded elsewhere,
+    e.g. another runtime's, to simulate them)."""
     last = pp * vpp - 1
     actions: list[Action] = []
     for kind, chunk, mb in order:
@@ -146,7 +153,7 @@ def build_schedule(pp: int, vpp: int, microbatches: int, name: str) -> list[list
         orders = _zero_bubble_orders(pp, microbatches)
     else:
         orders = [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
-    return [_with_p2p(order, r, pp, vpp) for r, order in enumerate(orders)]
+    return [with_p2p(order, r, pp, vpp) for r, order in enumerate(orders)]
 
 
 def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, list[tuple[int, int]]]:
