@@ -62,21 +62,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; DTensors by
-    their local tensor)."""
-    # Imported here: model_step.py needs none of torch.distributed.
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def allocation_peak(prof: torch.profiler.profile) -> int:
     """Peak of bytes allocated minus freed since the profiler started (from its allocation events)."""
     from torch._C._profiler import _EventType

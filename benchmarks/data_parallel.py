@@ -71,7 +71,6 @@ from common import (
     mib,
     ms,
     quantile,
-    storage_bytes,
     timed_run_parser,
     write_results,
 )
@@ -82,7 +81,13 @@ from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
-from meshtron.parallel.optim import ZeroShardedOptimizer, build_optimizer, clip_grad_norm_, model_state_bytes
+from meshtron.parallel.optim import (
+    ZeroShardedOptimizer,
+    build_optimizer,
+    clip_grad_norm_,
+    model_state_bytes,
+    storage_bytes,
+)
 from meshtron.workers import WorkerPool
 
 SECTION_TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)"

@@ -81,7 +81,6 @@ from common import (
     mib,
     ms,
     quantile,
-    storage_bytes,
     timed_run_parser,
     write_results,
 )
@@ -101,6 +100,7 @@ from meshtron.comm import Comm
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
+from meshtron.parallel.optim import storage_bytes
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.workers import WorkerPool
 

@@ -107,10 +107,6 @@ class Pending:
             if self.on_done is not None:
                 self.on_done()
 
-    @property
-    def done(self) -> bool:
-        return self.work is None
-
     def completed(self) -> bool:
         """Whether the operation has finished (without waiting); `wait()` is still to be called."""
         return self.work is None or self.work.is_completed()

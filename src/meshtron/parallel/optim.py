@@ -50,7 +50,9 @@ class _ShardedBucket:
         self.received: torch.Tensor | None = None
 
 
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; DTensors by
+    their local tensor)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, DTensor):
@@ -185,9 +187,9 @@ def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimiz
         if torch.is_tensor(t) and t.numel() > 1
     ]
     return {
-        "params": _storage_bytes(params),
-        "grads": _storage_bytes(grads),
-        "optimizer": _storage_bytes(states),
+        "params": storage_bytes(params),
+        "grads": storage_bytes(grads),
+        "optimizer": storage_bytes(states),
     }
 
 
