@@ -10,7 +10,7 @@ engine's post-step work and zero_grad) -- of the same Llama model on the same to
   * meshtron `ZeroShardedOptimizer` stages 1 and 2, for context (compared with torch DDP).
 
 How:
-  * one 4-rank gloo world (`meshtron.workers.WorkerPool`), one thread per rank; every implementation
+  * one 4-rank gloo world (`meshtron.testing.workers.WorkerPool`), one thread per rank; every implementation
     lives in every rank at once, each with its own copy of the model built by `build_model(cfg, seed)`
     and its own optimizer (`build_optimizer`: AdamW, weight decay on matrices only);
   * the token batches are random, drawn from (seed, step), so every implementation sees the same
@@ -20,7 +20,7 @@ How:
     its loss is multiplied by the world size (4 and the token count are powers of two: the scaling is
     exact). FSDP2 is told to sum (`set_gradient_divide_factor(1.0)`,
     `set_force_sum_reduction_for_comms(True)`, as `TorchFSDP` does). Torch sides clip with
-    `torch.nn.utils.clip_grad_norm_`, ours with `meshtron.parallel.optim.clip_grad_norm_`;
+    `torch.nn.utils.clip_grad_norm_`, ours with `meshtron.train.optim.clip_grad_norm_`;
   * correctness while timing: the global mean loss of every step must match between each meshtron
     engine and its torch counterpart to `LOSS_RTOL` (relative);
   * after `--warmup` untimed steps each, the implementations take turns step by step (the order
@@ -79,16 +79,13 @@ from torch import nn
 from meshtron.comm import Comm
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
-from meshtron.parallel.data import DataParallelEngine, DistributedDataParallel
+from meshtron.parallel.ddp import DistributedDataParallel
+from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
-from meshtron.parallel.optim import (
-    ZeroShardedOptimizer,
-    build_optimizer,
-    clip_grad_norm_,
-    model_state_bytes,
-    storage_bytes,
-)
-from meshtron.workers import WorkerPool
+from meshtron.parallel.zero import ZeroShardedOptimizer
+from meshtron.testing.workers import WorkerPool
+from meshtron.train.metrics import model_state_bytes, storage_bytes
+from meshtron.train.optim import build_optimizer, clip_grad_norm_
 
 SECTION_TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)"
 WORLD = 4

@@ -25,7 +25,7 @@ same on both sides: per micro-batch, `cross_entropy_per_token(logits, targets).s
 over micro-batches is the mean over the global batch and neither side rescales gradients afterwards.
 
 How:
-  * one 2-rank gloo world (`meshtron.workers.WorkerPool`, one thread per rank), the layers split evenly
+  * one 2-rank gloo world (`meshtron.testing.workers.WorkerPool`, one thread per rank), the layers split evenly
     over the pp * vpp chunks (`split_layers`); the embedding is on rank 0, the final norm, head and
     loss on rank 1 (they weigh as much as a fraction of a layer, so rank 1 carries more work on both
     sides);
@@ -86,12 +86,11 @@ from torch.distributed.pipelining import (
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.models.llama import Transformer, build_model
-from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
+from meshtron.models.llama import Transformer, build_model, cross_entropy_per_token
+from meshtron.pipeline.runtime import Losses, PipelineChunk, PipelineRuntime, keep_rank_chunks
 from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
 from meshtron.pipeline.split import chunks_of_rank, split_layers
-from meshtron.train.trainer import cross_entropy_per_token
-from meshtron.workers import WorkerPool
+from meshtron.testing.workers import WorkerPool
 
 SECTION_TITLE = "## Pipeline parallel: meshtron vs torch.distributed.pipelining (2 gloo ranks, CPU)"
 PP = 2  # one rank per core of this 2-core machine
@@ -188,9 +187,8 @@ class MeshtronPipeline(Pipeline):
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
         m = self.shape.microbatches
         micro_batches = list(zip(inputs_BS.tensor_split(m), targets_BS.tensor_split(m), strict=True))
-        loss = self.runtime.run(
-            micro_batches, self.shape.global_tokens, cross_entropy_per_token, contextlib.nullcontext
-        )
+        losses = Losses(cross_entropy_per_token, self.shape.global_tokens, contextlib.nullcontext)
+        loss = self.runtime.run(micro_batches, losses)
         return float(loss)
 
     def actions(self) -> list[ActionTime]:

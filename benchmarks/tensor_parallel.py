@@ -30,7 +30,7 @@ sequence under sp) is a PrepareModuleOutput on the final norm instead. Everythin
 (replicated) token positions outside the layers, and attention always sees the whole sequence.
 
 How:
-  * one gloo world per tp degree (`meshtron.workers.WorkerPool`), `torch.set_num_threads(1)` per rank;
+  * one gloo world per tp degree (`meshtron.testing.workers.WorkerPool`), `torch.set_num_threads(1)` per rank;
     all six implementations (meshtron / torch / torch-shared x tp / tp+sp) live in every rank at once,
     each with its own model copy and its own `torch.optim.AdamW(foreach=True)` over all its parameters
     (the same hyper-parameters everywhere). No gradient clipping on either side;
@@ -100,9 +100,9 @@ from meshtron.comm import Comm
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
-from meshtron.parallel.optim import storage_bytes
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.workers import WorkerPool
+from meshtron.testing.workers import WorkerPool
+from meshtron.train.metrics import storage_bytes
 
 SECTION_TITLE = "## Tensor parallel: meshtron vs PyTorch DTensor TP (gloo, CPU)"
 LOSS_RTOL = 1e-5

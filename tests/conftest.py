@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from meshtron.workers import WorkerPool
+from meshtron.testing.workers import WorkerPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

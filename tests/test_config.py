@@ -81,7 +81,7 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (["--parallel.tp=0"], 1, "parallel.tp=0 must be positive"),
         (["--parallel.dp_shard=0"], 1, "parallel.dp_shard=0 must be positive, or -1"),
         (["--model.n_experts=-1"], 1, "model.n_experts=-1 must be >= 0"),
-        (["--parallel.zero=4"], 1, "parallel.zero=4 must be 1, 2 or 3"),
+        (["--parallel.zero=4"], 1, "parallel.zero=4 is not one of 1, 2, 3"),
         (["--training.min_lr_ratio=2.0"], 1, "training.min_lr_ratio=2.0 must be between 0 and 1"),
         (["--training.dtype=fp16"], 1, "training.dtype='fp16' is not one of fp32, bf16"),
         (["--training.recompute=some"], 1, "training.recompute='some' is not one of none, selective, full"),
@@ -154,7 +154,7 @@ def test_missing_file_and_malformed_toml(tmp_path):
             "cp_impl=alltoall needs model.n_heads=8 divisible by tp*cp=16",
         ),
         (["--parallel.pp=8", "--training.global_batch=64"], 8, "model.n_layers=4 cannot fill pp*vpp=8"),
-        (["--parallel.vpp=2"], 1, "parallel.vpp=2 needs parallel.pp_schedule='interleaved'"),
+        (["--parallel.vpp=2"], 1, "parallel.vpp=2 needs the interleaved schedule"),
         (
             ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--training.global_batch=16"],
             2,
@@ -235,7 +235,7 @@ def test_dp_shard_absorbs_the_world():
         None, ["--parallel.tp=2", "--parallel.pp=2", "--training.global_batch=16", "--training.micro_batch=2"]
     )
     assert validate(cfg, 16) == []
-    from meshtron.config import resolve_dp_shard
+    from meshtron.mesh import resolve_dp_shard
 
     assert resolve_dp_shard(cfg.parallel, 16) == 4
 

@@ -9,18 +9,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshtron.train.data import (
-    BatchSampler,
-    ByteTokenizer,
-    DataError,
-    HFTokenizer,
-    PreparedData,
-    default_dataset,
-    dtype_for_vocab,
-    load_tokenizer,
-    prepare_data,
-    train_bpe,
-)
+from meshtron.data import DataError
+from meshtron.data.dataset import PreparedData, default_dataset, dtype_for_vocab, prepare_data
+from meshtron.data.sampler import BatchSampler
+from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 CORPUS = (
     "def add(a, b):\n    return a + b\n\n"
@@ -311,9 +303,9 @@ def test_micro_batches_split_rank_slice(tmp_path):
 def test_divisibility_and_size_errors(tmp_path):
     ds = _tokens_dataset(tmp_path, 5000)
     s = BatchSampler(ds.n_tokens, seq_len=15, global_batch=12, seed=1)
-    with pytest.raises(ValueError, match="not divisible by dp_size 5"):
+    with pytest.raises(ValueError, match=r"not divisible by micro_batch\*dp = 1\*5"):
         s.rank_batch(ds, 0, 0, 5)
-    with pytest.raises(ValueError, match=r"dp_size\*micro_batch = 2\*4"):
+    with pytest.raises(ValueError, match=r"not divisible by micro_batch\*dp = 4\*2"):
         s.micro_batches(ds, 0, 0, 2, micro_batch=4)
     with pytest.raises(ValueError, match="dp_rank"):
         s.rank_batch(ds, 0, 2, 2)

@@ -10,7 +10,9 @@ import shutil
 
 import pytest
 import torch
-from parity import TINY, assert_parity, reference, run_layout, train_rows, trainer_for
+
+from meshtron.testing.parity import assert_parity, reference, run_layout, train_rows, trainer_for
+from meshtron.testing.tiny import MOE, TINY
 
 LAYOUTS = {
     # name: (world, parallel overrides)
@@ -34,18 +36,17 @@ def test_parity_with_single_device(workers, layout, accumulate):
     per_rank = 8 // world
     micro = 1 if accumulate else per_rank
     results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={micro}"])
-    assert_parity(results[0], reference(workers, []))
+    assert_parity(results[0], reference(workers(1), []))
     for other in results[1:]:  # every rank holds the same whole gradients and saw the same losses
         for name, grad in other["grads"].items():
             assert torch.equal(grad, results[0]["grads"][name]), name
 
 
 def test_moe_under_fsdp(workers):
-    moe = ["--model.name=tiny-moe", "--model.z_loss_coef=0.001"]
     results = workers(2).run(
-        run_layout, [*TINY, *moe, "--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]
+        run_layout, [*TINY, *MOE, "--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]
     )
-    assert_parity(results[0], reference(workers, moe, micro_batch=2))
+    assert_parity(results[0], reference(workers(1), MOE, micro_batch=2))
 
 
 def test_torch_fully_shard_matches_too(workers):
@@ -59,7 +60,7 @@ def test_torch_fully_shard_matches_too(workers):
             "--training.micro_batch=4",
         ],
     )
-    assert_parity(results[0], reference(workers, []))
+    assert_parity(results[0], reference(workers(1), []))
 
 
 @pytest.mark.parametrize(

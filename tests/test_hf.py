@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from meshtron import hf
 from meshtron.config import ModelConfig
 from meshtron.models.llama import build_model
+from meshtron.testing.tiny import perturb
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,26 +160,6 @@ def hf_case(name: str) -> tuple[str, dict[str, Any]]:
         ),
     }
     return cases[name]
-
-
-@torch.no_grad()
-def perturb(model: torch.nn.Module, seed: int) -> None:
-    """Weights on the scale of a trained model: unit-ish norms, non-zero biases, O(1) activations.
-
-    Default inits (norms at one, biases at zero, std 0.02 matrices) would let a swapped norm or a
-    dropped bias pass unnoticed, and keep router logits so small that routing would hardly matter.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        noise = torch.randn(param.shape, generator=generator)
-        if name.endswith("bias"):
-            param.copy_(0.3 * noise)
-        elif param.ndim == 1:  # RMSNorm weights
-            param.copy_(1.0 + 0.3 * noise)
-        elif "embed" in name:
-            param.copy_(noise)
-        else:  # every weight here is [..., out, in]: scale by fan-in
-            param.copy_(noise / math.sqrt(param.shape[-1]))
 
 
 def tokens(vocab_size: int, seed: int = 0) -> torch.Tensor:

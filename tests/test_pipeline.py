@@ -9,11 +9,12 @@ import shutil
 
 import pytest
 import torch
-from parity import TINY, assert_parity, reference, run_layout, train_rows, trainer_for
 
 from meshtron.pipeline.schedules import build_schedule
+from meshtron.testing.parity import assert_parity, reference, run_layout, train_rows, trainer_for
+from meshtron.testing.tiny import MOE, TINY
 
-MOE = ["--model.name=tiny-moe", "--model.n_layers=4"]
+MOE_4 = [*MOE, "--model.n_layers=4"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 CASES = [
     (name, pp, m, 2 if name == "interleaved" else 1)
@@ -53,13 +54,13 @@ def test_schedules_match_single_device(workers, schedule, pp, microbatches, vpp)
     model = ["--model.n_layers=8"]
     layout = pipeline(pp, schedule, 8 // microbatches)
     results = workers(pp).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged(results), reference(workers, model))
+    assert_parity(merged(results), reference(workers(1), model))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_moe_pipeline_matches_single_device(workers, schedule):
-    results = workers(2).run(run_layout, [*TINY, *MOE, *pipeline(2, schedule)])
-    assert_parity(merged(results), reference(workers, MOE, micro_batch=2))
+    results = workers(2).run(run_layout, [*TINY, *MOE_4, *pipeline(2, schedule)])
+    assert_parity(merged(results), reference(workers(1), MOE_4, micro_batch=2))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_pipeline_with_data_parallel(workers, schedule, data_parallel):
     layout = pipeline(2, schedule, 2, *data_parallel)
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
     # pp is the outermost mesh dim: ranks 0 and 1 hold the first stage, 2 and 3 the second.
-    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), model))
 
 
 @pytest.mark.parametrize("pp, schedule", [(2, "1f1b"), (4, "zero_bubble"), (4, "interleaved")])
@@ -85,7 +86,7 @@ def test_tied_embeddings_across_first_and_last_stage(workers, pp, schedule):
     model = ["--model.n_layers=8", "--model.tie_embeddings=true"]
     layout = pipeline(pp, schedule)
     results = workers(pp).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged(results), reference(workers, model))
+    assert_parity(merged(results), reference(workers(1), model))
 
 
 def test_explicit_and_weighted_layer_splits(workers):
@@ -96,7 +97,7 @@ def test_explicit_and_weighted_layer_splits(workers):
     ):
         layout = pipeline(2, "1f1b", 2, *split)
         results = workers(2).run(run_layout, [*TINY, *model, *layout])
-        assert_parity(merged(results), reference(workers, model))
+        assert_parity(merged(results), reference(workers(1), model))
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,7 @@ def test_pipeline_with_sharded_data_parallel(workers, zero, schedule):
     model = ["--model.n_layers=8"]
     layout = pipeline(2, schedule, 2, "--parallel.dp_shard=2", f"--parallel.zero={zero}")
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), model))
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -120,7 +121,7 @@ def test_pipeline_with_tensor_parallel(workers, schedule, sp):
     model = ["--model.n_layers=8"]
     layout = pipeline(2, schedule, 2, "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}")
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), model))
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
@@ -132,7 +133,7 @@ def test_zero_bubble_with_tensor_parallel_and_recompute(workers, recompute):
         2, "zero_bubble", 2, "--parallel.tp=2", "--parallel.sp=true", f"--training.recompute={recompute}"
     )
     results = workers(4).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged([results[0], results[2]]), reference(workers, model))
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), model))
 
 
 def test_pipeline_with_hybrid_sharded_data_parallel(workers):
@@ -142,17 +143,17 @@ def test_pipeline_with_hybrid_sharded_data_parallel(workers):
         2, "zero_bubble", 1, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"
     )
     results = workers(8).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged([results[0], results[4]]), reference(workers, model))
+    assert_parity(merged([results[0], results[4]]), reference(workers(1), model))
 
 
 def test_pipeline_tensor_parallel_tied_zero3(workers):
     """Everything at once on 8 ranks: pp 2 x ZeRO-3 2 x tp 2 with sequence parallel, tied embeddings, MoE."""
-    model = [*MOE, "--model.tie_embeddings=true"]
+    model = [*MOE_4, "--model.tie_embeddings=true"]
     layout = pipeline(
         2, "1f1b", 2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.zero=3"
     )
     results = workers(8).run(run_layout, [*TINY, *model, *layout])
-    assert_parity(merged([results[0], results[4]]), reference(workers, model, micro_batch=2))
+    assert_parity(merged([results[0], results[4]]), reference(workers(1), model, micro_batch=2))
 
 
 def test_checkpoint_written_by_a_pipeline_resumes_on_other_layouts(workers, tmp_path):

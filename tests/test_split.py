@@ -25,14 +25,16 @@ def test_embedding_and_head_counted_as_layers_lighten_the_ends():
 
 def test_explicit_split():
     assert split_layers(6, 3, explicit=[1, 3, 2]) == [[0], [1, 2, 3], [4, 5]]
-    with pytest.raises(ValueError, match="add up to n_layers=6"):
+    with pytest.raises(ValueError, match="adding up to model.n_layers=6"):
         split_layers(6, 3, explicit=[1, 3, 3])
-    with pytest.raises(ValueError, match="one layer count per chunk: 3 chunks, 2 counts"):
+    with pytest.raises(
+        ValueError, match=r"parallel.pp_layers=\[3, 3\] must give pp\*vpp=3 positive layer counts"
+    ):
         split_layers(6, 3, explicit=[3, 3])
 
 
 def test_too_many_chunks_is_a_clear_error():
-    with pytest.raises(ValueError, match="4 layers cannot fill 8 pipeline chunks"):
+    with pytest.raises(ValueError, match=r"n_layers=4 cannot fill pp\*vpp=8 pipeline chunks"):
         split_layers(4, 8)
 
 

@@ -8,15 +8,13 @@ import shutil
 import pytest
 import torch
 import transformers
-from parity import TINY, assert_parity, reference, run_layout, train_rows, trainer_for
-from test_hf import perturb
 
 from meshtron import hf
 from meshtron.comm import Comm
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.parallel.tensor import apply_tensor_parallel
-
-MOE = ["--model.name=tiny-moe", "--model.shared_expert_gate=true", "--model.z_loss_coef=0.001"]
+from meshtron.testing.parity import assert_parity, reference, run_layout, train_rows, trainer_for
+from meshtron.testing.tiny import MOE, TINY, perturb
 
 CASES = {
     # name: (world, model overrides, parallel overrides)
@@ -61,7 +59,7 @@ def test_parity_with_single_device(workers, case):
     world, model, parallel = CASES[case]
     micro = [] if any("micro_batch" in p for p in parallel) else ["--training.micro_batch=8"]
     results = workers(world).run(run_layout, [*TINY, *model, *parallel, *micro])
-    assert_parity(results[0], reference(workers, model))
+    assert_parity(results[0], reference(workers(1), model))
     for other in results[1:]:
         assert [r["loss"] for r in other["rows"]] == [r["loss"] for r in results[0]["rows"]]
 

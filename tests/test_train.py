@@ -6,21 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from parity import train_rows
 
-from meshtron.config import ConfigError, load_config
-from meshtron.train.trainer import lr_at, train
+from meshtron.config import load_config, not_yet_supported
+from meshtron.testing.parity import train_rows
+from meshtron.testing.tiny import TINY as TINY_10_STEPS
+from meshtron.train.optim import lr_at
+from meshtron.train.trainer import train
 
-TINY = [
-    "--model.name=tiny",
-    "--data.tokenizer=byte",
-    "--training.seq_len=32",
-    "--training.global_batch=8",
-    "--training.micro_batch=8",
-    "--training.lr=3e-3",
-    "--training.warmup_steps=2",
-    "--run.plot=false",
-]
+TINY = [*TINY_10_STEPS, "--training.micro_batch=8"]
 
 
 def run_train(overrides: list[str]) -> list[dict]:
@@ -110,16 +103,19 @@ def test_replicated_data_parallel_matches_single_device(workers, tmp_path, world
 
 
 def test_unimplemented_layouts_are_refused():
-    from meshtron.mesh import ParallelDims
-    from meshtron.train.trainer import ensure_implemented
+    def refusals(overrides: list[str], world: int) -> str:
+        return " ".join(not_yet_supported(load_config(None, overrides), world))
 
-    with pytest.raises(ConfigError, match="context parallel is not implemented yet"):
-        ensure_implemented(load_config(None, []), ParallelDims(cp=2))
-    with pytest.raises(ConfigError, match="fully_shard is not wired into the pipeline runtime"):
-        ensure_implemented(load_config(None, ["--parallel.fsdp_impl=torch"]), ParallelDims(pp=2, dp_shard=2))
-    torch_fsdp = ["--checkpoint.every=5", "--parallel.fsdp_impl=torch"]
-    with pytest.raises(ConfigError, match="fully_shard over tensor-parallel shards"):
-        ensure_implemented(load_config(None, torch_fsdp), ParallelDims(tp=2, dp_shard=2))
+    assert "context parallel is not implemented yet" in refusals(["--parallel.cp=2"], 2)
+    assert "expert parallel is not implemented yet" in refusals(["--parallel.ep=2"], 2)
+    torch_fsdp = ["--parallel.fsdp_impl=torch", "--parallel.dp_shard=2"]
+    assert "fully_shard is not wired into the pipeline runtime" in refusals(
+        [*torch_fsdp, "--parallel.pp=2"], 4
+    )
+    assert "fully_shard over tensor-parallel shards" in refusals(
+        [*torch_fsdp, "--checkpoint.every=5", "--parallel.tp=2"], 4
+    )
+    assert refusals(torch_fsdp, 2) == ""
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshtron.config import ConfigError, check, load_config
+from meshtron.data import DataError
 from meshtron.train.checkpoint import CheckpointError
-from meshtron.train.data import DataError
 
 
 def _under_launcher() -> bool:
@@ -50,10 +50,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     cfg = load_config(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     check(cfg, world_size)  # every problem reported before any process starts
-    from meshtron.mesh import ParallelDims
-    from meshtron.train.trainer import ensure_implemented
-
-    ensure_implemented(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     if args.nproc and args.nproc > 1 and not _under_launcher():
         return _launch(args.nproc, argv)
     from meshtron.train.trainer import train
@@ -102,7 +98,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     print(f"step time {sim.makespan:g}, bubble {100 * sim.bubble_fraction:.1f}% of ranks x time")
     print("peak micro-batches in flight per rank: " + ", ".join(map(str, sim.peak_in_flight)))
     for rank, actions in enumerate(schedule):
-        print(f"rank {rank}: " + " ".join(str(a) for a in actions if a.kind in ("F", "B", "W")))
+        print(f"rank {rank}: " + " ".join(str(a) for a in actions if a.kind.is_compute))
     if args.out:
         from meshtron.pipeline.picture import draw_timeline
 
@@ -115,7 +111,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from meshtron.train.data import prepare_data
+    from meshtron.data.dataset import prepare_data
 
     data = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
     print(

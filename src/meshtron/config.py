@@ -1,7 +1,12 @@
 """Configuration: dataclass sections, TOML files with `--section.key=value` overrides, validation.
 
 Every problem in a config is collected and reported at once, each with the change that fixes it,
-before any process starts or any tensor is allocated.
+before any process starts or any tensor is allocated. The rules live where the code that needs them
+lives: a field's own range sits on the field (`positive(...)`), enumerated options are `Literal` types,
+and each feature states how its options must fit the model, the world and the others in its own module
+(`model_problems` in models/llama.py, `layout_problems` in mesh.py, `tensor_parallel_problems` in
+parallel/tensor.py, ...). `validate` collects them all; `check` also adds what this version cannot run
+yet, refused by the module that will run it.
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ import difflib
 import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,41 +36,67 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
 
 
+# The enumerated options; modules that act on them read their names from here (typing.get_args).
+DType = Literal["fp32", "bf16"]
+RopeScaling = Literal["none", "llama3"]
+RouterScore = Literal["softmax", "sigmoid"]
+ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
+FsdpImpl = Literal["meshtron", "torch"]  # ZeRO-3 implementation: meshtron's, or PyTorch's fully_shard
+CpImpl = Literal["ring", "alltoall"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
+Recompute = Literal["none", "selective", "full"]
+Device = Literal["auto", "cpu", "cuda"]
+CorpusTokenizer = Literal["bpe", "byte"]
+
+
+def _ranged(default: Any, ok: Callable[[Any], bool], says: str) -> Any:
+    """A field whose value must satisfy `ok`; `says` completes "<section.key>=<value> ..." otherwise."""
+    return field(default=default, metadata={"ok": ok, "says": says})
+
+
+def positive(default: float) -> Any:
+    return _ranged(default, lambda v: v > 0, "must be positive")
+
+
+def non_negative(default: float) -> Any:
+    return _ranged(default, lambda v: v >= 0, "must be >= 0")
+
+
 @dataclass
 class ModelConfig:
     name: str = ""
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 0  # 0: same as n_heads (multi-head attention)
-    head_dim: int = 0  # 0: dim // n_heads
-    ffn_dim: int = 768
-    vocab_size: int = 4096
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | llama3
+    dim: int = positive(256)
+    n_layers: int = positive(4)
+    n_heads: int = positive(8)
+    n_kv_heads: int = non_negative(0)  # 0: same as n_heads (multi-head attention)
+    head_dim: int = non_negative(0)  # 0: dim // n_heads
+    ffn_dim: int = positive(768)
+    vocab_size: int = positive(4096)
+    rope_theta: float = positive(10000.0)
+    rope_scaling: RopeScaling = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
-    norm_eps: float = 1e-5
+    norm_eps: float = positive(1e-5)
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int = 0  # 0: full causal attention
-    init_std: float = 0.02
+    sliding_window: int = non_negative(0)  # 0: full causal attention
+    init_std: float = positive(0.02)
     # Mixture of experts; n_experts == 0 means a dense model.
-    n_experts: int = 0
+    n_experts: int = non_negative(0)
     top_k: int = 2
-    moe_ffn_dim: int = 0  # 0: ffn_dim
-    n_shared_experts: int = 0
-    shared_ffn_dim: int = 0  # 0: n_shared_experts * moe_ffn_dim
+    moe_ffn_dim: int = non_negative(0)  # 0: ffn_dim
+    n_shared_experts: int = non_negative(0)
+    shared_ffn_dim: int = non_negative(0)  # 0: n_shared_experts * moe_ffn_dim
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert output
-    capacity_factor: float = 0.0  # 0: dropless
-    router: str = "softmax"  # softmax | sigmoid
+    capacity_factor: float = non_negative(0.0)  # 0: dropless
+    router: RouterScore = "softmax"
     router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    moe_every: int = 1  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
+    aux_loss_coef: float = non_negative(0.01)
+    z_loss_coef: float = non_negative(0.0)
+    moe_every: int = positive(1)  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
     dense_layers: list[int] = field(default_factory=list)  # layers forced dense (mlp_only_layers)
 
     @property
@@ -94,68 +125,71 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever the world size leaves after the other dims
-    zero: int = 3  # what dp_shard shards: 1 optimizer state, 2 + grads, 3 + params
-    bucket_mb: float = 25.0  # gradient bucket size for DDP and ZeRO-1/2
-    reduce_dtype: str = "fp32"  # dtype of gradient reductions: fp32 | bf16
+    dp_replicate: int = positive(1)
+    # -1: whatever the world size leaves after the other dims.
+    dp_shard: int = _ranged(
+        -1, lambda v: v == -1 or v > 0, "must be positive, or -1 to absorb the world size"
+    )
+    zero: ZeroStage = 3
+    bucket_mb: float = positive(25.0)  # gradient bucket size for DDP and ZeRO-1/2
+    reduce_dtype: DType = "fp32"  # dtype of gradient reductions
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each unit's forward
-    fsdp_impl: str = "meshtron"  # ZeRO-3 implementation: meshtron | torch (PyTorch's fully_shard)
-    tp: int = 1
+    fsdp_impl: FsdpImpl = "meshtron"
+    tp: int = positive(1)
     sp: bool = False
-    cp: int = 1
-    cp_impl: str = "ring"  # ring | alltoall
-    pp: int = 1
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
-    vpp: int = 1
+    cp: int = positive(1)
+    cp_impl: CpImpl = "ring"
+    pp: int = positive(1)
+    pp_schedule: PipelineSchedule = "1f1b"
+    vpp: int = positive(1)
     # Transformer layers of each pipeline chunk (pp*vpp entries, in chunk order); empty: balanced, with
     # the embedding and the head + loss counted as pp_embedding_layers / pp_head_layers layers of work.
     pp_layers: list[int] = field(default_factory=list)
-    pp_embedding_layers: float = 0.0
-    pp_head_layers: float = 0.0
-    ep: int = 1
+    pp_embedding_layers: float = non_negative(0.0)
+    pp_head_layers: float = non_negative(0.0)
+    ep: int = positive(1)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 100
-    global_batch: int = 8
-    micro_batch: int = 8
-    seq_len: int = 256
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
+    steps: int = positive(100)
+    global_batch: int = positive(8)
+    micro_batch: int = positive(8)
+    seq_len: int = positive(256)
+    lr: float = positive(3e-4)
+    min_lr_ratio: float = _ranged(0.1, lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1")
+    warmup_steps: int = non_negative(10)
+    weight_decay: float = non_negative(0.1)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 0
-    dtype: str = "fp32"  # fp32 | bf16
-    grad_clip: float = 1.0  # 0: no clipping
-    recompute: str = "none"  # none | selective | full
+    dtype: DType = "fp32"
+    grad_clip: float = non_negative(1.0)  # 0: no clipping
+    recompute: Recompute = "none"
 
 
 @dataclass
 class DataConfig:
     path: str = "default"  # a `meshtron prepare-data` output dir, or "default" (Python stdlib source)
-    tokenizer: str = "bpe"  # for the default corpus: bpe | byte
+    tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
     tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "": <run.dir>/checkpoints
-    every: int = 0  # 0: never (a final checkpoint is still written when every > 0)
+    every: int = non_negative(0)  # 0: never (a final checkpoint is still written when every > 0)
     resume: bool = False  # continue from the newest complete checkpoint in dir, if there is one
-    keep: int = 2  # newest checkpoints kept; 0 keeps all
+    keep: int = non_negative(2)  # newest checkpoints kept; 0 keeps all
 
 
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
-    log_every: int = 1
-    comm_timeout_s: float = 300.0
-    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = positive(1)
+    comm_timeout_s: float = positive(300.0)
+    device: Device = "auto"
     plot: bool = True
 
 
@@ -172,25 +206,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-ENUMS: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
-    {
-        "model.rope_scaling": ("none", "llama3"),
-        "model.router": ("softmax", "sigmoid"),
-        "parallel.cp_impl": ("ring", "alltoall"),
-        "parallel.reduce_dtype": ("fp32", "bf16"),
-        "parallel.fsdp_impl": ("meshtron", "torch"),
-        "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble"),
-        "training.dtype": ("fp32", "bf16"),
-        "training.recompute": ("none", "selective", "full"),
-        "run.device": ("auto", "cpu", "cuda"),
-        "data.tokenizer": ("bpe", "byte"),
-    }
-)
-
-
-def model_preset(name: str) -> dict[str, Any]:
-    """Architecture of a named model (published hyper-parameters); explicit keys override it."""
-    llama3_rope = dict(
+_LLAMA3_ROPE = types.MappingProxyType(
+    dict(
         rope_theta=500000.0,
         rope_scaling="llama3",
         rope_scaling_factor=8.0,
@@ -198,20 +215,13 @@ def model_preset(name: str) -> dict[str, Any]:
         rope_high_freq_factor=4.0,
         rope_original_max_position=8192,
     )
-    presets: dict[str, dict[str, Any]] = {
-        "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512),
-        "tiny-moe": dict(
-            dim=64,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            ffn_dim=176,
-            vocab_size=512,
-            n_experts=4,
-            top_k=2,
-            moe_ffn_dim=96,
-            n_shared_experts=1,
-        ),
+)
+_TINY = types.MappingProxyType(dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512))
+# Architectures of named models (published hyper-parameters); explicit keys override them.
+PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+    {
+        "tiny": _TINY,
+        "tiny-moe": {**_TINY, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 96, "n_shared_experts": 1},
         "llama3-1b": dict(
             dim=2048,
             n_layers=16,
@@ -220,13 +230,13 @@ def model_preset(name: str) -> dict[str, Any]:
             ffn_dim=8192,
             vocab_size=128256,
             tie_embeddings=True,
-            **llama3_rope,
+            **_LLAMA3_ROPE,
         ),
         "llama3-8b": dict(
-            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, **llama3_rope
+            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, **_LLAMA3_ROPE
         ),
         "llama3-70b": dict(
-            dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, **llama3_rope
+            dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, **_LLAMA3_ROPE
         ),
         "llama3-405b": dict(
             dim=16384,
@@ -235,7 +245,7 @@ def model_preset(name: str) -> dict[str, Any]:
             n_kv_heads=8,
             ffn_dim=53248,
             vocab_size=128256,
-            **llama3_rope,
+            **_LLAMA3_ROPE,
         ),
         "mixtral-8x7b": dict(
             dim=4096,
@@ -252,17 +262,14 @@ def model_preset(name: str) -> dict[str, Any]:
             aux_loss_coef=0.02,
         ),
     }
-    if name not in presets:
-        close = difflib.get_close_matches(name, presets, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            [f"model.name={name!r} is not a known preset{hint} (known: {', '.join(sorted(presets))})"]
-        )
-    return presets[name]
+)
 
 
-def _field_types(section_cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(section_cls)
+def model_preset(name: str) -> dict[str, Any]:
+    """The architecture of a named model; explicit keys override it."""
+    if name not in PRESETS:
+        raise ConfigError([f"model.name={name!r} is not a known preset{_suggest(name, sorted(PRESETS))}"])
+    return dict(PRESETS[name])
 
 
 def _type_name(tp: Any) -> str:
@@ -270,35 +277,30 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
-    """Accept `value` for a field of type `tp`, or record why not."""
+    """Accept `value` for a field of type `tp`, or record why not. A Literal field takes its options' type
+    here; which options exist is `validate`'s check, so it is reported with the other problems."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _coerce(value, type(typing.get_args(tp)[0]), where, problems)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
             problems.append(f"{where} must be a list of {_type_name(item_tp)}, got {value!r}")
             return None
         return [_coerce(v, item_tp, f"{where}[{i}]", problems) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        problems.append(f"{where} must be true or false, got {value!r}")
-        return None
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        problems.append(f"{where} must be an integer, got {value!r}")
-        return None
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        problems.append(f"{where} must be a number, got {value!r}")
-        return None
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        problems.append(f"{where} must be a string, got {value!r}")
-        return None
-    raise TypeError(f"unsupported config field type {tp!r} for {where}")
+    accepts = {
+        bool: (lambda v: isinstance(v, bool), "true or false"),
+        int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+        str: (lambda v: isinstance(v, str), "a string"),
+    }
+    if tp not in accepts:
+        raise TypeError(f"unsupported config field type {tp!r} for {where}")
+    ok, what = accepts[tp]
+    if ok(value):
+        return float(value) if tp is float else value
+    problems.append(f"{where} must be {what}, got {value!r}")
+    return None
 
 
 def _suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:
@@ -339,16 +341,16 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"{path} is not valid TOML: {err}"]) from None
 
 
-def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
-    """Merge a TOML mapping, a model preset and overrides into a typed Config; type errors are collected."""
-    problems: list[str] = []
+def _merge(
+    raw: Mapping[str, Any], overrides: Sequence[str], problems: list[str]
+) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} from the file, then the overrides, then the model preset under them."""
     merged: dict[str, dict[str, Any]] = {}
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
-    section_types = _field_types(Config)
+    sections = [f.name for f in dataclasses.fields(Config)]
 
     def put(section: str, key: str | None, value: Any, origin: str) -> None:
         if section not in sections:
-            problems.append(f"unknown section [{section}] in {origin}{_suggest(section, list(sections))}")
+            problems.append(f"unknown section [{section}] in {origin}{_suggest(section, sections)}")
             return
         if key is None:
             if not isinstance(value, Mapping):
@@ -368,18 +370,22 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
             problems.extend(err.problems)
             continue
         put(section, key, value, f"override {text!r}")
-
     model_values = merged.get("model", {})
-    preset_name = model_values.get("name", "")
-    if preset_name:
+    if model_values.get("name", ""):
         try:
-            merged["model"] = {**model_preset(preset_name), **model_values}
+            merged["model"] = {**model_preset(model_values["name"]), **model_values}
         except ConfigError as err:
             problems.extend(err.problems)
+    return merged
 
+
+def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """Merge a TOML mapping, a model preset and overrides into a typed Config; type errors are collected."""
+    problems: list[str] = []
+    merged = _merge(raw, overrides, problems)
     built: dict[str, Any] = {}
-    for section, section_cls in section_types.items():
-        types_of = _field_types(section_cls)
+    for section, section_cls in typing.get_type_hints(Config).items():
+        types_of = typing.get_type_hints(section_cls)
         kwargs: dict[str, Any] = {}
         for key, value in merged.get(section, {}).items():
             if key not in types_of:
@@ -399,239 +405,75 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return build_config(raw, overrides)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """What a "use X in [...]" fix offers."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_dp_shard(parallel: ParallelConfig, world_size: int) -> int:
-    """dp_shard=-1 takes whatever the world size leaves; otherwise it is as given."""
-    if parallel.dp_shard != -1:
-        return parallel.dp_shard
-    others = parallel.pp * parallel.dp_replicate * parallel.cp * parallel.tp
-    return max(world_size // others, 1) if others > 0 else 1
+def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(enumerated options that are not one of theirs, numbers outside their field's range)."""
+    options, ranges = [], []
+    for section in dataclasses.fields(Config):
+        values = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
+            where, value = f"{section.name}.{f.name}", getattr(values, f.name)
+            if typing.get_origin(hints[f.name]) is Literal and value not in typing.get_args(hints[f.name]):
+                known = [str(o) for o in typing.get_args(hints[f.name])]
+                hint = _suggest(str(value), known, list_known=False)
+                options.append(f"{where}={value!r} is not one of {', '.join(known)}{hint}")
+            if "ok" in f.metadata and not f.metadata["ok"](value):
+                ranges.append(f"{where}={value} {f.metadata['says']}")
+    return options, ranges
 
 
 def validate(cfg: Config, world_size: int = 1) -> list[str]:
-    """Every cross-field problem of `cfg` for a job of `world_size` ranks, each with its fix."""
-    problems: list[str] = []
-    m, p, t = cfg.model, cfg.parallel, cfg.training
+    """Every problem of `cfg` for a job of `world_size` ranks, each with its fix: the fields' own rules,
+    then each feature's rules, stated in the module of the code that needs them (imported here, not at
+    the top, because those modules import this one)."""
+    from meshtron.data.sampler import batch_problems
+    from meshtron.mesh import layout_problems
+    from meshtron.models.llama import model_problems
+    from meshtron.models.moe import moe_problems
+    from meshtron.parallel.context import context_parallel_problems
+    from meshtron.parallel.expert import expert_parallel_problems
+    from meshtron.parallel.tensor import tensor_parallel_problems
+    from meshtron.pipeline.runtime import pipeline_problems
 
-    for section in (m, p, t):
-        prefix = {ModelConfig: "model", ParallelConfig: "parallel", TrainingConfig: "training"}[type(section)]
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            where = f"{prefix}.{f.name}"
-            if where in ENUMS and value not in ENUMS[where]:
-                problems.append(
-                    f"{where}={value!r} is not one of {', '.join(ENUMS[where])}"
-                    f"{_suggest(str(value), ENUMS[where], list_known=False)}"
-                )
-    for where in ("run.device", "data.tokenizer"):
-        section, key = where.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value not in ENUMS[where]:
-            problems.append(f"{where}={value!r} is not one of {', '.join(ENUMS[where])}")
-
-    positive = {
-        "model.dim": m.dim,
-        "model.n_layers": m.n_layers,
-        "model.n_heads": m.n_heads,
-        "model.ffn_dim": m.ffn_dim,
-        "model.vocab_size": m.vocab_size,
-        "model.rope_theta": m.rope_theta,
-        "model.norm_eps": m.norm_eps,
-        "model.init_std": m.init_std,
-        "parallel.dp_replicate": p.dp_replicate,
-        "parallel.bucket_mb": p.bucket_mb,
-        "parallel.tp": p.tp,
-        "parallel.cp": p.cp,
-        "parallel.pp": p.pp,
-        "parallel.vpp": p.vpp,
-        "parallel.ep": p.ep,
-        "training.steps": t.steps,
-        "training.global_batch": t.global_batch,
-        "training.micro_batch": t.micro_batch,
-        "training.seq_len": t.seq_len,
-        "training.lr": t.lr,
-        "run.log_every": cfg.run.log_every,
-        "run.comm_timeout_s": cfg.run.comm_timeout_s,
-    }
-    sizes_bad = [f"{where}={value} must be positive" for where, value in positive.items() if value <= 0]
-    problems.extend(sizes_bad)
-    non_negative = {
-        "model.n_kv_heads": m.n_kv_heads,
-        "model.head_dim": m.head_dim,
-        "model.n_experts": m.n_experts,
-        "model.moe_ffn_dim": m.moe_ffn_dim,
-        "model.n_shared_experts": m.n_shared_experts,
-        "model.shared_ffn_dim": m.shared_ffn_dim,
-        "model.capacity_factor": m.capacity_factor,
-        "model.sliding_window": m.sliding_window,
-        "model.aux_loss_coef": m.aux_loss_coef,
-        "model.z_loss_coef": m.z_loss_coef,
-        "training.warmup_steps": t.warmup_steps,
-        "training.weight_decay": t.weight_decay,
-        "training.grad_clip": t.grad_clip,
-        "checkpoint.every": cfg.checkpoint.every,
-        "checkpoint.keep": cfg.checkpoint.keep,
-    }
-    for where, value in non_negative.items():
-        if value < 0:
-            problems.append(f"{where}={value} must be >= 0")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        problems.append(f"training.min_lr_ratio={t.min_lr_ratio} must be between 0 and 1")
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        problems.append(f"parallel.dp_shard={p.dp_shard} must be positive, or -1 to absorb the world size")
-        sizes_bad.append("dp_shard")
-    if p.zero not in (1, 2, 3):
-        problems.append(f"parallel.zero={p.zero} must be 1, 2 or 3")
-    if sizes_bad:
-        return problems  # the checks below divide by these sizes
-
-    if m.head_dim == 0 and m.dim % m.n_heads:
-        problems.append(
-            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
-            f"use n_heads in {_divisors(m.dim)} or set model.head_dim"
-        )
-    if m.head_size % 2:
-        problems.append(
-            f"head size {m.head_size} must be even for rotary embeddings; change model.dim, "
-            "model.n_heads or model.head_dim"
-        )
-    if m.n_heads % m.kv_heads:
-        problems.append(
-            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
-            f"use n_kv_heads in {_divisors(m.n_heads)}"
-        )
-    if m.is_moe:
-        if not 1 <= m.top_k <= m.n_experts:
-            problems.append(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
-        if m.moe_every < 1:
-            problems.append(f"model.moe_every={m.moe_every} must be >= 1")
-        bad = [i for i in m.dense_layers if not 0 <= i < m.n_layers]
-        if bad:
-            problems.append(f"model.dense_layers {bad} are outside 0..{m.n_layers - 1}")
-        if m.shared_expert_gate and m.n_shared_experts == 0:
-            problems.append("model.shared_expert_gate=true needs model.n_shared_experts >= 1")
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        problems.append(
-            "model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 scaling"
-        )
-
-    # Parallel layout against the world and the model.
-    if p.dp_shard == -1:
-        others = p.pp * p.dp_replicate * p.cp * p.tp
-        if world_size % others:
-            problems.append(
-                f"world size {world_size} is not divisible by pp*dp_replicate*cp*tp={others}; "
-                f"pick degrees whose product divides {world_size}"
-            )
-    dp_shard = resolve_dp_shard(p, world_size)
-    product = p.pp * p.dp_replicate * dp_shard * p.cp * p.tp
-    if product != world_size:
-        problems.append(
-            f"pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{dp_shard}*{p.cp}*{p.tp} "
-            f"= {product} but the world size is {world_size}; set parallel.dp_shard=-1 to absorb "
-            "the rest, or launch with --nproc " + str(product)
-        )
-    if m.n_heads % p.tp:
-        problems.append(
-            f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; "
-            f"use tp in {_divisors(m.n_heads)}"
-        )
-    elif m.kv_heads % p.tp and p.tp % m.kv_heads:
-        problems.append(
-            f"model.n_kv_heads={m.kv_heads} and parallel.tp={p.tp}: one must divide the other "
-            "so key/value heads can be split or replicated"
-        )
-    if m.ffn_dim % p.tp:
-        problems.append(
-            f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={p.tp}; "
-            f"use tp in {_divisors(m.ffn_dim)}"
-        )
-    if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % p.tp:
-        problems.append(
-            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={p.tp}"
-        )
-    if m.is_moe and m.expert_ffn_dim % p.tp:
-        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={p.tp}")
-    if p.sp and p.tp == 1:
-        problems.append(
-            "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
-        )
-    if p.sp and t.seq_len % (p.tp * p.cp):
-        problems.append(f"training.seq_len={t.seq_len} must be divisible by tp*cp={p.tp * p.cp} with sp")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        problems.append(
-            f"training.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} "
-            "(load-balanced causal context parallel gives each rank two chunks)"
-        )
-    if p.cp > 1 and p.cp_impl == "alltoall" and (m.n_heads % (p.tp * p.cp)):
-        problems.append(
-            f"cp_impl=alltoall needs model.n_heads={m.n_heads} divisible by tp*cp={p.tp * p.cp}; "
-            "use cp_impl=ring"
-        )
-    stages = p.pp * p.vpp
-    if p.pp_layers:
-        if len(p.pp_layers) != stages or any(n < 1 for n in p.pp_layers) or sum(p.pp_layers) != m.n_layers:
-            problems.append(
-                f"parallel.pp_layers={p.pp_layers} must give pp*vpp={stages} positive layer counts "
-                f"adding up to model.n_layers={m.n_layers}"
-            )
-    elif m.n_layers < stages:
-        problems.append(
-            f"model.n_layers={m.n_layers} cannot fill pp*vpp={stages} pipeline chunks; "
-            f"use pp*vpp <= {m.n_layers}"
-        )
-    if p.pp_embedding_layers < 0 or p.pp_head_layers < 0:
-        problems.append("parallel.pp_embedding_layers and parallel.pp_head_layers must be >= 0")
-    elif p.pp_layers and (p.pp_embedding_layers or p.pp_head_layers):
-        problems.append(
-            "parallel.pp_layers gives the split explicitly; parallel.pp_embedding_layers and "
-            "parallel.pp_head_layers only weigh a balanced split: set one or the other"
-        )
-    if p.vpp > 1 and p.pp_schedule != "interleaved":
-        problems.append(f"parallel.vpp={p.vpp} needs parallel.pp_schedule='interleaved'")
-    if p.pp_schedule == "interleaved" and p.pp > 1 and p.vpp < 2:
-        problems.append("parallel.pp_schedule='interleaved' needs parallel.vpp >= 2")
-    if p.ep > 1:
-        if not m.is_moe:
-            problems.append(f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1")
-        else:
-            if m.n_experts % p.ep:
-                problems.append(
-                    f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}; "
-                    f"use ep in {_divisors(m.n_experts)}"
-                )
-            if (dp_shard * p.cp) % p.ep:
-                problems.append(
-                    f"parallel.ep={p.ep} must divide dp_shard*cp={dp_shard * p.cp} "
-                    "(experts borrow their ranks from the data- and context-parallel dims)"
-                )
-    dp = p.dp_replicate * dp_shard
-    if t.global_batch % (t.micro_batch * dp):
-        problems.append(
-            f"training.global_batch={t.global_batch} is not divisible by micro_batch*dp = "
-            f"{t.micro_batch}*{dp}; use a global_batch that is a multiple of {t.micro_batch * dp}"
-        )
-    elif p.pp > 1:
-        microbatches = t.global_batch // (t.micro_batch * dp)
-        if microbatches < p.pp:
-            problems.append(
-                f"{microbatches} micro-batch(es) per step cannot fill pp={p.pp} stages; "
-                f"raise training.global_batch to at least {p.pp * t.micro_batch * dp}"
-            )
-        if p.pp_schedule == "interleaved" and microbatches % p.pp:
-            problems.append(
-                f"interleaved 1F1B needs micro-batches per step ({microbatches}) to be a multiple "
-                f"of pp={p.pp}"
-            )
+    options, ranges = field_problems(cfg)
+    if ranges:  # the rules below divide by these numbers
+        return options + ranges
+    problems = options + model_problems(cfg.model) + moe_problems(cfg.model)
+    problems += layout_problems(cfg, world_size)
+    problems += tensor_parallel_problems(cfg)
+    problems += context_parallel_problems(cfg)
+    problems += expert_parallel_problems(cfg)
+    batch = batch_problems(cfg, world_size)
+    problems += batch
+    if not batch:  # the pipeline's rules count the micro-batches the batch rule splits
+        problems += pipeline_problems(cfg, world_size)
     return problems
 
 
+def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
+    """Valid layouts that this version cannot run yet, each refused by the module that will run it."""
+    from meshtron.parallel.context import context_parallel_unsupported
+    from meshtron.parallel.data_parallel import data_parallel_unsupported
+    from meshtron.parallel.expert import expert_parallel_unsupported
+    from meshtron.train.checkpoint import checkpoint_unsupported
+
+    return (
+        context_parallel_unsupported(cfg)
+        + expert_parallel_unsupported(cfg)
+        + data_parallel_unsupported(cfg, world_size)
+        + checkpoint_unsupported(cfg, world_size)
+    )
+
+
 def check(cfg: Config, world_size: int = 1) -> Config:
-    """Raise ConfigError listing every problem, or return cfg unchanged."""
-    problems = validate(cfg, world_size)
+    """Raise ConfigError listing every problem, or, in a valid config, every part this version cannot run
+    yet; otherwise return cfg."""
+    problems = validate(cfg, world_size) or not_yet_supported(cfg, world_size)
     if problems:
         raise ConfigError(problems)
     return cfg

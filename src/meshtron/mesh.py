@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from meshtron.comm import CommGroup
-from meshtron.config import ParallelConfig, resolve_dp_shard
+from meshtron.config import Config, ParallelConfig
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
@@ -39,6 +39,47 @@ FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 PP_ENDS = "pp_ends"
 
 
+def resolve_dp_shard(parallel: ParallelConfig, world_size: int) -> int:
+    """dp_shard=-1 takes whatever the world size leaves after the other dims; otherwise it is as given."""
+    if parallel.dp_shard != -1:
+        return parallel.dp_shard
+    others = parallel.pp * parallel.dp_replicate * parallel.cp * parallel.tp
+    return max(world_size // others, 1) if others > 0 else 1
+
+
+def ep_folding_problem(dp_shard: int, cp: int, ep: int) -> str | None:
+    """Expert parallelism re-reads the dp_shard x cp block as [edp, ep], so ep must divide it."""
+    if (dp_shard * cp) % ep == 0:
+        return None
+    return (
+        f"parallel.ep={ep} must divide dp_shard*cp={dp_shard * cp} (experts borrow their ranks from the "
+        "data- and context-parallel dims)"
+    )
+
+
+def layout_problems(cfg: Config, world_size: int) -> list[str]:
+    """The mesh's own rules: the dims multiply to the world size, and ep folds into dp_shard x cp."""
+    p = cfg.parallel
+    problems = []
+    others = p.pp * p.dp_replicate * p.cp * p.tp
+    if p.dp_shard == -1 and world_size % others:
+        problems.append(
+            f"world size {world_size} is not divisible by pp*dp_replicate*cp*tp={others}; "
+            f"pick degrees whose product divides {world_size}"
+        )
+    dp_shard = resolve_dp_shard(p, world_size)
+    product = others * dp_shard
+    if product != world_size:
+        problems.append(
+            f"pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{dp_shard}*{p.cp}*{p.tp} "
+            f"= {product} but the world size is {world_size}; set parallel.dp_shard=-1 to absorb "
+            f"the rest, or launch with --nproc {product}"
+        )
+    # Only for MoE models: with a dense one, ep > 1 is refused by the expert-parallel rules already.
+    folding = ep_folding_problem(dp_shard, p.cp, p.ep) if cfg.model.is_moe else None
+    return problems + ([folding] if folding else [])
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     pp: int = 1
@@ -52,11 +93,9 @@ class ParallelDims:
         bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {bad}")
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(
-                f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}: experts borrow "
-                "their ranks from the data- and context-parallel dims"
-            )
+        folding = ep_folding_problem(self.dp_shard, self.cp, self.ep)
+        if folding:
+            raise ValueError(folding)
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
@@ -285,3 +324,13 @@ class ParallelMesh:
 
     def ranks(self, dim: str) -> list[int]:
         return next(g for g in self.dims.groups(dim) if self.rank in g)
+
+    def grid(self, rows: str, columns: str) -> list[list[int]]:
+        """The ranks that share this rank's coordinates in every dense dim but `rows` and `columns`:
+        `grid[i][j]` is the global rank at index i of `rows` and j of `columns`."""
+        at = self.dims.coords(self.rank)
+        index = tuple(slice(None) if dim in (rows, columns) else at[dim] for dim in DENSE_DIMS)
+        block = self.dims.dense_grid[index]
+        if DENSE_DIMS.index(rows) > DENSE_DIMS.index(columns):
+            block = block.T
+        return block.tolist()

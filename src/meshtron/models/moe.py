@@ -16,6 +16,21 @@ from meshtron.config import ModelConfig
 from meshtron.models.layers import FeedForward
 
 
+def moe_problems(cfg: ModelConfig) -> list[str]:
+    """What routing needs of an MoE model's options (none for a dense model)."""
+    if not cfg.is_moe:
+        return []
+    problems = []
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        problems.append(f"model.top_k={cfg.top_k} must be between 1 and model.n_experts={cfg.n_experts}")
+    outside = [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]
+    if outside:
+        problems.append(f"model.dense_layers {outside} are outside 0..{cfg.n_layers - 1}")
+    if cfg.shared_expert_gate and cfg.n_shared_experts == 0:
+        problems.append("model.shared_expert_gate=true needs model.n_shared_experts >= 1")
+    return problems
+
+
 class Router(nn.Module):
     """Scores each token against every expert and keeps the top k."""
 

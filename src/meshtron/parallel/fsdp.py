@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.parallel.data import DataParallelEngine, OwnedRows
+from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import FlatLayout
 
 

@@ -12,12 +12,14 @@ restores the RNG state for the rerun, so the recomputed activations are the ones
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from meshtron.config import Recompute
 from meshtron.models.llama import Transformer
 
 
@@ -42,9 +44,10 @@ def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"training.recompute={mode!r} is not one of none, selective, full")
+def apply_recompute(model: Transformer, mode: Recompute) -> None:
+    """The recompute step of `parallelize`: wrap what `mode` reruns in backward (nothing for "none")."""
+    if mode not in typing.get_args(Recompute):
+        raise ValueError(f"training.recompute={mode!r} is not one of {', '.join(typing.get_args(Recompute))}")
     for block in model.layers.values():
         if mode == "full":
             block.forward = _checkpointed(block.forward)

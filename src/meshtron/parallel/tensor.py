@@ -1,8 +1,9 @@
 """Tensor parallel (Megatron-style) and sequence parallel over the tp group.
 
-`apply_tensor_parallel` turns a built single-device model into this rank's shard of it, in place:
-each weight is replaced by its slice of the same logical tensor (so initialisation and checkpoints are
-layout-independent), and the layers' parameter names do not change.
+`apply_tensor_parallel` turns a built single-device model into this rank's shard of it, in place, by a
+declarative plan (BLOCK_PLAN, MODEL_PLAN: module path -> how it is cut): each weight is replaced by its
+slice of the same logical tensor (so initialisation and checkpoints are layout-independent), and the
+layers' parameter names do not change.
 
   attention   wq, wk, wv column-parallel (this rank's H/tp query heads and K/tp key/value heads; when
               K < tp, every rank keeps all K key/value heads and uses the one its query heads read),
@@ -38,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup
+from meshtron.config import Config, ModelConfig, divisors
 from meshtron.models.layers import RMSNorm
-from meshtron.models.llama import Attention, Transformer
+from meshtron.models.llama import Transformer
 from meshtron.models.moe import MoE
 
 
@@ -170,150 +172,199 @@ def vocab_parallel_cross_entropy(
     )
 
 
-def apply_tensor_parallel(
-    model: Transformer, comm: Comm, tp: CommGroup, sequence_parallel: bool
-) -> TensorParallelPlan:
-    """Shard `model` in place for this rank of `tp`; returns how each parameter was cut."""
-    cfg = model.cfg
-    n, r = tp.size, tp.rank
-    plan = TensorParallelPlan(tp)
-    if sequence_parallel:
+# How each module of a transformer block is cut over tp, by its path inside the block (modules a block
+# does not have, such as q_norm without qk_norm, are skipped):
+#   entering     a norm whose output enters a tp region (copy / all-gather the sequence under sp); under
+#                sp each rank normalises 1/tp of the tokens, so its weight's gradient is summed over tp
+#   column       output features split: this rank's query heads, key/value heads or FFN columns
+#   kv_column    column when tp divides the key/value heads; otherwise all of them kept (replicated),
+#                each rank selecting the head its query heads read
+#   row          input features split; the partial sums are reduced on the way out (the region's exit)
+#   partial_row  row, left partial: the MoE output reduces the routed and shared parts once, together
+#   replicated   whole on every rank but fed part of the work: gradient summed over tp
+#   experts      every expert's SwiGLU split like column, column, row
+#   moe_exit     the MoE output (partial) leaves the region; its aux losses count 1/tp on each rank
+BLOCK_PLAN: dict[str, str] = {
+    "attention_norm": "entering",
+    "attention.wq": "column",
+    "attention.wk": "kv_column",
+    "attention.wv": "kv_column",
+    "attention.wo": "row",
+    "attention.q_norm": "replicated",
+    "attention.k_norm": "replicated",
+    "ffn_norm": "entering",
+    "feed_forward.w1": "column",
+    "feed_forward.w3": "column",
+    "feed_forward.w2": "row",
+    "moe.experts": "experts",
+    "moe.router": "replicated",
+    "moe.shared_experts.w1": "column",
+    "moe.shared_experts.w3": "column",
+    "moe.shared_experts.w2": "partial_row",
+    "moe.shared_gate": "replicated",
+    "moe": "moe_exit",
+}
+# Outside the blocks: the vocabulary is split over tp (padded to a multiple of it).
+MODEL_PLAN: dict[str, str] = {"norm": "entering", "tok_embeddings": "vocab_embedding", "output": "vocab_head"}
 
-        def enter(x: torch.Tensor) -> torch.Tensor:
-            return comm.all_gather(x, tp, dim=1)
 
-        def exit_(x: torch.Tensor) -> torch.Tensor:
-            return comm.reduce_scatter(x, tp, dim=1)
-    else:
+def _resolve(root: nn.Module, path: str) -> nn.Module | None:
+    module: nn.Module | None = root
+    for part in path.split(".") if path else ():
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
 
-        def enter(x: torch.Tensor) -> torch.Tensor:
-            return comm.copy_to_group(x, tp)
 
-        def exit_(x: torch.Tensor) -> torch.Tensor:
-            return comm.reduce_from_group(x, tp)
+class _Sharder:
+    """Applies the plans' styles on this rank of `tp`, recording how each parameter was cut."""
 
-    def column(linear: nn.Linear, name: str, out_features: int) -> ColumnParallelLinear:
+    def __init__(self, cfg: ModelConfig, comm: Comm, tp: CommGroup, sequence_parallel: bool):
+        self.cfg, self.comm, self.tp, self.sp = cfg, comm, tp, sequence_parallel
+        self.n, self.r = tp.size, tp.rank
+        self.plan = TensorParallelPlan(tp)
+        self.padded_vocab = math.ceil(cfg.vocab_size / self.n) * self.n
+        self.plan.vocab_start = self.r * (self.padded_vocab // self.n)
+        self.plan.vocab_local = max(
+            0, min(self.padded_vocab // self.n, cfg.vocab_size - self.plan.vocab_start)
+        )
+
+    def apply(self, root: nn.Module, plan: dict[str, str], prefix: str) -> None:
+        for path, style in plan.items():
+            module = _resolve(root, path)
+            if module is None:
+                continue
+            replacement = getattr(self, style)(module, f"{prefix}.{path}" if prefix else path)
+            if replacement is not None:
+                parent, _, leaf = path.rpartition(".")
+                setattr(_resolve(root, parent), leaf, replacement)
+
+    def enter_region(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(x, self.tp, dim=1) if self.sp else self.comm.copy_to_group(x, self.tp)
+
+    def exit_region(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            self.comm.reduce_scatter(x, self.tp, dim=1)
+            if self.sp
+            else self.comm.reduce_from_group(x, self.tp)
+        )
+
+    def sum_gradient(self, param: nn.Parameter) -> None:
+        param.register_hook(lambda grad: self.comm.all_reduce_(grad.clone(), self.tp))
+
+    def entering(self, norm: RMSNorm, name: str) -> None:
+        norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out))
+        if self.sp:
+            self.sum_gradient(norm.weight)
+
+    def column(self, linear: nn.Linear, name: str) -> ColumnParallelLinear:
+        n, r, out_features = self.n, self.r, linear.out_features
         local = ColumnParallelLinear(linear.in_features, out_features // n, bias=linear.bias is not None)
         with torch.no_grad():
             local.weight.copy_(_rows(linear.weight, 0, r, n))
             if linear.bias is not None:
                 local.bias.copy_(_rows(linear.bias, 0, r, n))
-                plan.split_dims[f"{name}.bias"] = (0, out_features)
-        plan.split_dims[f"{name}.weight"] = (0, out_features)
+                self.plan.split_dims[f"{name}.bias"] = (0, out_features)
+        self.plan.split_dims[f"{name}.weight"] = (0, out_features)
         return local
 
-    def row(linear: nn.Linear, name: str, exit_fn: Callable | None) -> RowParallelLinear:
-        local = RowParallelLinear(linear.in_features // n, linear.out_features, exit_fn)
+    def kv_column(self, linear: nn.Linear, name: str) -> nn.Linear:
+        if self.cfg.kv_heads % self.n == 0:
+            return self.column(linear, name)
+        local = KVHeadLinear(linear, self.r * self.cfg.kv_heads // self.n, self.cfg.head_size)
+        for param in local.parameters():
+            self.sum_gradient(param)
+        return local
+
+    def row(self, linear: nn.Linear, name: str) -> RowParallelLinear:
+        local = RowParallelLinear(linear.in_features // self.n, linear.out_features, self.exit_region)
         with torch.no_grad():
-            local.weight.copy_(_rows(linear.weight, 1, r, n))
-        plan.split_dims[f"{name}.weight"] = (1, linear.in_features)
+            local.weight.copy_(_rows(linear.weight, 1, self.r, self.n))
+        self.plan.split_dims[f"{name}.weight"] = (1, linear.in_features)
         return local
 
-    def replicated_partial(param: nn.Parameter) -> None:
-        """A weight whole on every rank whose gradient each rank sees only part of: sum it over tp."""
-        param.register_hook(lambda grad: comm.all_reduce_(grad.clone(), tp))
+    def partial_row(self, linear: nn.Linear, name: str) -> RowParallelLinear:
+        local = self.row(linear, name)
+        local.exit_fn = None
+        return local
 
-    def entering_norm(norm: RMSNorm, name: str) -> None:
-        norm.register_forward_hook(lambda _m, _i, out: enter(out))
-        if sequence_parallel:  # each rank normalises 1/tp of the tokens: its weight gradient is partial
-            replicated_partial(norm.weight)
+    def replicated(self, module: nn.Module, name: str) -> None:
+        for param in module.parameters():
+            self.sum_gradient(param)
 
-    for i, block in model.layers.items():
-        prefix = f"layers.{i}"
-        attn: Attention = block.attention
-        entering_norm(block.attention_norm, f"{prefix}.attention_norm")
-        kv_split = cfg.kv_heads % n == 0
-        attn.wq = column(attn.wq, f"{prefix}.attention.wq", cfg.n_heads * cfg.head_size)
-        for proj in ("wk", "wv"):
-            name = f"{prefix}.attention.{proj}"
-            if kv_split:
-                setattr(attn, proj, column(getattr(attn, proj), name, cfg.kv_heads * cfg.head_size))
-            else:
-                kv_head = r * cfg.kv_heads // n
-                setattr(attn, proj, KVHeadLinear(getattr(attn, proj), kv_head, cfg.head_size))
-                for p in getattr(attn, proj).parameters():
-                    replicated_partial(p)
-        attn.wo = row(attn.wo, f"{prefix}.attention.wo", exit_)
-        for qk in ("q_norm", "k_norm"):
-            norm = getattr(attn, qk)
-            if norm is not None:  # shared by all heads, of which this rank has some
-                replicated_partial(norm.weight)
+    def experts(self, experts: nn.Module, name: str) -> None:
+        n, r = self.n, self.r
+        ffn = experts.w1.shape[1]
+        experts.w1 = nn.Parameter(_rows(experts.w1, 1, r, n))
+        experts.w3 = nn.Parameter(_rows(experts.w3, 1, r, n))
+        experts.w2 = nn.Parameter(_rows(experts.w2, 2, r, n))
+        self.plan.split_dims.update({f"{name}.w1": (1, ffn), f"{name}.w3": (1, ffn), f"{name}.w2": (2, ffn)})
 
-        entering_norm(block.ffn_norm, f"{prefix}.ffn_norm")
-        if block.moe is None:
-            ffn = block.feed_forward
-            ffn.w1 = column(ffn.w1, f"{prefix}.feed_forward.w1", cfg.ffn_dim)
-            ffn.w3 = column(ffn.w3, f"{prefix}.feed_forward.w3", cfg.ffn_dim)
-            ffn.w2 = row(ffn.w2, f"{prefix}.feed_forward.w2", exit_)
-        else:
-            _shard_moe(
-                block.moe,
-                f"{prefix}.moe",
-                cfg.expert_ffn_dim,
-                cfg.shared_expert_ffn_dim,
-                plan,
-                exit_,
-                column,
-                row,
-                replicated_partial,
-            )
+    def moe_exit(self, moe: MoE, name: str) -> None:
+        # The aux losses are computed identically on every rank, so each contributes 1/tp of their gradient.
+        moe.aux_loss_coef /= self.n
+        moe.z_loss_coef /= self.n
+        moe.register_forward_hook(lambda _m, _i, out: (self.exit_region(out[0]), out[1]))
 
-    if model.norm is not None:  # absent on pipeline stages without the head
-        entering_norm(model.norm, "norm")
-    padded_vocab = math.ceil(cfg.vocab_size / n) * n
-    rows_per_rank = padded_vocab // n
-    plan.vocab_start = r * rows_per_rank
-    plan.vocab_local = max(0, min(rows_per_rank, cfg.vocab_size - plan.vocab_start))
+    def _vocab_shard(self, weight: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(self.padded_vocab, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        padded[: self.cfg.vocab_size] = weight.detach()
+        start, rows = self.plan.vocab_start, self.padded_vocab // self.n
+        return padded[start : start + rows].clone()
 
-    def vocab_shard(weight: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(padded_vocab, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        padded[: cfg.vocab_size] = weight.detach()
-        return padded[plan.vocab_start : plan.vocab_start + rows_per_rank].clone()
-
-    if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding(
-            vocab_shard(model.tok_embeddings.weight), plan.vocab_start, exit_
+    def vocab_embedding(self, embedding: nn.Embedding, name: str) -> VocabParallelEmbedding:
+        self.plan.split_dims[f"{name}.weight"] = (0, self.cfg.vocab_size)
+        return VocabParallelEmbedding(
+            self._vocab_shard(embedding.weight), self.plan.vocab_start, self.exit_region
         )
-        plan.split_dims["tok_embeddings.weight"] = (0, cfg.vocab_size)
-    if model.output is not None:
-        model.output.weight = nn.Parameter(vocab_shard(model.output.weight))
-        plan.split_dims["output.weight"] = (0, cfg.vocab_size)
-    return plan
+
+    def vocab_head(self, output: nn.Linear, name: str) -> None:
+        output.weight = nn.Parameter(self._vocab_shard(output.weight))
+        self.plan.split_dims[f"{name}.weight"] = (0, self.cfg.vocab_size)
 
 
-def _shard_moe(
-    moe: MoE,
-    prefix: str,
-    expert_ffn: int,
-    shared_ffn: int,
-    plan: TensorParallelPlan,
-    exit_: Callable,
-    column: Callable,
-    row: Callable,
-    replicated_partial: Callable,
-) -> None:
-    n, r = plan.tp.size, plan.tp.rank
-    experts = moe.experts
-    experts.w1 = nn.Parameter(_rows(experts.w1, 1, r, n))
-    experts.w3 = nn.Parameter(_rows(experts.w3, 1, r, n))
-    experts.w2 = nn.Parameter(_rows(experts.w2, 2, r, n))
-    plan.split_dims.update(
-        {
-            f"{prefix}.experts.w1": (1, expert_ffn),
-            f"{prefix}.experts.w3": (1, expert_ffn),
-            f"{prefix}.experts.w2": (2, expert_ffn),
-        }
-    )
-    # The routing weights multiply partial expert outputs, so the router's gradient is partial too; the
-    # aux losses are computed identically on every rank, so each contributes 1/tp of their gradient.
-    replicated_partial(moe.router.weight)
-    moe.aux_loss_coef /= n
-    moe.z_loss_coef /= n
-    if moe.shared_experts is not None:
-        shared = moe.shared_experts
-        shared.w1 = column(shared.w1, f"{prefix}.shared_experts.w1", shared_ffn)
-        shared.w3 = column(shared.w3, f"{prefix}.shared_experts.w3", shared_ffn)
-        shared.w2 = row(shared.w2, f"{prefix}.shared_experts.w2", None)
-        if moe.shared_gate is not None:
-            replicated_partial(moe.shared_gate.weight)
-    moe.register_forward_hook(lambda _m, _i, out: (exit_(out[0]), out[1]))
+def apply_tensor_parallel(
+    model: Transformer, comm: Comm, tp: CommGroup, sequence_parallel: bool
+) -> TensorParallelPlan:
+    """Shard `model` in place for this rank of `tp` by BLOCK_PLAN and MODEL_PLAN; returns how each
+    parameter was cut."""
+    sharder = _Sharder(model.cfg, comm, tp, sequence_parallel)
+    for i, block in model.layers.items():
+        sharder.apply(block, BLOCK_PLAN, f"layers.{i}")
+    sharder.apply(model, MODEL_PLAN, "")
+    return sharder.plan
+
+
+def tensor_parallel_problems(cfg: Config) -> list[str]:
+    """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch."""
+    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    problems = []
+    if m.n_heads % tp:
+        problems.append(
+            f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; use tp in {divisors(m.n_heads)}"
+        )
+    elif m.kv_heads % tp and tp % m.kv_heads:
+        problems.append(
+            f"model.n_kv_heads={m.kv_heads} and parallel.tp={tp}: one must divide the other "
+            "so key/value heads can be split or replicated"
+        )
+    if m.ffn_dim % tp:
+        problems.append(
+            f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; use tp in {divisors(m.ffn_dim)}"
+        )
+    if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % tp:
+        problems.append(
+            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}"
+        )
+    if m.is_moe and m.expert_ffn_dim % tp:
+        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
+    if p.sp and tp == 1:
+        problems.append(
+            "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
+        )
+    if p.sp and cfg.training.seq_len % (tp * p.cp):
+        problems.append(
+            f"training.seq_len={cfg.training.seq_len} must be divisible by tp*cp={tp * p.cp} with sp"
+        )
+    return problems

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshtron.pipeline.schedules import Action, build_schedule, idle_fraction, simulate
+from meshtron.pipeline.schedules import Action, Kind, build_schedule, idle_fraction, simulate
 
-COLOURS = {"F": "#4c8bd6", "B": "#e0793a", "W": "#58a55c"}
+COLOURS = {Kind.F: "#4c8bd6", Kind.B: "#e0793a", Kind.W: "#58a55c"}
 Timeline = list[list[tuple[Action, float, float]]]
 
 
@@ -30,7 +30,7 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5), sharex=True, squeeze=False
     )
-    split = any(a.kind == "W" for timeline, _ in panels for rank in timeline for a, _, _ in rank)
+    split = any(a.kind == Kind.W for timeline, _ in panels for rank in timeline for a, _, _ in rank)
     for ax, (timeline, title) in zip(axes[:, 0], panels, strict=True):
         for r, rank in enumerate(timeline):
             for action, start, end in rank:
@@ -61,8 +61,12 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel(xlabel)
     axes[-1, 0].set_xlim(0, makespan)
-    labels = {"F": "forward", "B": "backward (input grad)" if split else "backward", "W": "weight grad"}
-    kinds = ["F", "B", "W"] if split else ["F", "B"]
+    labels = {
+        Kind.F: "forward",
+        Kind.B: "backward (input grad)" if split else "backward",
+        Kind.W: "weight grad",
+    }
+    kinds = [Kind.F, Kind.B, Kind.W] if split else [Kind.F, Kind.B]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
     axes[0, 0].legend(handles, [labels[k] for k in kinds], loc="upper right", fontsize=7, ncol=3)
     fig.tight_layout()
@@ -81,7 +85,7 @@ def draw_measured_timeline(
     the same compute, stage imbalance included, and free communication, so what differs is the
     communication and the waiting on it. Returns (picture, measured bubble, simulated bubble)."""
     ms = [[(a, 1e3 * start, 1e3 * end) for a, start, end in rank] for rank in measured]
-    durations: dict[tuple[str, int], list[float]] = {}
+    durations: dict[tuple[Kind, int], list[float]] = {}
     for rank in ms:
         for a, start, end in rank:
             durations.setdefault((a.kind, a.chunk), []).append(end - start)

@@ -35,10 +35,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
+from meshtron.config import Config
+from meshtron.data.sampler import micro_batches_per_step
+from meshtron.mesh import resolve_dp_shard
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
-from meshtron.parallel.data import DataParallelEngine
-from meshtron.pipeline.schedules import Action, build_schedule, send_release_points
-from meshtron.pipeline.split import chunks_of_rank
+from meshtron.parallel.engine import DataParallelEngine
+from meshtron.pipeline.schedules import Action, Kind, build_schedule, schedule_problems, send_release_points
+from meshtron.pipeline.split import chunks_of_rank, split_layers, split_problems
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
 TIED_WEIGHT = "tok_embeddings.weight"
@@ -109,7 +112,7 @@ class ReceiveAhead:
         self, comm: Comm, pp: CommGroup, actions: list[Action], shape: tuple[int, ...], device: torch.device
     ):
         self.comm, self.pp, self.shape, self.device = comm, pp, shape, device
-        self.queue = [(i, a.peer) for i, a in enumerate(actions) if a.kind.startswith("RECV")][::-1]
+        self.queue = [(i, a.peer) for i, a in enumerate(actions) if a.kind.is_recv][::-1]
         self.posted: tuple[int, Pending, torch.Tensor] | None = None
         self._post_next()
 
@@ -138,6 +141,134 @@ class Send:
     buffer: torch.Tensor
     output: torch.Tensor | None
     key: tuple[int, int]
+
+
+@dataclass
+class Losses:
+    """How a step's losses are formed: per-token loss of the last chunk's output, the global token count
+    each micro-batch's loss is divided by, and the autocast context of every forward."""
+
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    global_tokens: int
+    autocast: Callable[[], contextlib.AbstractContextManager]
+
+
+class _Step:
+    """One step's actions on real tensors: what each forward keeps for its backward, what is in flight."""
+
+    def __init__(
+        self,
+        runtime: PipelineRuntime,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        losses: Losses,
+        before_grads: Callable[[bool], None],
+    ):
+        self.rt, self.micro_batches, self.losses, self.before_grads = (
+            runtime,
+            micro_batches,
+            losses,
+            before_grads,
+        )
+        schedule = build_schedule(runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule)
+        self.actions = schedule[runtime.pp.rank]
+        self.settled_by = send_release_points(schedule, runtime.pp.rank)
+        self.split = runtime.schedule == "zero_bubble"
+        # Each chunk's last B and last W of the step: after them its gradients (of that kind) are final.
+        self.last_of = {
+            (a.kind, a.chunk): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.W)
+        }
+        self.deferred: dict[tuple[int, int], DeferWeightGrads] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        # What each forward's backward starts from: graph edges (not tensors) and their gradients.
+        self.outputs: dict[tuple[int, int], tuple[list[GradientEdge], list[torch.Tensor | None]]] = {}
+        self.unsent: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.sends: list[Send] = []
+        tokens0, _ = micro_batches[0]
+        batch, seq = tokens0.shape
+        self.device = tokens0.device
+        self.ce_sum = torch.zeros((), device=self.device)
+        self.positions = torch.arange(seq, device=self.device).expand(batch, -1)
+        shape = (batch, seq // runtime.seq_shards, runtime.model.cfg.dim)
+        self.receiver = ReceiveAhead(runtime.comm, runtime.pp, self.actions, shape, self.device)
+        self.handlers = {
+            Kind.RECV_F: self.recv_forward,
+            Kind.F: self.forward,
+            Kind.SEND_F: self.send_forward,
+            Kind.RECV_B: self.recv_backward,
+            Kind.B: self.backward,
+            Kind.W: self.weight_grads,
+            Kind.SEND_B: self.send_backward,
+        }
+
+    def recv_forward(self, index: int, a: Action) -> None:
+        self.inputs[a.chunk, a.mb] = self.receiver.take(index).requires_grad_(True)
+
+    def forward(self, index: int, a: Action) -> None:
+        key, last = (a.chunk, a.mb), self.rt.n_chunks - 1
+        tokens, targets = self.micro_batches[a.mb]
+        x = tokens if a.chunk == 0 else self.inputs[key]
+        defer = DeferWeightGrads() if self.split and a.chunk > 0 else contextlib.nullcontext()
+        with defer, self.losses.autocast():
+            out, aux = self.rt.chunks[a.chunk](x, self.positions)
+        if self.split and a.chunk > 0:
+            self.deferred[key] = defer
+        share = targets.numel() / self.losses.global_tokens
+        one = torch.ones((), device=self.device)
+        if a.chunk == last:
+            ce = self.losses.token_loss(out, targets).sum() / self.losses.global_tokens
+            self.ce_sum += ce.detach()
+            roots, grads = [ce + aux.float() * share], [one]
+        else:
+            self.unsent[key] = out
+            roots, grads = [out], [None]
+            if aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
+                roots, grads = [out, aux.float() * share], [None, one]
+        self.outputs[key] = ([get_gradient_edge(r) for r in roots], grads)
+
+    def send_forward(self, index: int, a: Action) -> None:
+        out = self.unsent.pop((a.chunk, a.mb))
+        tensor = out.detach().float().contiguous()
+        self.sends.append(Send(self.rt.comm.isend(tensor, self.rt.pp, a.peer), tensor, out, (a.chunk, a.mb)))
+
+    def recv_backward(self, index: int, a: Action) -> None:
+        grad = self.receiver.take(index)
+        roots, grads = self.outputs[a.chunk, a.mb]
+        self.outputs[a.chunk, a.mb] = (roots, [grad, *grads[1:]])
+
+    def backward(self, index: int, a: Action) -> None:
+        key = (a.chunk, a.mb)
+        roots, grads = self.outputs.pop(key)
+        self.before_grads(self.last_of[Kind.B, a.chunk] == index)
+        with self.deferred.get(key, contextlib.nullcontext()):
+            torch.autograd.backward(roots, grads)
+        if a.chunk > 0:
+            self.input_grads[key] = self.inputs.pop(key).grad
+
+    def weight_grads(self, index: int, a: Action) -> None:
+        if (a.chunk, a.mb) in self.deferred:  # the first chunk's W is empty: its B did everything
+            self.before_grads(self.last_of[Kind.W, a.chunk] == index)
+            self.deferred.pop((a.chunk, a.mb)).weight_grads()
+
+    def send_backward(self, index: int, a: Action) -> None:
+        tensor = self.input_grads.pop((a.chunk, a.mb)).contiguous()
+        self.sends.append(Send(self.rt.comm.isend(tensor, self.rt.pp, a.peer), tensor, None, (a.chunk, a.mb)))
+
+    def release_sent(self, settled: list[tuple[int, int]]) -> None:
+        """Drop the buffers of finished sends: those the backend reports done (NCCL does) and those the
+        last receive proved taken (`settled`, from the schedule). A sent stage output's values are not
+        needed by its backward (which starts from the graph edge and the received gradient), so its
+        storage is released too: only the graph's saved tensors stay until the backward."""
+        still = []
+        for send in self.sends:
+            if send.key not in settled and not send.pending.completed():
+                still.append(send)
+                continue
+            send.pending.wait()
+            if send.output is not None:
+                send.output.data = torch.empty(0, dtype=send.output.dtype, device=send.output.device)
+                self.rt.released_outputs += 1
+        self.sends = still
 
 
 class PipelineRuntime:
@@ -177,108 +308,59 @@ class PipelineRuntime:
     def run(
         self,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        global_tokens: int,
-        token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        autocast: Callable[[], object],
+        losses: Losses,
         before_grads: Callable[[bool], None] = lambda is_last: None,
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
-        (non-zero on the rank holding the last chunk only)."""
-        last = self.n_chunks - 1
-        schedule = build_schedule(self.pp.size, self.vpp, len(micro_batches), self.schedule)
-        actions = schedule[self.pp.rank]
-        settled_by = send_release_points(schedule, self.pp.rank)
-        split = self.schedule == "zero_bubble"
-        # Each chunk's last B and last W of the step: after them its gradients (of that kind) are final.
-        last_of = {(a.kind, a.chunk): i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-        deferred: dict[tuple[int, int], DeferWeightGrads] = {}
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        # What each forward's backward starts from: graph edges (not tensors) and their gradients.
-        outputs: dict[tuple[int, int], tuple[list[GradientEdge], list[torch.Tensor | None]]] = {}
-        unsent: dict[tuple[int, int], torch.Tensor] = {}
-        input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[Send] = []
+        (non-zero on the rank holding the last chunk only). `before_grads(is_last)` runs before every
+        action that accumulates parameter gradients, true for the chunk's last such action of the step."""
+        step = _Step(self, micro_batches, losses, before_grads)
         self.released_outputs = 0
-        tokens0, _ = micro_batches[0]
-        batch, seq = tokens0.shape
-        shape = (batch, seq // self.seq_shards, self.model.cfg.dim)
-        device = tokens0.device
-        ce_sum = torch.zeros((), device=device)
-        positions = torch.arange(seq, device=device).expand(batch, -1)
         self.timeline = []
         step_start = time.perf_counter()
-        receiver = ReceiveAhead(self.comm, self.pp, actions, shape, device)
-        for index, a in enumerate(actions):
-            key = (a.chunk, a.mb)
-            tokens, targets = micro_batches[a.mb]
-            sends = self._release_sent(sends, settled_by.get(index - 1, []))
+        for index, a in enumerate(step.actions):
+            step.release_sent(step.settled_by.get(index - 1, []))
             start = time.perf_counter()
-            if a.kind == "RECV_F":
-                inputs[key] = receiver.take(index).requires_grad_(True)
-            elif a.kind == "F":
-                x = tokens if a.chunk == 0 else inputs[key]
-                defer = DeferWeightGrads() if split and a.chunk > 0 else contextlib.nullcontext()
-                with defer, autocast():
-                    out, aux = self.chunks[a.chunk](x, positions)
-                if split and a.chunk > 0:
-                    deferred[key] = defer
-                share = targets.numel() / global_tokens
-                one = torch.ones((), device=device)
-                if a.chunk == last:
-                    ce = token_loss(out, targets).sum() / global_tokens
-                    ce_sum += ce.detach()
-                    roots, grads = [ce + aux.float() * share], [one]
-                else:
-                    unsent[key] = out
-                    roots, grads = [out], [None]
-                    if aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
-                        roots, grads = [out, aux.float() * share], [None, one]
-                outputs[key] = ([get_gradient_edge(r) for r in roots], grads)
-            elif a.kind == "SEND_F":
-                out = unsent.pop(key)
-                tensor = out.detach().float().contiguous()
-                sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, out, key))
-            elif a.kind == "RECV_B":
-                grad = receiver.take(index)
-                roots, grads = outputs[key]
-                outputs[key] = (roots, [grad, *grads[1:]])
-            elif a.kind == "B":
-                roots, grads = outputs.pop(key)
-                before_grads(last_of["B", a.chunk] == index)
-                with deferred.get(key, contextlib.nullcontext()):
-                    torch.autograd.backward(roots, grads)
-                if a.chunk > 0:
-                    input_grads[key] = inputs.pop(key).grad
-            elif a.kind == "W" and key in deferred:
-                before_grads(last_of["W", a.chunk] == index)
-                deferred.pop(key).weight_grads()
-            elif a.kind == "SEND_B":
-                tensor = input_grads.pop(key).contiguous()
-                sends.append(Send(self.comm.isend(tensor, self.pp, a.peer), tensor, None, key))
-            if a.kind in ("F", "B", "W"):
+            step.handlers[a.kind](index, a)
+            if a.kind.is_compute:
                 self.timeline.append((a, start - step_start, time.perf_counter() - step_start))
-        for send in sends:
+        for send in step.sends:
             send.pending.wait()
         self.step_seconds = time.perf_counter() - step_start
-        return ce_sum
-
-    def _release_sent(self, sends: list[Send], settled: list[tuple[int, int]]) -> list[Send]:
-        """Drop the buffers of finished sends: those the backend reports done (NCCL does) and those the
-        last receive proved taken (`settled`, from the schedule). A sent stage output's values are not
-        needed by its backward (which starts from the graph edge and the received gradient), so its
-        storage is released too: only the graph's saved tensors stay until the backward."""
-        still = []
-        for send in sends:
-            if send.key not in settled and not send.pending.completed():
-                still.append(send)
-                continue
-            send.pending.wait()
-            if send.output is not None:
-                send.output.data = torch.empty(0, dtype=send.output.dtype, device=send.output.device)
-                self.released_outputs += 1
-        return still
+        return step.ce_sum
 
     def idle_fraction(self) -> float:
         """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""
         busy = sum(end - start for _, start, end in self.timeline)
         return 1 - busy / self.step_seconds
+
+
+def split_pipeline(model: Transformer, pp: CommGroup, cfg: Config) -> list[list[int]] | None:
+    """The pipeline step of `parallelize`: cut the layers into pp·vpp chunks and keep this rank's (before
+    the other steps, so that they shard only what is kept). Returns the split; None without pp."""
+    p = cfg.parallel
+    if pp.size == 1:
+        return None
+    layer_split = split_layers(
+        cfg.model.n_layers, pp.size * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
+    )
+    keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp), layer_split)
+    return layer_split
+
+
+def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
+    """What the split and the schedule need of the layers and of the micro-batches per step."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    chunks = p.pp * p.vpp
+    problems = split_problems(m.n_layers, chunks, p.pp_layers, p.pp_embedding_layers, p.pp_head_layers)
+    dp = p.dp_replicate * resolve_dp_shard(p, world_size)
+    microbatches = micro_batches_per_step(t.global_batch, t.micro_batch, dp)
+    problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
+    if p.pp > 1 and p.pp_schedule == "interleaved" and p.vpp < 2:
+        problems.append("parallel.pp_schedule='interleaved' needs parallel.vpp >= 2")
+    if p.pp > 1 and microbatches < p.pp:
+        problems.append(
+            f"{microbatches} micro-batch(es) per step cannot fill pp={p.pp} stages; raise "
+            f"training.global_batch to at least {p.pp * t.micro_batch * dp}"
+        )
+    return problems

@@ -19,25 +19,83 @@ runtime, the simulator (`simulate`) and the pictures.
 
 from __future__ import annotations
 
+import enum
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
-COMPUTE = ("F", "B", "W")
+from meshtron.config import PipelineSchedule
+
+SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
+
+
+class Kind(str, enum.Enum):
+    """What an action does. A send or receive carries the activation of a forward (..._F) or the
+    gradient of a backward (..._B) between neighbouring chunks."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.F, Kind.B, Kind.W)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_F, Kind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Kind.RECV_F, Kind.RECV_B)
+
+    @property
+    def carries(self) -> Kind:
+        """For a send or receive, the compute whose result travels: F (activation) or B (gradient)."""
+        return Kind.F if self in (Kind.SEND_F, Kind.RECV_F) else Kind.B
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
 class Action:
-    """`kind` in F, B, W, SEND_F, RECV_F, SEND_B, RECV_B; `chunk` is the global chunk (stage) index;
-    for sends and receives, `peer` is the other rank."""
+    """`kind` (a Kind, or its name); `chunk` is the global chunk (stage) index; for sends and receives,
+    `peer` is the other rank."""
 
-    kind: str
+    kind: Kind
     chunk: int
     mb: int
     peer: int = -1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
+
     def __str__(self) -> str:
-        return f"{self.kind}{self.chunk}.{self.mb}" + (f"@{self.peer}" if self.peer >= 0 else "")
+        return f"{self.kind.value}{self.chunk}.{self.mb}" + (f"@{self.peer}" if self.peer >= 0 else "")
+
+    @property
+    def source_chunk(self) -> int:
+        """For a receive, the chunk whose send it takes: the one before (forward) or after (backward)."""
+        return self.chunk - 1 if self.kind == Kind.RECV_F else self.chunk + 1
+
+
+def schedule_problems(pp: int, vpp: int, microbatches: int, name: str) -> list[str]:
+    """What a schedule needs of the pipeline degree, the virtual stages and the micro-batches per step."""
+    problems = []
+    if name == "interleaved" and microbatches % pp:
+        problems.append(
+            f"interleaved 1F1B needs micro-batches per step ({microbatches}) to be a multiple of pp={pp}"
+        )
+    if name != "interleaved" and vpp != 1:
+        problems.append(
+            f"parallel.vpp={vpp} needs the interleaved schedule (parallel.pp_schedule='interleaved')"
+        )
+    return problems
 
 
 def check_schedule_args(pp: int, vpp: int, microbatches: int, name: str) -> None:
@@ -46,34 +104,32 @@ def check_schedule_args(pp: int, vpp: int, microbatches: int, name: str) -> None
         problems.append(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
     if pp < 1 or vpp < 1 or microbatches < 1:
         problems.append(f"pp={pp}, vpp={vpp} and microbatches={microbatches} must be positive")
-    if name == "interleaved" and microbatches % pp:
-        problems.append(f"interleaved 1F1B needs micro-batches ({microbatches}) to be a multiple of pp={pp}")
-    if name != "interleaved" and vpp != 1:
-        problems.append(f"vpp={vpp} needs the interleaved schedule")
+    elif name in SCHEDULES:
+        problems += schedule_problems(pp, vpp, microbatches, name)
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tuple[str, int, int]]:
+def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tuple[Kind, int, int]]:
     """The compute actions (kind, chunk, mb) of one rank, in order."""
     if name == "gpipe":
-        return [("F", rank, mb) for mb in range(m)] + [("B", rank, mb) for mb in range(m)]
+        return [(Kind.F, rank, mb) for mb in range(m)] + [(Kind.B, rank, mb) for mb in range(m)]
     if name == "1f1b":
         warmup = min(pp - rank - 1, m)
-        order = [("F", rank, mb) for mb in range(warmup)]
+        order = [(Kind.F, rank, mb) for mb in range(warmup)]
         for i in range(m - warmup):
-            order += [("F", rank, warmup + i), ("B", rank, i)]
-        return order + [("B", rank, mb) for mb in range(m - warmup, m)]
+            order += [(Kind.F, rank, warmup + i), (Kind.B, rank, i)]
+        return order + [(Kind.B, rank, mb) for mb in range(m - warmup, m)]
     if name == "interleaved":
         total = m * vpp
 
-        def forward(k: int) -> tuple[str, int, int]:
+        def forward(k: int) -> tuple[Kind, int, int]:
             group, within = divmod(k, pp * vpp)
-            return "F", ((k // pp) % vpp) * pp + rank, group * pp + within % pp
+            return Kind.F, ((k // pp) % vpp) * pp + rank, group * pp + within % pp
 
-        def backward(k: int) -> tuple[str, int, int]:
+        def backward(k: int) -> tuple[Kind, int, int]:
             group, within = divmod(k, pp * vpp)
-            return "B", (vpp - 1 - (k // pp) % vpp) * pp + rank, group * pp + within % pp
+            return Kind.B, (vpp - 1 - (k // pp) % vpp) * pp + rank, group * pp + within % pp
 
         warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
         order = [forward(k) for k in range(warmup)]
@@ -83,12 +139,12 @@ def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tupl
     raise ValueError(name)
 
 
-def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
+def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[Kind, int, int]]]:
     """ZB-H1 by list scheduling with unit F, B, W times: each rank, when free, runs a ready B first, else
     a deferred W if pp - 1 are already waiting, else a ready F if fewer than pp - r micro-batches are
     between forward and backward (1F1B's bound), else a deferred W. The bubble comes out at
     (pp - 1)·(F + B - W), the paper's ZB-H1 figure."""
-    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    orders: list[list[tuple[Kind, int, int]]] = [[] for _ in range(pp)]
     f_done = [[-1] * m for _ in range(pp)]  # finish times
     b_done = [[-1] * m for _ in range(pp)]
     next_f, next_b, pending_w = [0] * pp, [0] * pp, [[] for _ in range(pp)]
@@ -104,7 +160,7 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
             )
             f_ready = mb_f < m and in_flight[r] < pp - r and (r == 0 or 0 <= f_done[r - 1][mb_f] <= t)
             if b_ready:
-                orders[r].append(("B", r, mb_b))
+                orders[r].append((Kind.B, r, mb_b))
                 b_done[r][mb_b] = t + 1
                 next_b[r] += 1
                 in_flight[r] -= 1
@@ -112,14 +168,14 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
             elif len(pending_w[r]) > pp - 1:
                 # At most pp - 1 W wait for a gap (as many as a pipeline's ramp leaves); the rest run at
                 # once, so the inputs and output gradients kept for W never exceed pp micro-batches'.
-                orders[r].append(("W", r, pending_w[r].pop(0)))
+                orders[r].append((Kind.W, r, pending_w[r].pop(0)))
             elif f_ready:
-                orders[r].append(("F", r, mb_f))
+                orders[r].append((Kind.F, r, mb_f))
                 f_done[r][mb_f] = t + 1
                 next_f[r] += 1
                 in_flight[r] += 1
             elif pending_w[r]:
-                orders[r].append(("W", r, pending_w[r].pop(0)))
+                orders[r].append((Kind.W, r, pending_w[r].pop(0)))
             else:
                 continue
             free_at[r] = t + 1
@@ -127,22 +183,23 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
     return orders
 
 
-def with_p2p(order: list[tuple[str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
+def with_p2p(order: list[tuple[Kind | str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
     """A rank's actions from its compute order [(kind, chunk, mb)]: receives right before the compute
     that needs them, sends right after the compute that makes them (also for orders recorded elsewhere,
     e.g. another runtime's, to simulate them)."""
     last = pp * vpp - 1
     actions: list[Action] = []
-    for kind, chunk, mb in order:
-        if kind == "F" and chunk > 0:
-            actions.append(Action("RECV_F", chunk, mb, (chunk - 1) % pp))
-        if kind == "B" and chunk < last:
-            actions.append(Action("RECV_B", chunk, mb, (chunk + 1) % pp))
+    for name, chunk, mb in order:
+        kind = Kind(name)
+        if kind == Kind.F and chunk > 0:
+            actions.append(Action(Kind.RECV_F, chunk, mb, (chunk - 1) % pp))
+        if kind == Kind.B and chunk < last:
+            actions.append(Action(Kind.RECV_B, chunk, mb, (chunk + 1) % pp))
         actions.append(Action(kind, chunk, mb))
-        if kind == "F" and chunk < last:
-            actions.append(Action("SEND_F", chunk, mb, (chunk + 1) % pp))
-        if kind == "B" and chunk > 0:
-            actions.append(Action("SEND_B", chunk, mb, (chunk - 1) % pp))
+        if kind == Kind.F and chunk < last:
+            actions.append(Action(Kind.SEND_F, chunk, mb, (chunk + 1) % pp))
+        if kind == Kind.B and chunk > 0:
+            actions.append(Action(Kind.SEND_B, chunk, mb, (chunk - 1) % pp))
     return actions
 
 
@@ -161,22 +218,21 @@ def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, li
     [(chunk, mb) of the sends it settles]}. A message from the peer that the peer sent after receiving
     the activation proves the send finished; a backend need not say so by itself (gloo does not).
     Sends no such receive settles are left out (they finish with the step)."""
-    received_at = {
-        (a.kind, a.chunk, a.mb): i for i, a in enumerate(schedule[rank]) if a.kind.startswith("RECV")
-    }
+    received_at = {(a.kind, a.chunk, a.mb): i for i, a in enumerate(schedule[rank]) if a.kind.is_recv}
     points: dict[int, list[tuple[int, int]]] = {}
     for a in schedule[rank]:
-        if a.kind != "SEND_F":
+        if a.kind != Kind.SEND_F:
             continue
         peer = schedule[a.peer]
-        taken = peer.index(Action("RECV_F", a.chunk + 1, a.mb, rank))
+        taken = peer.index(Action(Kind.RECV_F, a.chunk + 1, a.mb, rank))
         for later in peer[taken + 1 :]:
-            if later.kind.startswith("SEND") and later.peer == rank:
+            if later.kind.is_send and later.peer == rank:
                 # The receive on `rank` that matches the peer's later send.
-                chunk = later.chunk + 1 if later.kind == "SEND_F" else later.chunk - 1
-                points.setdefault(received_at["RECV" + later.kind[4:], chunk, later.mb], []).append(
-                    (a.chunk, a.mb)
-                )
+                if later.kind == Kind.SEND_F:
+                    matching = (Kind.RECV_F, later.chunk + 1, later.mb)
+                else:
+                    matching = (Kind.RECV_B, later.chunk - 1, later.mb)
+                points.setdefault(received_at[matching], []).append((a.chunk, a.mb))
                 break
     return points
 
@@ -193,13 +249,41 @@ class Simulation:
     peak_in_flight: list[int]
 
 
+def _check_matching(schedule: list[list[Action]]) -> None:
+    """Every send has the receive that takes it on its peer, and every receive has its send."""
+    sends = {
+        (a.kind.carries, a.chunk, a.mb, r, a.peer)
+        for r, acts in enumerate(schedule)
+        for a in acts
+        if a.kind.is_send
+    }
+    recvs = {
+        (a.kind.carries, a.source_chunk, a.mb, a.peer, r)
+        for r, acts in enumerate(schedule)
+        for a in acts
+        if a.kind.is_recv
+    }
+    if sends != recvs:
+        raise ValueError(
+            f"unmatched sends/receives: sends without receive {sorted(sends - recvs)[:3]}, "
+            f"receives without send {sorted(recvs - sends)[:3]}"
+        )
+
+
+def _check_order(rank: int, a: Action, done: Mapping[tuple[Kind, int, int], float]) -> None:
+    if a.kind in (Kind.B, Kind.W) and (Kind.F, a.chunk, a.mb) not in done:
+        raise ValueError(f"rank {rank}: {a} runs before the forward of chunk {a.chunk} mb {a.mb}")
+    if a.kind == Kind.W and (Kind.B, a.chunk, a.mb) not in done:
+        raise ValueError(f"rank {rank}: {a} runs before its input-gradient backward")
+
+
 def simulate(
     schedule: list[list[Action]],
     cost_f: float = 1.0,
     cost_b: float = 2.0,
     cost_w: float = 0.0,
     vpp: int = 1,
-    chunk_costs: Mapping[tuple[str, int], float] | None = None,
+    chunk_costs: Mapping[tuple[Kind, int], float] | None = None,
 ) -> Simulation:
     """Execute the lists (compute takes its cost, a chunk's cost is 1/vpp of a stage's; sends take no time;
     a receive waits for its send). Checks every backward follows its forward, every send has a matching
@@ -208,29 +292,12 @@ def simulate(
     For schedules without W actions, cost_b is the whole backward; with them, B costs cost_b - cost_w.
     `chunk_costs[(kind, chunk)]`, when given, is every action's own cost instead (e.g. measured ones)."""
     pp = len(schedule)
-    split = any(a.kind == "W" for actions in schedule for a in actions)
-    costs = {"F": cost_f / vpp, "B": (cost_b - (cost_w if split else 0.0)) / vpp, "W": cost_w / vpp}
-    sends = {
-        (a.kind[5:], a.chunk, a.mb, r, a.peer)
-        for r, acts in enumerate(schedule)
-        for a in acts
-        if a.kind.startswith("SEND")
-    }
-    recvs = {
-        (a.kind[5:], a.chunk + (-1 if a.kind == "RECV_F" else 1), a.mb, a.peer, r)
-        for r, acts in enumerate(schedule)
-        for a in acts
-        if a.kind.startswith("RECV")
-    }
-    if sends != recvs:
-        raise ValueError(
-            f"unmatched sends/receives: sends without receive {sorted(sends - recvs)[:3]}, "
-            f"receives without send {sorted(recvs - sends)[:3]}"
-        )
-    position = [0] * pp
-    clock = [0.0] * pp
-    sent: dict[tuple[str, int, int], float] = {}
-    done: dict[tuple[str, int, int], float] = {}
+    _check_matching(schedule)
+    split = any(a.kind == Kind.W for actions in schedule for a in actions)
+    costs = {Kind.F: cost_f / vpp, Kind.B: (cost_b - (cost_w if split else 0.0)) / vpp, Kind.W: cost_w / vpp}
+    position, clock = [0] * pp, [0.0] * pp
+    sent: dict[tuple[Kind, int, int], float] = {}
+    done: dict[tuple[Kind, int, int], float] = {}
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     alive, peak = [0] * pp, [0] * pp
     remaining = sum(len(a) for a in schedule)
@@ -239,27 +306,19 @@ def simulate(
         for r in range(pp):
             while position[r] < len(schedule[r]):
                 a = schedule[r][position[r]]
-                if a.kind.startswith("RECV"):
-                    source_chunk = a.chunk - 1 if a.kind == "RECV_F" else a.chunk + 1
-                    key = (a.kind[5:], source_chunk, a.mb)
-                    if key not in sent:
+                if a.kind.is_recv:
+                    if (a.kind.carries, a.source_chunk, a.mb) not in sent:
                         break
-                    clock[r] = max(clock[r], sent[key])
-                elif a.kind.startswith("SEND"):
-                    sent[(a.kind[5:], a.chunk, a.mb)] = clock[r]
+                    clock[r] = max(clock[r], sent[a.kind.carries, a.source_chunk, a.mb])
+                elif a.kind.is_send:
+                    sent[(a.kind.carries, a.chunk, a.mb)] = clock[r]
                 else:
-                    if a.kind in ("B", "W") and ("F", a.chunk, a.mb) not in done:
-                        raise ValueError(
-                            f"rank {r}: {a} runs before the forward of chunk {a.chunk} mb {a.mb}"
-                        )
-                    if a.kind == "W" and ("B", a.chunk, a.mb) not in done:
-                        raise ValueError(f"rank {r}: {a} runs before its input-gradient backward")
+                    _check_order(r, a, done)
                     cost = chunk_costs[a.kind, a.chunk] if chunk_costs is not None else costs[a.kind]
-                    start, end = clock[r], clock[r] + cost
-                    timeline[r].append((a, start, end))
-                    clock[r] = end
-                    done[(a.kind, a.chunk, a.mb)] = end
-                    alive[r] += 1 if a.kind == "F" else (-1 if a.kind == "B" else 0)
+                    timeline[r].append((a, clock[r], clock[r] + cost))
+                    clock[r] += cost
+                    done[(a.kind, a.chunk, a.mb)] = clock[r]
+                    alive[r] += {Kind.F: 1, Kind.B: -1, Kind.W: 0}[a.kind]
                     peak[r] = max(peak[r], alive[r])
                 position[r] += 1
                 remaining -= 1

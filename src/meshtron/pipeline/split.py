@@ -11,6 +11,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def split_problems(
+    n_layers: int,
+    chunks: int,
+    explicit: Sequence[int] = (),
+    embedding_weight: float = 0.0,
+    head_weight: float = 0.0,
+) -> list[str]:
+    """Why the layers cannot be split into `chunks` (pp·vpp) chunks this way, with the fix."""
+    problems = []
+    if explicit:
+        if len(explicit) != chunks or any(n < 1 for n in explicit) or sum(explicit) != n_layers:
+            problems.append(
+                f"parallel.pp_layers={list(explicit)} must give pp*vpp={chunks} positive layer counts "
+                f"adding up to model.n_layers={n_layers}"
+            )
+        if embedding_weight or head_weight:
+            problems.append(
+                "parallel.pp_layers gives the split explicitly; parallel.pp_embedding_layers and "
+                "parallel.pp_head_layers only weigh a balanced split: set one or the other"
+            )
+    elif n_layers < chunks:
+        problems.append(
+            f"model.n_layers={n_layers} cannot fill pp*vpp={chunks} pipeline chunks; use pp*vpp <= {n_layers}"
+        )
+    return problems
+
+
 def split_layers(
     n_layers: int,
     chunks: int,
@@ -21,23 +48,10 @@ def split_layers(
     """Layer indices of every chunk, in order; every chunk gets at least one layer."""
     if chunks < 1:
         raise ValueError(f"the number of pipeline chunks must be positive, got {chunks}")
-    if explicit is not None:
-        if len(explicit) != chunks:
-            raise ValueError(
-                f"an explicit split needs one layer count per chunk: {chunks} chunks, "
-                f"{len(explicit)} counts given"
-            )
-        if any(c < 1 for c in explicit) or sum(explicit) != n_layers:
-            raise ValueError(
-                f"explicit layer counts {list(explicit)} must be positive and add up to n_layers={n_layers}"
-            )
-        counts = list(explicit)
-    else:
-        if n_layers < chunks:
-            raise ValueError(
-                f"{n_layers} layers cannot fill {chunks} pipeline chunks (pp·vpp); use pp·vpp <= {n_layers}"
-            )
-        counts = _balanced(n_layers, chunks, embedding_weight, head_weight)
+    problems = split_problems(n_layers, chunks, explicit or (), embedding_weight, head_weight)
+    if problems:
+        raise ValueError("; ".join(problems))
+    counts = list(explicit) if explicit else _balanced(n_layers, chunks, embedding_weight, head_weight)
     out, start = [], 0
     for count in counts:
         out.append(list(range(start, start + count)))

@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.parallel.data import DataParallelEngine, OwnedRows
+from meshtron.config import Config
+from meshtron.mesh import resolve_dp_shard
+from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import ShardedShape
 from meshtron.parallel.tensor import TensorParallelPlan
 
@@ -51,6 +53,17 @@ class CheckpointError(ValueError):
 class CheckpointInfo:
     step: int
     path: Path
+
+
+def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
+    p, c = cfg.parallel, cfg.checkpoint
+    torch_fsdp = resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+    if p.tp > 1 and torch_fsdp and (c.every or c.resume):
+        return [
+            "checkpoints of PyTorch's fully_shard over tensor-parallel shards are not implemented; use "
+            "parallel.fsdp_impl='meshtron', or checkpoint.every=0 and checkpoint.resume=false"
+        ]
+    return []
 
 
 def complete_checkpoints(root: Path) -> list[CheckpointInfo]:

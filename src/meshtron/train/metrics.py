@@ -1,4 +1,5 @@
-"""Per-step metrics: model FLOPs and MFU, peak memory, the console line, metrics.jsonl, TensorBoard, plot."""
+"""Per-step metrics: model FLOPs and MFU, memory (peak, and bytes held in model state), the console line,
+metrics.jsonl, TensorBoard, plot."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshtron.config import ModelConfig
+from meshtron.parallel.engine import DataParallelEngine
 
 # Dense bf16 peak FLOP/s of accelerators by name fragment (REFERENCE.md).
 GPU_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
@@ -64,6 +67,36 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; DTensors by
+    their local tensor)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes held in parameters (the model's and the optimizer's), gradients and optimizer state,
+    counted from tensor storage, once per storage (views of one buffer count once)."""
+    params = list(engine.model.parameters()) + engine.optimizer_params()
+    grads = [p.grad for p in params if p.grad is not None] + engine.grad_buffers()
+    states = [
+        t
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.numel() > 1
+    ]
+    return {
+        "params": storage_bytes(params),
+        "grads": storage_bytes(grads),
+        "optimizer": storage_bytes(states),
+    }
 
 
 def _human(n: float) -> str:

@@ -1,30 +1,29 @@
-"""Shared parity machinery: run a layout for 10 steps on every rank of a worker pool and compare it with
-the single-device run (fp32): loss relative difference <= 1e-5 at every step, step-1 gradients gathered
-back to logical shape with per-parameter relative L2 error <= 1e-5."""
+"""Parity with the single-device run, the definition of correct for every parallel layout.
+
+`run_layout` runs a layout for 10 steps on every rank of a worker pool (workers.py) and returns each
+rank's losses and its step-1 gradients gathered back to logical shape; `reference` is the same on one
+device (computed once per model and data config and reused); `assert_parity` compares them in fp32:
+
+  loss        relative difference <= 1e-5 at every step
+  gradients   per-parameter relative L2 error <= 1e-5
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch.distributed as dist
 
 from meshtron.config import load_config
 from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.parallel.optim import model_state_bytes
+from meshtron.testing.tiny import TINY
+from meshtron.testing.workers import WorkerPool
+from meshtron.train.metrics import model_state_bytes
 from meshtron.train.trainer import Trainer
 
-TINY = [
-    "--model.name=tiny",
-    "--data.tokenizer=byte",
-    "--training.seq_len=32",
-    "--training.global_batch=8",
-    "--training.lr=3e-3",
-    "--training.warmup_steps=2",
-    "--training.steps=10",
-    "--run.plot=false",
-]
 STEPS = 10
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
-
 
 _MESHES: dict[ParallelDims, ParallelMesh] = {}
 
@@ -39,7 +38,7 @@ def trainer_for(overrides: list[str]) -> Trainer:
     return Trainer(cfg, _MESHES.get(dims))
 
 
-def run_layout(overrides: list[str]) -> dict:
+def run_layout(overrides: list[str]) -> dict[str, Any]:
     """On every rank: the step-1 gradients (whole, logical shapes) and 10 steps of metrics."""
     probe = trainer_for(overrides)
     probe.compute_gradients()
@@ -56,15 +55,15 @@ def run_layout(overrides: list[str]) -> dict:
     }
 
 
-def train_rows(overrides: list[str]) -> list[dict]:
+def train_rows(overrides: list[str]) -> list[dict[str, Any]]:
     return trainer_for(overrides).run()
 
 
-_REFERENCE: dict[tuple[str, ...], dict] = {}
+_REFERENCE: dict[tuple[str, ...], dict[str, Any]] = {}
 
 
-def reference(workers, extra: list[str], micro_batch: int = 8) -> dict:
-    """The single-device run for a model/data config, computed once per session, in a one-rank worker
+def reference(pool: WorkerPool, extra: list[str], micro_batch: int = 8) -> dict[str, Any]:
+    """The single-device run for a model/data config, computed once per process, in a one-rank worker
     (one thread, like the parallel ranks).
 
     Dense models give the same result for any micro-batch size, so the reference takes the whole batch
@@ -73,13 +72,12 @@ def reference(workers, extra: list[str], micro_batch: int = 8) -> dict:
     data-parallel ranks' slices are consecutive runs of the global batch, as micro-batches are)."""
     key = (*extra, str(micro_batch))
     if key not in _REFERENCE:
-        _REFERENCE[key] = workers(1).run(
-            run_layout, [*TINY, *extra, f"--training.micro_batch={micro_batch}"]
-        )[0]
+        overrides = [*TINY, *extra, f"--training.micro_batch={micro_batch}"]
+        _REFERENCE[key] = pool.run(run_layout, overrides)[0]
     return _REFERENCE[key]
 
 
-def assert_parity(result: dict, ref: dict) -> None:
+def assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:
     for step, (got, want) in enumerate(zip(result["rows"], ref["rows"], strict=True)):
         rel = abs(got["loss"] - want["loss"]) / abs(want["loss"])
         assert rel <= LOSS_RTOL, f"step {step + 1}: loss {got['loss']} vs {want['loss']} (rel {rel:.2e})"

@@ -1,4 +1,4 @@
-"""ZeRO-1 and ZeRO-2: optimizer state (and for stage 2, gradients) sharded over dp_shard; exact clipping.
+"""ZeRO-1 and ZeRO-2: optimizer state (and for stage 2, gradients) sharded over dp_shard.
 
 Parameters stay whole on every rank. Each rank owns a dim-0 row block of every parameter (see
 shard.py): its optimizer updates only those rows, through a parameter that is a view of them, so the
@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.parallel.data import BucketedEngine, DataParallelEngine, OwnedRows, make_buckets
+from meshtron.parallel.ddp import BucketedEngine, make_buckets
+from meshtron.parallel.engine import OwnedRows
 from meshtron.parallel.shard import FlatLayout
-from meshtron.parallel.tensor import TensorParallelPlan
 
 
 class _ShardedBucket:
@@ -48,18 +47,6 @@ class _ShardedBucket:
                 owned.grad = view
         self.pending: Pending | None = None
         self.received: torch.Tensor | None = None
-
-
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; DTensors by
-    their local tensor)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class ZeroShardedOptimizer(BucketedEngine):
@@ -173,60 +160,3 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return [b.grad_segment for b in self.buckets if b.grad_segment is not None]
-
-
-def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes held in parameters (the model's and the optimizer's), gradients and optimizer state,
-    counted from tensor storage, once per storage (views of one buffer count once)."""
-    params = list(engine.model.parameters()) + engine.optimizer_params()
-    grads = [p.grad for p in params if p.grad is not None] + engine.grad_buffers()
-    states = [
-        t
-        for state in optimizer.state.values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.numel() > 1
-    ]
-    return {
-        "params": storage_bytes(params),
-        "grads": storage_bytes(grads),
-        "optimizer": storage_bytes(states),
-    }
-
-
-def clip_grad_norm_(
-    engine: DataParallelEngine,
-    max_norm: float,
-    comm: Comm,
-    tp_plan: TensorParallelPlan | None = None,
-    pp: CommGroup | None = None,
-    counted_elsewhere: frozenset[str] = frozenset(),
-) -> torch.Tensor:
-    """Global gradient norm with every element counted once however it is sharded or split; scales the
-    gradients in place when it exceeds max_norm (max_norm <= 0: no clipping). Returns the norm.
-    `counted_elsewhere`: parameters this rank holds a copy of that another pipeline stage counts."""
-    whole = frozenset()
-    if tp_plan is not None:
-        whole = frozenset(e.name for e in engine.owned_rows() if e.name not in tp_plan.split_dims)
-    parts = engine.grad_norm_sq_parts(whole, counted_elsewhere)
-    if engine.norm_group is not None:
-        comm.all_reduce_(parts, engine.norm_group)
-    if tp_plan is not None:
-        comm.all_reduce_(parts[:1], tp_plan.tp)
-    if pp is not None:  # pipeline stages hold disjoint parameters
-        comm.all_reduce_(parts, pp)
-    norm = parts.sum().sqrt()
-    if max_norm > 0:
-        engine.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
-
-
-def build_optimizer(
-    params: list[nn.Parameter], lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms, biases or other 1-D gains). A shard keeps its
-    parameter's number of dims, so the grouping is the same whatever the layout."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

@@ -9,119 +9,18 @@ the gradient hook while backward carries on with earlier layers. The optimizer w
 
 The loss of every rank is already divided by the *global* token count, so the gradient is the sum over
 ranks (no averaging step at all). `reduce_dtype` may narrow the all-reduce (e.g. to bf16, half the
-bytes) while gradients accumulate in fp32.
-
-All data-parallel engines (this one, ZeRO-1/2 in optim.py, FSDP in fsdp.py) share the interface of
-`DataParallelEngine`, which is all the trainer calls.
+bytes) while gradients accumulate in fp32. ZeRO-1/2 (zero.py) reuse the buckets and their hooks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
-
-
-@dataclass(frozen=True)
-class OwnedRows:
-    """Rows [start, start + rows) of logical parameter `name` (of `shape`), held by this rank in the
-    first `rows` rows of the optimizer's tensor `param` (any rows after them are padding)."""
-
-    name: str
-    param: nn.Parameter
-    start: int
-    rows: int
-    shape: tuple[int, ...]
-
-
-class DataParallelEngine:
-    """What the training loop needs from a data-parallel strategy."""
-
-    model: nn.Module
-    # The group whose ranks own disjoint rows of the parameters, and its DeviceMesh (None: every rank
-    # holds whole parameters).
-    shard: CommGroup | None = None
-    shard_mesh: Any = None
-    # The group over which partial gradient-norm sums are added up (None: nothing to add up).
-    norm_group: CommGroup | None = None
-
-    def owned_rows(self) -> list[OwnedRows]:
-        """What this rank holds of every logical parameter, for checkpoints that any layout can read."""
-        raise NotImplementedError
-
-    def load_owned_rows(self) -> None:
-        """Called after a checkpoint has been loaded into `owned_rows()` (e.g. to refresh full copies)."""
-
-    def full_gradients(self, comm: Comm) -> dict[str, torch.Tensor]:
-        """Every logical parameter's gradient at its logical shape (gathered from the owning ranks), as
-        the single-device run would have it: what parity checks compare."""
-        out = {}
-        for entry in self.owned_rows():
-            grad = entry.param.grad
-            if grad is None:
-                grad = torch.zeros_like(entry.param)
-            if hasattr(grad, "full_tensor"):  # a DTensor (PyTorch's FSDP)
-                out[entry.name] = grad.full_tensor().detach().clone()
-                continue
-            if self.shard is None or self.shard.size == 1:
-                out[entry.name] = grad.detach().clone()
-                continue
-            per_rank = -(-entry.shape[0] // self.shard.size)
-            padded = grad.new_zeros((per_rank, *entry.shape[1:]))
-            padded[: entry.rows] = grad[: entry.rows]
-            out[entry.name] = comm.all_gather_tensor(padded, self.shard)[: entry.shape[0]].clone()
-        return out
-
-    def optimizer_params(self) -> list[nn.Parameter]:
-        """The tensors the optimizer updates (whole parameters or this rank's shards)."""
-        raise NotImplementedError
-
-    def prepare_micro_batch(self, is_last: bool) -> None:
-        """Called before each micro-batch's forward; gradients are synchronised on the last one."""
-        raise NotImplementedError
-
-    def finish_gradients(self) -> None:
-        """Wait for every reduction; afterwards the optimizer params' `.grad` hold the global gradient."""
-        raise NotImplementedError
-
-    def grad_norm_sq_parts(
-        self, whole_on_every_tp_rank: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()
-    ) -> torch.Tensor:
-        """[split, whole]: sums of squares of the gradient elements this rank owns (each owned by one rank
-        of `norm_group`), for parameters split over tensor parallel ranks and for those every tp rank
-        holds whole (and so must be counted once, not tp times). Parameters in `skip` are left out."""
-        parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for entry in self.owned_rows():
-            grad = entry.param.grad
-            if grad is None or entry.name in skip:
-                continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad[: entry.rows]
-            parts[entry.name in whole_on_every_tp_rank].append(local)
-        return torch.stack(
-            [
-                torch.stack(torch._foreach_norm(g)).float().pow(2).sum() if g else torch.zeros(())
-                for g in parts
-            ]
-        )
-
-    def scale_grads_(self, coef: torch.Tensor) -> None:
-        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-
-    def grad_buffers(self) -> list[torch.Tensor]:
-        """Gradient storage the engine keeps besides the parameters' `.grad` (for memory accounting)."""
-        return []
-
-    def after_step(self) -> None:
-        """Called after the optimizer step (e.g. to all-gather updated shards)."""
-
-    def zero_grad(self) -> None:
-        raise NotImplementedError
+from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

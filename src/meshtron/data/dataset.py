@@ -1,0 +1,299 @@
+"""Prepared datasets: one flat token memmap on disk, written atomically, and the cached default corpus.
+
+A prepared dataset is a directory holding one flat ``tokens.bin`` (documents joined, each followed by the
+end-of-document token), a ``meta.json`` describing it and, for learned tokenizers, a ``tokenizer.json``.
+``meta.json`` is written last and atomically, so its presence marks a complete dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshtron.data import DataError
+from meshtron.data.corpus import collect_files, iter_documents, stdlib_files
+from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
+
+logger = logging.getLogger(__name__)
+
+TOKENS_FILE = "tokens.bin"
+META_FILE = "meta.json"
+# Bounds memory while writing: tokens are flushed to disk once this many are buffered.
+_FLUSH_TOKENS = 1 << 20
+# BPE merges converge long before a big corpus is exhausted; capping training keeps prepare-data fast.
+DEFAULT_BPE_TRAIN_BYTES = 256 << 20
+
+PREPARE_HINT = "run `meshtron prepare-data` (or meshtron.data.dataset.prepare_data) to (re)build it"
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding every token id: halves disk and page cache for vocabularies <= 64K."""
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+@dataclass
+class PreparedData:
+    """A prepared dataset directory with its tokens memory-mapped read-only."""
+
+    path: Path
+    tokens: np.ndarray
+    vocab_size: int
+    eos_id: int
+    tokenizer_spec: str
+    n_documents: int
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return None if self.tokenizer_spec == "byte" else self.path / self.tokenizer_spec
+
+    def load_tokenizer(self) -> Tokenizer:
+        if self.tokenizer_spec == "byte":
+            return ByteTokenizer()
+        tok = HFTokenizer(self.path / self.tokenizer_spec)
+        if tok.eos_id != self.eos_id or tok.vocab_size != self.vocab_size:
+            raise DataError(
+                f"{tok.path} does not match {self.path / META_FILE} (eos/vocab differ); {PREPARE_HINT}"
+            )
+        return tok
+
+    @classmethod
+    def open(cls, path: str | Path) -> PreparedData:
+        path = Path(path)
+        meta_path, tokens_path = path / META_FILE, path / TOKENS_FILE
+        if not path.is_dir():
+            raise DataError(f"no prepared dataset at {path}: {PREPARE_HINT}")
+        if not meta_path.is_file():
+            state = "is incomplete (interrupted prepare?)" if tokens_path.exists() else "has no meta.json"
+            raise DataError(f"dataset {path} {state}: {PREPARE_HINT}")
+        try:
+            meta = json.loads(meta_path.read_text())
+            n_tokens = int(meta["n_tokens"])
+            dtype_name = str(meta["dtype"])
+            vocab_size = int(meta["vocab_size"])
+            eos_id = int(meta["eos_id"])
+            tok_spec = str(meta["tokenizer"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{meta_path} is malformed ({type(e).__name__}: {e}): {PREPARE_HINT}") from e
+        if dtype_name not in ("uint16", "uint32"):
+            raise DataError(
+                f"{meta_path} has dtype {dtype_name!r}, expected uint16 or uint32: {PREPARE_HINT}"
+            )
+        dtype = np.dtype(dtype_name)
+        if dtype.itemsize < dtype_for_vocab(vocab_size).itemsize:
+            raise DataError(
+                f"{meta_path}: dtype {dtype_name} cannot hold vocab_size {vocab_size}: {PREPARE_HINT}"
+            )
+        if not 0 <= eos_id < vocab_size:
+            raise DataError(f"{meta_path}: eos_id {eos_id} outside vocab_size {vocab_size}: {PREPARE_HINT}")
+        if n_tokens <= 0:
+            raise DataError(f"{meta_path} records {n_tokens} tokens: {PREPARE_HINT}")
+        if not tokens_path.is_file():
+            raise DataError(f"{tokens_path} is missing: {PREPARE_HINT}")
+        size, expected = tokens_path.stat().st_size, n_tokens * dtype.itemsize
+        if size != expected:
+            raise DataError(
+                f"{tokens_path} has {size} bytes but meta.json says {n_tokens} {dtype_name} tokens "
+                f"({expected} bytes); the dataset is corrupt or from another run: {PREPARE_HINT}"
+            )
+        if tok_spec != "byte" and not (path / tok_spec).is_file():
+            raise DataError(f"{path / tok_spec} (the dataset's tokenizer) is missing: {PREPARE_HINT}")
+        tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
+        return cls(
+            path=path,
+            tokens=tokens,
+            vocab_size=vocab_size,
+            eos_id=eos_id,
+            tokenizer_spec=tok_spec,
+            n_documents=int(meta.get("n_documents", 0)),
+            sources=list(meta.get("sources", [])),
+        )
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def _dataset_tokenizer(
+    spec: str,
+    files: list[Path],
+    out_dir: Path,
+    vocab_size: int,
+    eos_token: str | None,
+    bpe_train_bytes: int | None,
+) -> tuple[Tokenizer, str]:
+    """The tokenizer a dataset in `out_dir` is written with, and how meta.json names it: bytes, a BPE
+    trained on `files` (saved into out_dir), or a given tokenizer.json (copied into out_dir)."""
+    tok_path = out_dir / TOKENIZER_FILE
+    if spec == "byte":
+        tok_path.unlink(missing_ok=True)
+        return ByteTokenizer(), "byte"
+    if spec == "bpe":
+        return train_bpe(files, vocab_size, tok_path, max_bytes=bpe_train_bytes), TOKENIZER_FILE
+    if not Path(spec).exists():
+        raise DataError(f"unknown tokenizer {spec!r}: use 'byte', 'bpe' or a path to a tokenizer.json")
+    src = HFTokenizer(spec, eos_token=eos_token)
+    if src.path.resolve() != tok_path.resolve():
+        tmp_tok = out_dir / f".{TOKENIZER_FILE}.tmp-{os.getpid()}"
+        shutil.copyfile(src.path, tmp_tok)
+        os.replace(tmp_tok, tok_path)
+    return HFTokenizer(tok_path, eos_token=src.eos_token), TOKENIZER_FILE
+
+
+def _write_tokens(files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_path: Path) -> dict[str, Any]:
+    """Tokenize every document of `files` into `tokens_path` (each followed by eos), atomically; returns
+    the counts meta.json records."""
+    tmp_tokens = tokens_path.with_name(f".{TOKENS_FILE}.tmp-{os.getpid()}")
+    n_tokens = n_docs = 0
+    sources: list[str] = []
+    try:
+        with open(tmp_tokens, "wb") as f:
+            buf: list[np.ndarray] = []
+            buffered = 0
+            for path, text in iter_documents(files):
+                ids = np.asarray(tok.encode(text), dtype=dtype)
+                buf.append(ids)
+                buf.append(np.asarray([tok.eos_id], dtype=dtype))
+                buffered += ids.size + 1
+                n_docs += 1
+                # Absolute, so meta.json still says where the data came from when read from elsewhere.
+                src_name = str(path.resolve())
+                if not sources or sources[-1] != src_name:
+                    sources.append(src_name)
+                if buffered >= _FLUSH_TOKENS:
+                    f.write(np.concatenate(buf).tobytes())
+                    n_tokens += buffered
+                    buf, buffered = [], 0
+            if buf:
+                f.write(np.concatenate(buf).tobytes())
+                n_tokens += buffered
+        if n_tokens:
+            _fsync_replace(tmp_tokens, tokens_path)
+    finally:
+        tmp_tokens.unlink(missing_ok=True)
+    return {"n_tokens": n_tokens, "sources": sources, "n_documents": n_docs}
+
+
+def prepare_data(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    tokenizer: str = "byte",
+    vocab_size: int = 8192,
+    *,
+    eos_token: str | None = None,
+    bpe_train_bytes: int | None = DEFAULT_BPE_TRAIN_BYTES,
+) -> PreparedData:
+    """Tokenize text/.jsonl files and directories into ``out_dir``; returns the opened dataset.
+
+    ``tokenizer`` is ``"byte"``, ``"bpe"`` (train a byte-level BPE of ``vocab_size`` on the corpus) or a
+    path to a tokenizer.json (copied into ``out_dir``). ``vocab_size`` only matters for ``"bpe"``.
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = collect_files(inputs, exclude=[out_dir])
+    if not files:
+        raise DataError(f"no input files found in {[str(i) for i in inputs]}")
+    meta_path = out_dir / META_FILE
+    # Drop the completion marker first: a crash from here on must leave a dataset that refuses to open,
+    # not an old meta.json describing new tokens.
+    meta_path.unlink(missing_ok=True)
+    tok, tok_spec = _dataset_tokenizer(tokenizer, files, out_dir, vocab_size, eos_token, bpe_train_bytes)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    counts = _write_tokens(files, tok, dtype, out_dir / TOKENS_FILE)
+    if counts["n_tokens"] == 0:
+        raise DataError(f"inputs {[str(i) for i in inputs]} contain no text")
+    meta = {
+        "n_tokens": counts["n_tokens"],
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "tokenizer": tok_spec,
+        "sources": counts["sources"],
+        "n_documents": counts["n_documents"],
+    }
+    tmp_meta = out_dir / f".{META_FILE}.tmp-{os.getpid()}"
+    tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+    _fsync_replace(tmp_meta, meta_path)
+    logger.info(
+        "prepared %d tokens from %d documents (%s, vocab %d) into %s in %.1fs",
+        meta["n_tokens"],
+        meta["n_documents"],
+        tok_spec,
+        tok.vocab_size,
+        out_dir,
+        time.perf_counter() - t0,
+    )
+    return PreparedData.open(out_dir)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("MESHTRON_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "meshtron"
+
+
+def default_dataset(
+    cache_dir: str | Path | None = None, tokenizer: str = "bpe", vocab_size: int = 4096
+) -> PreparedData:
+    """The stdlib corpus, prepared on first use and cached; safe to call from several processes at once."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    py = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    if tokenizer == "byte":
+        tag = "byte"
+    elif tokenizer == "bpe":
+        tag = f"bpe{vocab_size}"
+    else:
+        # A given tokenizer.json is identified by content so editing it invalidates the cache.
+        tok_file = HFTokenizer(tokenizer).path
+        tag = "tok" + hashlib.sha256(tok_file.read_bytes()).hexdigest()[:12]
+    final = cache / f"stdlib-{py}-{tag}"
+    try:
+        return PreparedData.open(final)
+    except DataError:
+        if final.exists():
+            logger.warning("cached dataset %s is unusable; rebuilding it", final)
+
+    cache.mkdir(parents=True, exist_ok=True)
+    # Building in a private directory and renaming it into place is atomic: readers see either nothing or
+    # a complete dataset, and concurrent builders cannot interleave writes.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
+    try:
+        prepare_data(stdlib_files(), tmp, tokenizer=tokenizer, vocab_size=vocab_size)
+        # mkdtemp makes the directory owner-only; a shared cache should be readable like any other.
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Either another process won the race (fine, use theirs) or a broken copy sits there.
+            try:
+                return PreparedData.open(final)
+            except DataError:
+                trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.broken-", dir=cache))
+                os.rename(final, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedData.open(final)

@@ -1,0 +1,72 @@
+"""The data-parallel step of `parallelize`: which engine replicates or shards this rank's model.
+
+  dp_shard = 1                    DDP over dp_replicate (a group of size 1 costs nothing)     ddp.py
+  dp_shard > 1, zero = 1 or 2     ZeRO-1/2 over dp_shard, all-reduce across dp_replicate     zero.py
+  dp_shard > 1, zero = 3          meshtron's FSDP (HSDP with dp_replicate > 1)               fsdp.py
+                                  or PyTorch's fully_shard with fsdp_impl = "torch"
+
+Under pipeline parallel the same engines run per stage: FSDP's root unit (embedding, final norm, head)
+is the stage's chunk that holds them, and a middle stage has none.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from meshtron.comm import Comm
+from meshtron.config import Config
+from meshtron.mesh import ParallelMesh, resolve_dp_shard
+from meshtron.models.llama import Transformer
+from meshtron.parallel.ddp import DistributedDataParallel
+from meshtron.parallel.engine import DataParallelEngine
+from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.parallel.zero import ZeroShardedOptimizer
+
+DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
+
+
+def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
+    p = cfg.parallel
+    torch_fsdp = resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+    if torch_fsdp and p.pp > 1:
+        return [
+            "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
+            "with parallel.pp > 1"
+        ]
+    return []
+
+
+def apply_data_parallel(
+    model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config, root: nn.Module | None = None
+) -> DataParallelEngine:
+    """The engine for this layout over `model` (already cut by the earlier steps). `root`: the module whose
+    forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk)."""
+    p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
+    shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
+    reduce_dtype = DTYPES[p.reduce_dtype]
+    bucket_bytes = int(p.bucket_mb * 2**20)
+    if shard.size == 1:
+        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype)
+    if p.zero in (1, 2):
+        return ZeroShardedOptimizer(
+            model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh("dp_shard")
+        )
+    blocks = list(model.layers.values())
+    if p.fsdp_impl == "torch":
+        device_mesh = mesh.world["dp_replicate", "dp_shard"] if replicate.size > 1 else mesh.mesh("dp_shard")
+        return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)
+    return FullyShardedDataParallel(
+        model,
+        blocks,
+        comm,
+        shard,
+        replicate,
+        dtype,
+        reduce_dtype,
+        p.reshard_after_forward,
+        mesh.mesh("dp_shard"),
+        root=root,
+    )

@@ -1,0 +1,69 @@
+"""The composition: each parallelism applied to a built model as one visible step, in a fixed order.
+
+  1  pipeline split      keep this rank's chunks of layers, so the steps below cut only what is kept
+                         (pipeline/runtime.py)
+  2  tensor (+ seq.)     column / row / vocab-parallel weights over tp (tensor.py)
+  3  context             the sequence split over cp inside attention (context.py; refuses cp > 1 yet)
+  4  expert              experts placed on ep ranks (expert.py; refuses ep > 1 yet)
+  5  recompute           what each block keeps for backward (recompute.py)
+  6  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
+                         pp it runs per stage, over the chunks the pipeline runtime groups
+
+A step whose dim has size 1 changes nothing, so the same code runs one device and every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from meshtron.comm import Comm
+from meshtron.config import Config
+from meshtron.mesh import ParallelMesh
+from meshtron.models.llama import Transformer, cross_entropy_per_token
+from meshtron.parallel.context import apply_context_parallel
+from meshtron.parallel.data_parallel import apply_data_parallel
+from meshtron.parallel.engine import DataParallelEngine
+from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.recompute import apply_recompute
+from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline
+
+
+@dataclass
+class ParallelModel:
+    """What `parallelize` made of a model on this rank."""
+
+    model: Transformer  # this rank's part of it (cut in place)
+    engine: DataParallelEngine  # what the training loop drives: optimizer parameters, gradient sync
+    tp_plan: TensorParallelPlan | None  # how tensor parallel cut each parameter (None without tp)
+    pipeline: PipelineRuntime | None  # this rank's pipeline stage (None without pp)
+    # Per-token cross-entropy [N] of this rank's logits (vocab-parallel under tp).
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config) -> ParallelModel:
+    """Apply every parallelism of `cfg` to `model` (built whole, on this rank) in the order above."""
+    p = cfg.parallel
+    layer_split = split_pipeline(model, mesh.group("pp"), cfg)
+    tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp) if mesh.size("tp") > 1 else None
+    apply_context_parallel(model, comm, mesh.group("cp"), cfg)
+    apply_expert_parallel(model, comm, mesh.group("ep"), cfg)
+    apply_recompute(model, cfg.training.recompute)
+    pipeline = None
+    if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
+        seq_shards = mesh.size("tp") if p.sp else 1
+        pipeline = PipelineRuntime(
+            model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards
+        )
+    root = pipeline.boundary_chunk() if pipeline is not None else None
+    engine = apply_data_parallel(model, comm, mesh, cfg, root)
+    token_loss = (
+        cross_entropy_per_token
+        if tp_plan is None
+        else partial(vocab_parallel_cross_entropy, plan=tp_plan, comm=comm)
+    )
+    return ParallelModel(model, engine, tp_plan, pipeline, token_loss)

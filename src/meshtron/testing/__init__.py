@@ -1,0 +1,2 @@
+"""Test machinery that ships with the package: a pool of long-lived gloo worker processes
+(`workers.py`) and the parity harness that runs a layout against the single-device run (`parity.py`)."""

@@ -1,0 +1,43 @@
+"""The tiny models every test and check shares: their config overrides, and weights that look trained."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# A 158K-parameter Llama (dim 64, 2 layers, 4 heads / 2 kv, byte vocabulary) on the default corpus, 10
+# steps of 8 x 32 tokens: small enough that a parity case costs a second or two on one CPU core.
+TINY = [
+    "--model.name=tiny",
+    "--data.tokenizer=byte",
+    "--training.seq_len=32",
+    "--training.global_batch=8",
+    "--training.lr=3e-3",
+    "--training.warmup_steps=2",
+    "--training.steps=10",
+    "--run.plot=false",
+]
+# Its mixture-of-experts sibling with every routing option switched on: 4 experts, top 2, a gated
+# shared expert and the router z-loss.
+MOE = ["--model.name=tiny-moe", "--model.shared_expert_gate=true", "--model.z_loss_coef=0.001"]
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """Weights on the scale of a trained model: unit-ish norms, non-zero biases, O(1) activations.
+
+    Default inits (norms at one, biases at zero, std 0.02 matrices) would let a swapped norm or a
+    dropped bias pass unnoticed, and keep router logits so small that routing would hardly matter.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if name.endswith("bias"):
+            param.copy_(0.3 * noise)
+        elif param.ndim == 1:  # RMSNorm weights
+            param.copy_(1.0 + 0.3 * noise)
+        elif "embed" in name:
+            param.copy_(noise)
+        else:  # every weight here is [..., out, in]: scale by fan-in
+            param.copy_(noise / math.sqrt(param.shape[-1]))
