@@ -9,6 +9,7 @@ import pytest
 
 from meshtron.config import load_config, not_yet_supported
 from meshtron.testing.parity import train_rows
+from meshtron.testing.tiny import MOE
 from meshtron.testing.tiny import TINY as TINY_10_STEPS
 from meshtron.train.optim import lr_at
 from meshtron.train.trainer import train
@@ -52,7 +53,7 @@ def test_loss_falls_on_default_corpus(tmp_path):
     row = json.loads(lines[-1])
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "peak_mem_bytes", "comm_bytes"):
         assert key in row
-    assert row["step"] == 40 and row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1.5
+    assert row["step"] == 40 and row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1
     assert row["peak_mem_bytes"] > 10_000_000 and row["comm_bytes"] == 0
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
@@ -68,20 +69,15 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 
 def test_moe_and_bf16_train(tmp_path):
-    rows = run_train(
-        [
-            *TINY,
-            "--model.name=tiny-moe",
-            "--training.steps=3",
-            "--training.dtype=bf16",
-            f"--run.dir={tmp_path}",
-        ]
-    )
-    assert len(rows) == 3 and all(r["loss"] == r["loss"] and r["loss"] < 7 for r in rows)
-
-
-def worker_train(overrides: list[str]) -> list[dict]:
-    return train_rows(overrides)
+    """An MoE model learns (the loss falls by 10% in 8 steps), and bf16 autocast tracks fp32 within 0.5%
+    at every step."""
+    common = [*TINY, *MOE, "--training.steps=8"]
+    fp32 = run_train([*common, f"--run.dir={tmp_path / 'fp32'}"])
+    bf16 = run_train([*common, "--training.dtype=bf16", f"--run.dir={tmp_path / 'bf16'}"])
+    for rows in (fp32, bf16):
+        assert rows[-1]["loss"] < 0.9 * rows[0]["loss"], [r["loss"] for r in rows]
+    for a, b in zip(bf16, fp32, strict=True):
+        assert relative_diff(a["loss"], b["loss"]) < 5e-3, (a["loss"], b["loss"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -89,7 +85,7 @@ def test_replicated_data_parallel_matches_single_device(workers, tmp_path, world
     steps = ["--training.steps=5", "--training.micro_batch=1"]
     single = run_train([*TINY, *steps, f"--run.dir={tmp_path / 'single'}"])
     results = workers(world).run(
-        worker_train, [*TINY, *steps, f"--parallel.dp_replicate={world}", f"--run.dir={tmp_path / 'dp'}"]
+        train_rows, [*TINY, *steps, f"--parallel.dp_replicate={world}", f"--run.dir={tmp_path / 'dp'}"]
     )
     parallel = results[0]
     assert all(r == [] for r in results[1:])  # only rank 0 logs
@@ -99,7 +95,7 @@ def test_replicated_data_parallel_matches_single_device(workers, tmp_path, world
     n_params = 158016
     # Broadcast of the weights at start (4 bytes each), then one all-reduce of all gradients per step.
     ring = (world - 1) / world
-    assert parallel[1]["comm_bytes"] == pytest.approx(2 * 4 * n_params * ring + 2 * 4 * ring, rel=1e-6)
+    assert parallel[1]["comm_bytes"] == 2 * 4 * n_params * ring + 2 * 4 * ring
 
 
 def test_unimplemented_layouts_are_refused():
