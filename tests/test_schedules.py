@@ -1,5 +1,6 @@
-"""Pipeline schedules are pure data: their simulated bubbles match REFERENCE.md's formulas, they never
-deadlock, every backward follows its forward, every send has its receive, and memory stays bounded."""
+"""Pipeline schedules are pure data: their simulated bubbles match the published formulas
+(docs/theory.md#pipeline-bubbles), they never deadlock, every backward follows its forward, every send
+has its receive, and memory stays bounded."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_1f1b_keeps_at_most_pp_micro_batches_in_flight(pp, m):
 )
 def test_interleaved_bubble_shrinks_by_vpp(pp, vpp, m):
     sim = simulate(build_schedule(pp, vpp, m, "interleaved"), cost_f=1.0, cost_b=2.0, vpp=vpp)
-    # REFERENCE.md: (p-1)/(v·m) relative to ideal compute, i.e. this fraction of ranks x time.
+    # Narayanan et al. 2021: (p-1)/(v·m) relative to ideal compute, i.e. this fraction of ranks x time.
     assert sim.bubble_fraction == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-12)
     # First rank's activations (in stage units: a chunk holds 1/vpp of a stage) grow by 1 + (p-1)/(p·v).
     if m >= pp * vpp:

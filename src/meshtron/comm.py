@@ -4,7 +4,7 @@ This is the only module that calls torch.distributed collectives. Every call goe
 object, which counts bytes and calls per group and per step, and waits on each collective with a
 deadline so a hang turns into an error that names the rank, the collective and the group.
 
-Bytes are counted as the per-rank volume of a ring algorithm (REFERENCE.md): all-reduce of S bytes
+Bytes are counted as the per-rank volume of a ring algorithm (docs/theory.md#communication-volume): all-reduce of S bytes
 over n ranks 2*S*(n-1)/n; all-gather and reduce-scatter S*(n-1)/n with S the full (unsharded) size;
 all-to-all S*(n-1)/n; broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing.
 This is the volume of the collective asked for: gloo has no reduce-scatter of its own and runs one as

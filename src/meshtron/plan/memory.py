@@ -2,7 +2,7 @@
 
 Korthikanti et al. (2022) count, for a GPT layer in 16-bit with dropout and an unfused attention, the
 tensors backward needs: s·b·h·(34 + 5·a·s/h) bytes, 34/t with tensor + sequence parallel, 2·s·b·h
-with full recompute (REFERENCE.md). The same accounting applied to meshtron's block (RMSNorm, rotary
+with full recompute (docs/theory.md#activation-memory). The same accounting applied to meshtron's block (RMSNorm, rotary
 embedding, a fused attention kernel, SwiGLU, no dropout) gives, per layer, in elements (times the
 activation dtype's bytes), with t the tensor-parallel degree, q = n_heads·head_dim, k the key/value
 width held per rank, f the FFN width:
@@ -22,7 +22,8 @@ width held per rank, f the FFN width:
 
 The 5·a·s² score term is absent: the fused kernel never materialises the scores. Unlike Megatron, the
 all-gathered input of the column-parallel projections is kept whole under sequence parallel rather than
-gathered again in backward, so tp + sp saves 2·s·b·h per layer more than Korthikanti's 34/t.
+gathered again in backward, so tp + sp keeps 2·s·b·h·(1 − 1/t) elements per layer more than a fully
+sequence-sharded count would.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def layer_activation_elements(
 def korthikanti_bytes(
     cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none"
 ) -> float:
-    """The paper's 16-bit GPT-layer figure for the same sizes (REFERENCE.md), for comparison."""
+    """The paper's 16-bit GPT-layer figure for the same sizes (docs/theory.md#activation-memory), for comparison."""
     sbh, a, s, h, t = seq * batch * cfg.dim, cfg.n_heads, seq, cfg.dim, tp
     if recompute == "full":
         return 2 * sbh

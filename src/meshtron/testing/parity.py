@@ -59,7 +59,7 @@ def train_rows(overrides: list[str]) -> list[dict[str, Any]]:
     return trainer_for(overrides).run()
 
 
-_REFERENCE: dict[tuple[str, ...], dict[str, Any]] = {}
+_SINGLE_DEVICE: dict[tuple[str, ...], dict[str, Any]] = {}
 
 
 def reference(pool: WorkerPool, extra: list[str], micro_batch: int = 8) -> dict[str, Any]:
@@ -71,10 +71,10 @@ def reference(pool: WorkerPool, extra: list[str], micro_batch: int = 8) -> dict[
     under data parallelism are compared with a reference that groups the sequences the same way (the
     data-parallel ranks' slices are consecutive runs of the global batch, as micro-batches are)."""
     key = (*extra, str(micro_batch))
-    if key not in _REFERENCE:
+    if key not in _SINGLE_DEVICE:
         overrides = [*TINY, *extra, f"--training.micro_batch={micro_batch}"]
-        _REFERENCE[key] = pool.run(run_layout, overrides)[0]
-    return _REFERENCE[key]
+        _SINGLE_DEVICE[key] = pool.run(run_layout, overrides)[0]
+    return _SINGLE_DEVICE[key]
 
 
 def assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:

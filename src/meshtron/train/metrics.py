@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.parallel.engine import DataParallelEngine
 
-# Dense bf16 peak FLOP/s of accelerators by name fragment (REFERENCE.md).
+# Dense bf16 peak FLOP/s of accelerators by name fragment (published figures; docs/theory.md#flops-and-mfu).
 GPU_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 
 
