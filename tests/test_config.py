@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 
 from meshtron.config import Config, ConfigError, check, load_config, model_preset, parse_override, validate
@@ -265,3 +268,22 @@ def test_preset_files_load_and_validate():
             * cfg.parallel.cp
         )
         assert validate(cfg, world) == [], f
+
+
+def literal_options() -> list[tuple[str, tuple]]:
+    """(section.key, its options) of every enumerated config option with string options."""
+    out = []
+    for section in dataclasses.fields(Config):
+        for key, hint in typing.get_type_hints(section.default_factory).items():
+            options = typing.get_args(hint)
+            if typing.get_origin(hint) is typing.Literal and isinstance(options[0], str):
+                out.append((f"{section.name}.{key}", options))
+    return out
+
+
+@pytest.mark.parametrize("where, options", literal_options())
+def test_every_enumerated_option_suggests_the_near_miss(where, options):
+    option = options[-1]
+    typo = option[:-1] + ("x" if option[-1] != "x" else "y")
+    problems = validate(load_config(None, [f"--{where}={typo}"]), 1)
+    assert problems == [f"{where}={typo!r} is not one of {', '.join(options)}; did you mean {option!r}?"]

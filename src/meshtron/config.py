@@ -36,6 +36,12 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
 
 
+def refuse(problems: Sequence[str]) -> None:
+    """Raise ConfigError listing `problems`, if there are any."""
+    if problems:
+        raise ConfigError(problems)
+
+
 # The enumerated options; modules that act on them read their names from here (typing.get_args).
 DType = Literal["fp32", "bf16"]
 RopeScaling = Literal["none", "llama3"]
@@ -473,7 +479,5 @@ def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
 def check(cfg: Config, world_size: int = 1) -> Config:
     """Raise ConfigError listing every problem, or, in a valid config, every part this version cannot run
     yet; otherwise return cfg."""
-    problems = validate(cfg, world_size) or not_yet_supported(cfg, world_size)
-    if problems:
-        raise ConfigError(problems)
+    refuse(validate(cfg, world_size) or not_yet_supported(cfg, world_size))
     return cfg

@@ -13,7 +13,7 @@ layout that names cp fails before any process starts. Until the implementation l
 from __future__ import annotations
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, ConfigError
+from meshtron.config import Config, refuse
 from meshtron.models.llama import Transformer
 
 
@@ -41,6 +41,4 @@ def context_parallel_unsupported(cfg: Config) -> list[str]:
 
 def apply_context_parallel(model: Transformer, comm: Comm, cp: CommGroup, cfg: Config) -> None:
     """The context-parallel step of `parallelize`: nothing to do with cp = 1; cp > 1 is refused."""
-    problems = context_parallel_unsupported(cfg)
-    if problems:
-        raise ConfigError(problems)
+    refuse(context_parallel_unsupported(cfg))

@@ -9,7 +9,7 @@ about the model are checked up front with the others; until the token dispatch l
 from __future__ import annotations
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, ConfigError, divisors
+from meshtron.config import Config, divisors, refuse
 from meshtron.models.llama import Transformer
 
 
@@ -36,6 +36,4 @@ def expert_parallel_unsupported(cfg: Config) -> list[str]:
 
 def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, cfg: Config) -> None:
     """The expert-parallel step of `parallelize`: nothing to do with ep = 1; ep > 1 is refused."""
-    problems = expert_parallel_unsupported(cfg)
-    if problems:
-        raise ConfigError(problems)
+    refuse(expert_parallel_unsupported(cfg))
