@@ -1,7 +1,8 @@
 """Pipeline runtime: executes this rank's action list from schedules.py on real tensors.
 
 The model is built whole (so every parameter starts from its layout-independent value) and pruned to
-the chunks this rank holds (`keep_rank_chunks`) before tensor parallel shards what is left. Each chunk
+the chunks this rank holds (`split_pipeline`, the first step of `parallelize`) before tensor parallel
+shards what is left; `pipeline_problems` states what the split and the schedule need of the config. Each chunk
 is a `PipelineChunk` module over the model's own blocks, so data-parallel hooks (FSDP gathers) fire
 around it. A forward keeps what its backward needs (the graph from the received input to the chunk's
 output); sends are non-blocking, and once one has finished the sent output's own storage is released
