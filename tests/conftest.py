@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from meshtron.testing.workers import WorkerPool
+from meshtron.testing.workers import WorkerPool, close_pools
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -23,5 +23,4 @@ def workers():
         return pool
 
     yield get
-    for pool in pools.values():
-        pool.close()
+    close_pools(list(pools.values()))

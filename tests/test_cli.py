@@ -121,6 +121,30 @@ def test_train_on_one_process(tmp_path):
     assert (tmp_path / "loss.png").exists()
 
 
+NPROC_COMMON = [
+    "--config",
+    "configs/demo.toml",
+    "--training.steps=3",
+    "--model.n_layers=2",
+    "--training.seq_len=32",
+    "--training.global_batch=4",
+    "--training.micro_batch=1",
+]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory) -> list[dict]:
+    """The single-process run every --nproc layout is compared with, run once."""
+    run_dir = tmp_path_factory.mktemp("one")
+    one = meshtron("train", *NPROC_COMMON, "--run.plot=false", f"--run.dir={run_dir}")
+    assert one.returncode == 0, one.stderr
+    return read_metrics(run_dir)
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -130,25 +154,14 @@ def test_train_on_one_process(tmp_path):
     ],
     ids=["ddp", "zero3", "pp"],
 )
-def test_train_nproc_agrees_with_one_process(tmp_path, layout):
-    common = [
-        "--config",
-        "configs/demo.toml",
-        "--training.steps=3",
-        "--model.n_layers=2",
-        "--training.seq_len=32",
-        "--training.global_batch=4",
-        "--training.micro_batch=1",
-    ]
-    one = meshtron("train", *common, "--run.plot=false", f"--run.dir={tmp_path / 'one'}")
-    many = meshtron("train", *common, *layout, f"--run.dir={tmp_path / 'many'}", "--nproc=2")
-    assert one.returncode == 0, one.stderr
+def test_train_nproc_agrees_with_one_process(tmp_path, layout, one_process_run):
+    many = meshtron("train", *NPROC_COMMON, *layout, f"--run.dir={tmp_path / 'many'}", "--nproc=2")
     assert many.returncode == 0, many.stderr
-    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    for a, b in zip(read("many"), read("one"), strict=True):
+    rows = read_metrics(tmp_path / "many")
+    for a, b in zip(rows, one_process_run, strict=True):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5
         assert a["comm_bytes"] > 0 and b["comm_bytes"] == 0
     if "--parallel.pp=2" in layout:  # the measured timeline of the last step, next to its simulation
         assert (tmp_path / "many" / "pipeline-timeline.png").exists()
         assert "% measured" in many.stdout
-        assert all(0 < row["pp_bubble"] < 1 for row in read("many"))
+        assert all(0 < row["pp_bubble"] < 1 for row in rows)
