@@ -19,10 +19,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import harness
+import reporting
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Clock, Counter, Pair, Runner, mib, ms, table
+from harness import Clock, Counter, Pair, Runner
+from reporting import mib, ms, table
 from torch import nn
 
 from meshtron.comm import Comm
@@ -33,7 +35,7 @@ from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
-from meshtron.train.metrics import model_state_bytes
+from meshtron.train.metrics import model_state_bytes, state_bytes
 from meshtron.train.optim import build_optimizer, clip_grad_norm_
 
 TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)"
@@ -94,7 +96,7 @@ class DataParallel(Runner):
         self.optimizer.zero_grad(set_to_none=True)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"state": harness.state_bytes(self.model.parameters(), self.optimizer)}
+        return {"state": state_bytes(self.model.parameters(), self.optimizer)}
 
 
 class Ours(DataParallel):
@@ -242,7 +244,7 @@ def pairs_of(names: Sequence[str]) -> list[Pair]:
 # -- what the parent makes of the ranks' results --
 
 
-def tables(results: list[harness.RankResult], report: harness.Report) -> list[list[str]]:
+def tables(results: list[harness.RankResult], report: reporting.Report) -> list[list[str]]:
     pairs, samples, runs = report.pairs, report.samples, report.samples.values()
     comm = {s.name: mib(s.comm()[1]) + (" (theory)" if s.name == "torch DDP" else "") for s in runs}
     phases = ("forward", "backward", "sync", "clip", "optimizer", "after_step", "zero_grad")
@@ -251,7 +253,7 @@ def tables(results: list[harness.RankResult], report: harness.Report) -> list[li
     faults = {s.name: f"{statistics.median(s.faults):,.0f}" for s in runs}
     groups = {"forward": ["forward"], "backward + sync": ["backward", "sync"]} | {p: [p] for p in phases[3:]}
     return [
-        harness.comparison_table(pairs, samples),
+        reporting.comparison_table(pairs, samples),
         table(
             "implementation | median step ms | p10 ms | p90 ms | state MiB per rank (params / grads / optim) "
             "| peak step allocations MiB | comm MiB per step per rank",
@@ -265,7 +267,7 @@ def tables(results: list[harness.RankResult], report: harness.Report) -> list[li
             "Median ms per phase (mean over ranks; torch DDP and FSDP2 wait for their reductions inside "
             "`backward`, ours in `sync`; ZeRO-1/2 all-gather the updated parameters in `after_step`):",
         ),
-        harness.delta_table(pairs, samples, groups),
+        reporting.delta_table(pairs, samples, groups),
         table(
             " | ".join(floor),
             [[ms(t) for t in floor.values()]],
@@ -277,13 +279,13 @@ def tables(results: list[harness.RankResult], report: harness.Report) -> list[li
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = harness.parser(__doc__)
+    parser = reporting.parser(__doc__)
     parser.add_argument(
         "--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size, both sides"
     )
     parser.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help="a subset (quote names)")
     args = parser.parse_args(argv)
-    report, names = harness.Report(__file__, TITLE), args.only or list(NAMES)
+    report, names = reporting.Report(__file__, TITLE), args.only or list(NAMES)
     results = harness.run_world(
         WORLD, bench_rank, names, args.seed, args.warmup, args.steps, args.bucket_mb, args.profile
     )
@@ -293,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report.facts = [
         f"{WORLD} ranks x `torch.set_num_threads(1)` on {os.cpu_count()} cores: oversubscribed, so every "
         "collective also waits for the OS to schedule its peers, and absolute times are noisy",
-        f"model: {harness.model_text(MODEL)}, seq {SEQ}, {BATCH_PER_RANK} sequences per rank "
+        f"model: {reporting.model_text(MODEL)}, seq {SEQ}, {BATCH_PER_RANK} sequences per rank "
         f"({WORLD * BATCH_PER_RANK} global); {results[0].extra['n_params'] / 1e6:.2f}M parameters, fp32; "
         f"bucket {args.bucket_mb:g} MiB (DDP and ZeRO-1/2, both sides)",
         f"{args.steps} timed steps per implementation after the check step and {args.warmup} warmup, plus "

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
+import reporting
 import torch
 import torch.nn.functional as F
-from harness import Clock, Pair, Runner, ms, table
+from harness import Clock, Pair, Runner
+from reporting import ms, table
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -121,7 +123,7 @@ def same_function(runners: list[Model], inputs: torch.Tensor) -> tuple[float, li
 
 
 def run_preset(
-    preset: str, s: dict[str, int], seed: int, profile: bool, report: harness.Report
+    preset: str, s: dict[str, int], seed: int, profile: bool, report: reporting.Report
 ) -> list[list[str]]:
     """Checks and times one preset: its rows of the steps table; its samples, checks and facts go into
     `report`."""
@@ -135,7 +137,7 @@ def run_preset(
     samples = report.add([result])
     n_params = sum(p.numel() for p in runners[0].model.parameters())
     report.facts.append(
-        f"{preset}: {harness.model_text(model_config(s))}, batch {s['batch']} x seq {s['seq']}; {n_params / 1e6:.1f}M "
+        f"{preset}: {reporting.model_text(model_config(s))}, batch {s['batch']} x seq {s['seq']}; {n_params / 1e6:.1f}M "
         f"parameters; {s['steps']} timed steps after the check step and {s['warmup']} warmup; max |logits diff| "
         f"{diff:.1e}; first SDPA call meshtron `{calls[0]}`, transformers `{calls[1]}`"
     )
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import transformers
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = harness.parser(__doc__, steps=None, warmup=None)
+    parser = reporting.parser(__doc__, steps=None, warmup=None)
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), help="one preset (default: all; 'small' with shape flags)"
     )
@@ -167,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
     custom = set(overrides) - {"steps", "warmup"}
     presets = [args.preset or "small"] if custom else [args.preset] if args.preset else list(PRESETS)
-    report, rows = harness.Report(__file__, TITLE), []
+    report, rows = reporting.Report(__file__, TITLE), []
     for preset in presets:
         shape = PRESETS[preset] | overrides
         rows += run_preset(f"{preset}-custom" if custom else preset, shape, args.seed, args.profile, report)
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         0, f"transformers {transformers.__version__}; `torch.set_num_threads({args.threads})`"
     )
     report.blocks = [
-        harness.comparison_table(report.pairs, report.samples),
+        reporting.comparison_table(report.pairs, report.samples),
         table(
             "preset | model | median step ms | p10 ms | p90 ms | tokens/s | forward / backward / optimizer ms (share)",
             rows,

@@ -20,9 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
+import reporting
 import torch
 import torch.distributed as dist
-from harness import Clock, Pair, Runner, ms, table
+from harness import Clock, Pair, Runner
+from reporting import ms, table
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -34,8 +36,9 @@ from torch.distributed.pipelining import (
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.models.llama import build_model, cross_entropy_per_token
-from meshtron.pipeline.runtime import Losses, PipelineChunk, PipelineRuntime, keep_rank_chunks
+from meshtron.models.llama import build_model
+from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
+from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
 from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
 from meshtron.pipeline.split import chunks_of_rank, split_layers
 
@@ -115,7 +118,7 @@ class MeshtronPipeline(Pipeline):
             zip(inputs.tensor_split(MICROBATCHES), targets.tensor_split(MICROBATCHES), strict=True)
         )
         return self.runtime.run(
-            micro_batches, Losses(cross_entropy_per_token, TOKENS, contextlib.nullcontext)
+            micro_batches, MicroBatchLoss(cross_entropy_per_token, TOKENS, contextlib.nullcontext)
         )
 
     def actions(self) -> list[ActionTime]:
@@ -223,7 +226,7 @@ def bench_rank(
 # -- what the parent makes of the ranks' results --
 
 
-def action_costs(s: harness.Samples) -> dict[tuple[str, int], float]:
+def action_costs(s: reporting.Samples) -> dict[tuple[str, int], float]:
     """Per (kind, chunk): the median over timed steps of the step's mean time of that action. Means within
     a step keep the step's compute whole; the median over steps drops the steps other jobs slowed."""
     means: dict[tuple[str, int], list[float]] = {}
@@ -237,12 +240,12 @@ def action_costs(s: harness.Samples) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in means.items()}
 
 
-def compute(s: harness.Samples) -> list[list[float]]:
+def compute(s: reporting.Samples) -> list[list[float]]:
     """Per rank, the compute seconds of each timed step."""
     return [[sum(a[3] for a in notes["actions"]) for notes in rank] for rank in s.notes]
 
 
-def bound(s: harness.Samples) -> Simulation:
+def bound(s: reporting.Samples) -> Simulation:
     """This implementation's own order on each rank, every action at its measured cost, communication
     free: what the order and the stages' compute alone force."""
     orders = [[a[:3] for a in rank[0]["actions"]] for rank in s.notes]  # the same every step
@@ -252,7 +255,7 @@ def bound(s: harness.Samples) -> Simulation:
     )
 
 
-def detail_row(s: harness.Samples) -> list[str]:
+def detail_row(s: reporting.Samples) -> list[str]:
     per_rank, sim = compute(s), bound(s)
     bubble = statistics.fmean(1 - sum(c[i] for c in per_rank) / (PP * t) for i, t in enumerate(s.steps))
     compute_ms = " / ".join(ms(statistics.median(c)) for c in per_rank)
@@ -260,7 +263,7 @@ def detail_row(s: harness.Samples) -> list[str]:
     return [s.name, *s.timing(), compute_ms, ms(sim.makespan), *bubbles]
 
 
-def action_row(s: harness.Samples) -> list[str]:
+def action_row(s: reporting.Samples) -> list[str]:
     costs, late_w = action_costs(s), []
     chunks = sorted({c for _, c in costs})
     per_kind = [" / ".join(ms(costs[k, c]) if (k, c) in costs else "-" for c in chunks) for k in "FBW"]
@@ -273,18 +276,18 @@ def action_row(s: harness.Samples) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = harness.parser(__doc__)
+    parser = reporting.parser(__doc__)
     parser.add_argument("--schedules", nargs="+", choices=tuple(SCHEDULE_VPP), default=list(SCHEDULE_VPP))
     args = parser.parse_args(argv)
     if "zero_bubble" in args.schedules and "1f1b" not in args.schedules:
         parser.error("zero_bubble is checked and compared against 1f1b: list 1f1b too")
-    report = harness.Report(__file__, TITLE)
+    report = reporting.Report(__file__, TITLE)
     results = harness.run_world(
         PP, bench_rank, args.seed, args.warmup, args.steps, args.schedules, args.profile
     )
     samples = report.add(results)
     report.blocks = [
-        harness.comparison_table(report.pairs, samples),
+        reporting.comparison_table(report.pairs, samples),
         table(
             "implementation | median step ms | p10 ms | p90 ms | compute ms per step, rank 0 / rank 1 "
             "| step bound from compute ms | bubble at the bound | measured bubble | theory (equal stages)",
@@ -300,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     report.facts = [
         f"{PP} ranks x `torch.set_num_threads(1)` (OMP_NUM_THREADS=1), one rank per core",
-        f"model: {harness.model_text(MODEL)}, seq {SEQ}, untied head; {MICROBATCHES} micro-batches of "
+        f"model: {reporting.model_text(MODEL)}, seq {SEQ}, untied head; {MICROBATCHES} micro-batches of "
         f"{MICRO_BATCH} sequences; fp32; layers split evenly over the pp x vpp chunks (`split_layers`)",
         f"{args.steps} timed steps per implementation after the check step and {args.warmup} warmup",
     ]

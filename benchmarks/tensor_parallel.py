@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
+import reporting
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Clock, Counter, Pair, Runner, mib, ms, table
+from harness import Clock, Counter, Pair, Runner
+from reporting import mib, ms, table
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -40,6 +42,7 @@ from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.train.metrics import state_bytes
 
 TITLE = "## Tensor parallel: meshtron vs PyTorch DTensor TP (gloo, CPU)"
 # kv_heads=4 is divisible by tp=4, so both sides split the key/value heads.
@@ -95,7 +98,7 @@ class TensorParallel(Runner):
         return float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
 
     def snapshot(self) -> dict[str, Any]:
-        return {"state": harness.state_bytes(self.model.parameters(), self.optimizer)}
+        return {"state": state_bytes(self.model.parameters(), self.optimizer)}
 
 
 class Meshtron(TensorParallel):
@@ -217,7 +220,7 @@ def bench_rank(
 # -- what the parent makes of every world's results --
 
 
-def tables(pairs: list[Pair], samples: dict[str, harness.Samples]) -> list[list[str]]:
+def tables(pairs: list[Pair], samples: dict[str, reporting.Samples]) -> list[list[str]]:
     runs = samples.values()
     rows = [
         [s.name, *s.timing(), s.state, mib(s.alloc_peak), f"{mib(s.comm()[1])} ({s.comm()[0]})"] for s in runs
@@ -228,7 +231,7 @@ def tables(pairs: list[Pair], samples: dict[str, harness.Samples]) -> list[list[
         phase_rows.append([s.name, *(ms(s.phase(p)) for p in PHASES), " / ".join(map(str, calls))])
         phase_rows[-1].append(" / ".join(map(mib, volume)))
     return [
-        harness.comparison_table(pairs, samples),
+        reporting.comparison_table(pairs, samples),
         table(
             "implementation | median step ms | p10 ms | p90 ms | state MiB per rank (params / grads / optim) "
             "| peak step allocations MiB | comm MiB per step per rank (collectives)",
@@ -242,13 +245,13 @@ def tables(pairs: list[Pair], samples: dict[str, harness.Samples]) -> list[list[
             phase_rows,
             "Median ms per phase (mean over ranks), and the collectives of each phase in the measured step:",
         ),
-        harness.delta_table(pairs, samples, {p: [p] for p in PHASES}),
+        reporting.delta_table(pairs, samples, {p: [p] for p in PHASES}),
     ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = harness.parser(__doc__)
+    parser = reporting.parser(__doc__)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="tp degrees (one world each)")
     parser.add_argument(
         "--sp", choices=("both", "off", "on"), default="both", help="sequence parallel variants"
@@ -259,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     sps = {"both": (False, True), "off": (False,), "on": (True,)}[args.sp]
-    report = harness.Report(__file__, TITLE)
+    report = reporting.Report(__file__, TITLE)
     for tp in args.tp:
         print(f"tp={tp}: {tp} gloo ranks; {args.warmup} warmup + {args.steps} timed steps")
         rank_args = (args.seed, args.warmup, args.steps, sps, args.torch, args.profile)
@@ -275,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report.facts = [
         f"every rank `torch.set_num_threads(1)`; {worlds} (an oversubscribed rank waits for the OS to schedule "
         "its peers at every collective, so absolute times are noisy)",
-        f"model: {harness.model_text(MODEL)}, seq {SEQ}, untied head, batch {BATCH} (replicated over tp); "
+        f"model: {reporting.model_text(MODEL)}, seq {SEQ}, untied head, batch {BATCH} (replicated over tp); "
         f"{n_params / 1e6:.2f}M parameters, fp32, dense",
         f"{args.steps} timed steps per implementation after the 2 check steps and {args.warmup} warmup, plus one "
         "measured step",

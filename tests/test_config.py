@@ -233,6 +233,35 @@ def test_all_problems_reported_at_once():
     assert "did you mean 'bf16'" in text and "use tp in" in text and "needs an MoE model" in text
 
 
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        # A batch that does not split still leaves the split's and the schedule's own rules to report.
+        (
+            [
+                "--parallel.pp=2",
+                "--parallel.pp_layers=[1, 1, 1]",
+                "--parallel.vpp=2",
+                "--training.global_batch=3",
+            ],
+            2,
+            ["must give pp*vpp=4 positive layer counts", "needs the interleaved schedule", "global_batch=3"],
+        ),
+        # A coefficient out of range does not hide the layout's problems (a size would: rules divide by it).
+        (
+            ["--model.aux_loss_coef=-1", "--parallel.tp=3"],
+            3,
+            ["aux_loss_coef=-1.0 must be >= 0", "n_heads=8 is not divisible by parallel.tp=3"],
+        ),
+    ],
+)
+def test_independent_problems_are_reported_together(overrides, world, expected):
+    problems = validate(load_config(None, overrides), world)
+    assert len(problems) == len(expected), problems
+    for text in expected:
+        assert any(text in p for p in problems), (text, problems)
+
+
 def test_dp_shard_absorbs_the_world():
     cfg = load_config(
         None, ["--parallel.tp=2", "--parallel.pp=2", "--training.global_batch=16", "--training.micro_batch=2"]

@@ -14,7 +14,15 @@ import torch
 
 from meshtron.config import load_config
 from meshtron.models.llama import build_model
-from meshtron.testing.parity import assert_parity, reference, run_layout, train_rows, trainer_for
+from meshtron.testing.parity import (
+    assert_losses_match,
+    assert_parity,
+    reference,
+    ring,
+    run_layout,
+    train_rows,
+    trainer_for,
+)
 from meshtron.testing.tiny import MOE, TINY
 
 LAYOUTS = {
@@ -66,15 +74,29 @@ def test_torch_fully_shard_matches_too(workers):
     assert_parity(results[0], reference(workers(1), []))
 
 
-def parameter_shapes() -> list[tuple[int, ...]]:
-    return [tuple(p.shape) for p in build_model(load_config(None, TINY).model).parameters()]
+# A vocabulary (510) that 4 ranks do not divide: the embedding's and the head's row blocks are padded,
+# and the last rank owns fewer rows than the others.
+UNEVEN = ["--model.vocab_size=510"]
+SHARDED = {  # name: (world, zero stage, model overrides)
+    "zero1_4": (4, 1, []),
+    "zero2_4": (4, 2, []),
+    "zero3_2": (2, 3, []),
+    "zero3_4": (4, 3, []),
+    "zero1_4_uneven": (4, 1, UNEVEN),
+    "zero2_4_uneven": (4, 2, UNEVEN),
+    "zero3_4_uneven": (4, 3, UNEVEN),
+}
 
 
-def row_block_elements(n: int, rank: int | None = None) -> int:
+def parameter_shapes(model: list[str]) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for p in build_model(load_config(None, [*TINY, *model]).model).parameters()]
+
+
+def row_block_elements(model: list[str], n: int, rank: int | None = None) -> int:
     """Elements of every parameter's dim-0 row block on one of n ranks: ceil(d0/n) rows each (padding
     included), or, given `rank`, only the rows that rank really owns (docs/theory.md#memory-per-zero-stage)."""
     total = 0
-    for d0, *rest in parameter_shapes():
+    for d0, *rest in parameter_shapes(model):
         rows = -(-d0 // n)
         if rank is not None:
             rows = max(0, min(rows, d0 - rank * rows))
@@ -82,22 +104,37 @@ def row_block_elements(n: int, rank: int | None = None) -> int:
     return total
 
 
-@pytest.mark.parametrize("layout", ["ddp4", "zero1_4", "zero2_4", "zero3_4", "zero3_2"])
-def test_memory_matches_zero_table(workers, layout):
+def sharded_run(workers, name: str) -> tuple[int, int, list[str], list[dict]]:
+    world, zero, model = SHARDED[name]
+    parallel = [
+        f"--parallel.dp_shard={world}",
+        f"--parallel.zero={zero}",
+        f"--training.micro_batch={8 // world}",
+    ]
+    return world, zero, model, workers(world).run(run_layout, [*TINY, *model, *parallel])
+
+
+def test_ddp_memory_is_whole_on_every_rank(workers):
+    results = workers(4).run(run_layout, [*TINY, *LAYOUTS["ddp4"][1], "--training.micro_batch=2"])
+    psi = sum(math.prod(s) for s in parameter_shapes([]))
+    for r in results:
+        assert r["state_bytes"] == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_memory_matches_zero_table(workers, name):
     """fp32 Adam: 4 bytes of parameters, 4 of gradients and 8 of moments per parameter, of which ZeRO-1
-    shards the moments, ZeRO-2 the gradients too and ZeRO-3 everything, as dim-0 row blocks."""
-    world, parallel = LAYOUTS[layout]
-    results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={8 // world}"])
-    psi, block = sum(math.prod(s) for s in parameter_shapes()), row_block_elements(world)
+    shards the moments, ZeRO-2 the gradients too and ZeRO-3 everything, as dim-0 row blocks: padded
+    where the collectives need equal blocks, the rank's own rows where AdamW steps them (ZeRO-1/2)."""
+    world, zero, model, results = sharded_run(workers, name)
+    psi, block = sum(math.prod(s) for s in parameter_shapes(model)), row_block_elements(model, world)
     for rank, r in enumerate(results):
-        owned = row_block_elements(world, rank)
+        owned = row_block_elements(model, world, rank)
         expected = {
-            "ddp4": (4 * psi, 4 * psi, 8 * psi),
-            "zero1_4": (4 * psi, 4 * psi, 8 * owned),
-            "zero2_4": (4 * psi, 4 * block, 8 * owned),
-            "zero3_4": (4 * block, 4 * block, 8 * block),
-            "zero3_2": (4 * block, 4 * block, 8 * block),
-        }[layout]
+            1: (4 * psi, 4 * psi, 8 * owned),
+            2: (4 * psi, 4 * block, 8 * owned),
+            3: (4 * block, 4 * block, 8 * block),
+        }[zero]
         held = r["state_bytes"]
         assert (held["params"], held["grads"], held["optimizer"]) == expected, (rank, held, expected)
 
@@ -107,26 +144,29 @@ def test_memory_matches_zero_table(workers, layout):
 LOSS_BYTES, NORM_BYTES = 4, 8
 
 
-def ring(n: int) -> float:
-    """Bytes a rank moves per byte of an all-gather or reduce-scatter over n ranks (an all-reduce: twice)."""
-    return (n - 1) / n
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_comm_bytes_match_theory(workers, world):
+    """Per step DDP all-reduces every gradient: twice the fp32 model's bytes, times (n-1)/n."""
+    results = workers(world).run(
+        run_layout, [*TINY, *LAYOUTS[f"ddp{world}"][1], f"--training.micro_batch={8 // world}"]
+    )
+    psi = sum(math.prod(s) for s in parameter_shapes([]))
+    for row in results[0]["rows"][1:]:  # step 1 also carries the initial broadcast of the weights
+        assert row["comm_bytes"] == (2 * 4 * psi + 2 * LOSS_BYTES) * ring(world)
 
 
 @pytest.mark.parametrize(
-    "layout, volume",
-    [("ddp2", 2), ("ddp4", 2), ("zero1_4", 2), ("zero2_4", 2), ("zero3_2", 3), ("zero3_4", 3)],
+    "name", ["zero1_4", "zero2_4", "zero3_2", "zero3_4", "zero1_4_uneven", "zero3_4_uneven"]
 )
-def test_comm_bytes_match_theory(workers, layout, volume):
-    """Per step: DDP all-reduces every gradient, ZeRO-1/2 reduce-scatter them and all-gather the updated
-    parameters, ZeRO-3 all-gathers in forward and again in backward and reduce-scatters: 2 or 3 times
-    the fp32 model's bytes, times (n-1)/n."""
-    world, parallel = LAYOUTS[layout]
-    results = workers(world).run(run_layout, [*TINY, *parallel, f"--training.micro_batch={8 // world}"])
-    flat = world * row_block_elements(world)  # the buffers the collectives move (padding included)
-    sharded = "zero" in layout
-    expected = (volume * 4 * flat + 2 * LOSS_BYTES + (2 * NORM_BYTES if sharded else 0)) * ring(world)
-    for row in results[0]["rows"][1:]:  # step 1 also carries DDP's initial broadcast of the weights
-        assert row["comm_bytes"] == expected
+def test_sharded_comm_bytes_match_theory(workers, name):
+    """Per step ZeRO-1/2 reduce-scatter every gradient and all-gather the updated parameters, ZeRO-3
+    all-gathers in forward and again in backward and reduce-scatters: 2 or 3 times the fp32 bytes of the
+    padded flat buffers the collectives move, times (n-1)/n."""
+    world, zero, model, results = sharded_run(workers, name)
+    flat = world * row_block_elements(model, world)
+    volume = 3 if zero == 3 else 2
+    for row in results[0]["rows"]:
+        assert row["comm_bytes"] == (volume * 4 * flat + 2 * LOSS_BYTES + 2 * NORM_BYTES) * ring(world)
 
 
 def test_hsdp_comm_per_group(workers):
@@ -134,11 +174,11 @@ def test_hsdp_comm_per_group(workers):
     replicas; the loss goes over all 4 data-parallel ranks."""
     world, parallel = LAYOUTS["hsdp2x2"]
     r = workers(world).run(run_layout, [*TINY, *parallel, "--training.micro_batch=2"])[0]
-    psi_bytes = 4 * r["n_params"]
+    flat_bytes = 4 * 2 * row_block_elements([], 2)
     for row in r["rows"]:
         assert row["comm_bytes_by_group"] == {
-            "dp_shard": (3 * psi_bytes + 2 * NORM_BYTES) * ring(2),
-            "dp_replicate": 2 * (psi_bytes / 2) * ring(2),
+            "dp_shard": (3 * flat_bytes + 2 * NORM_BYTES) * ring(2),
+            "dp_replicate": 2 * (flat_bytes / 2) * ring(2),
             "dp": 2 * LOSS_BYTES * ring(4),
         }
 
@@ -194,9 +234,7 @@ def test_checkpoint_written_by_zero3_resumes_on_other_layouts(workers, tmp_path)
                 f"--run.dir={resumed_dir}",
             ],
         )[0]
-        assert [r["step"] for r in rows] == [4, 5, 6]
-        for got, want in zip(rows, straight[3:], strict=True):
-            assert abs(got["loss"] - want["loss"]) / want["loss"] <= 1e-5, (name, got["loss"], want["loss"])
+        assert_losses_match(rows, straight[3:])
 
 
 def test_fsdp_bf16_mixed_precision_tracks_fp32(workers):
@@ -216,7 +254,7 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32(workers):
     for a, b in zip(bf16, fp32, strict=True):
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 0.02
     # Gathered in bf16 (half the bytes of fp32) in forward and backward, reduce-scattered in fp32.
-    psi = sum(math.prod(s) for s in parameter_shapes())
+    psi = sum(math.prod(s) for s in parameter_shapes([]))
     expected = (2 * 2 * psi + 4 * psi + 2 * NORM_BYTES + 2 * LOSS_BYTES) * ring(2)
     assert [row["comm_bytes"] for row in bf16] == [expected] * 5
 
@@ -232,7 +270,7 @@ def test_bf16_gradient_reduction_halves_the_bytes(workers, parallel):
     bf16 = workers(2).run(train_rows, [*common, "--parallel.reduce_dtype=bf16"])[0]
     for a, b in zip(bf16, fp32, strict=True):
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 0.01
-    psi = sum(math.prod(s) for s in parameter_shapes())
+    psi = sum(math.prod(s) for s in parameter_shapes([]))
     for row, grad_bytes in ((fp32[-1], 4), (bf16[-1], 2)):
         by_group = row["comm_bytes_by_group"]
         if "dp_replicate=2" in parallel[0]:  # DDP: the whole all-reduce narrows (the loss shares its group)

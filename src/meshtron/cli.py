@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshtron.config import ConfigError, check, load_config
+from meshtron.config import ConfigError, PipelineSchedule, check, load_config
 from meshtron.data import DataError
 from meshtron.train.checkpoint import CheckpointError
 
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--pp", type=int, required=True)
     sched.add_argument("--vpp", type=int, default=1)
     sched.add_argument("--microbatches", type=int, required=True)
-    sched.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zero_bubble")
+    sched.add_argument("--schedule", default="1f1b", help=", ".join(typing.get_args(PipelineSchedule)))
     sched.add_argument("--out", help="write a PNG of the timeline here")
 
     prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")

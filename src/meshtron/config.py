@@ -5,8 +5,8 @@ before any process starts or any tensor is allocated. The rules live where the c
 lives: a field's own range sits on the field (`positive(...)`), enumerated options are `Literal` types,
 and each feature states how its options must fit the model, the world and the others in its own module
 (`model_problems` in models/llama.py, `layout_problems` in mesh.py, `tensor_parallel_problems` in
-parallel/tensor.py, ...). `validate` collects them all; `check` also adds what this version cannot run
-yet, refused by the module that will run it.
+parallel/tensor.py, ...). `validate` collects them all; `check` raises them, or, for a config with none,
+what this version cannot run yet (each refused by the module that will run it).
 """
 
 from __future__ import annotations
@@ -55,13 +55,14 @@ Device = Literal["auto", "cpu", "cuda"]
 CorpusTokenizer = Literal["bpe", "byte"]
 
 
-def _ranged(default: Any, ok: Callable[[Any], bool], says: str) -> Any:
-    """A field whose value must satisfy `ok`; `says` completes "<section.key>=<value> ..." otherwise."""
-    return field(default=default, metadata={"ok": ok, "says": says})
+def _ranged(default: Any, ok: Callable[[Any], bool], says: str, size: bool = False) -> Any:
+    """A field whose value must satisfy `ok`; `says` completes "<section.key>=<value> ..." otherwise.
+    `size`: a degree or size the feature rules divide by, so they wait until it is valid."""
+    return field(default=default, metadata={"ok": ok, "says": says, "size": size})
 
 
 def positive(default: float) -> Any:
-    return _ranged(default, lambda v: v > 0, "must be positive")
+    return _ranged(default, lambda v: v > 0, "must be positive", size=True)
 
 
 def non_negative(default: float) -> Any:
@@ -102,7 +103,7 @@ class ModelConfig:
     router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
     aux_loss_coef: float = non_negative(0.01)
     z_loss_coef: float = non_negative(0.0)
-    moe_every: int = positive(1)  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
+    moe_every: int = 1  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
     dense_layers: list[int] = field(default_factory=list)  # layers forced dense (mlp_only_layers)
 
     @property
@@ -134,7 +135,7 @@ class ParallelConfig:
     dp_replicate: int = positive(1)
     # -1: whatever the world size leaves after the other dims.
     dp_shard: int = _ranged(
-        -1, lambda v: v == -1 or v > 0, "must be positive, or -1 to absorb the world size"
+        -1, lambda v: v == -1 or v > 0, "must be positive, or -1 to absorb the world size", size=True
     )
     zero: ZeroStage = 3
     bucket_mb: float = positive(25.0)  # gradient bucket size for DDP and ZeRO-1/2
@@ -274,7 +275,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
 def model_preset(name: str) -> dict[str, Any]:
     """The architecture of a named model; explicit keys override it."""
     if name not in PRESETS:
-        raise ConfigError([f"model.name={name!r} is not a known preset{_suggest(name, sorted(PRESETS))}"])
+        raise ConfigError([f"model.name={name!r} is not a known preset{suggest(name, sorted(PRESETS))}"])
     return dict(PRESETS[name])
 
 
@@ -309,7 +310,7 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     return None
 
 
-def _suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:
+def suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
     if close:
         return f"; did you mean {close[0]!r}?"
@@ -356,7 +357,7 @@ def _merge(
 
     def put(section: str, key: str | None, value: Any, origin: str) -> None:
         if section not in sections:
-            problems.append(f"unknown section [{section}] in {origin}{_suggest(section, sections)}")
+            problems.append(f"unknown section [{section}] in {origin}{suggest(section, sections)}")
             return
         if key is None:
             if not isinstance(value, Mapping):
@@ -395,7 +396,7 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
         kwargs: dict[str, Any] = {}
         for key, value in merged.get(section, {}).items():
             if key not in types_of:
-                problems.append(f"unknown key {section}.{key}{_suggest(key, list(types_of))}")
+                problems.append(f"unknown key {section}.{key}{suggest(key, list(types_of))}")
                 continue
             coerced = _coerce(value, types_of[key], f"{section}.{key}", problems)
             if coerced is not None:
@@ -417,8 +418,9 @@ def divisors(n: int) -> list[int]:
 
 
 def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
-    """(enumerated options that are not one of theirs, numbers outside their field's range)."""
-    options, ranges = [], []
+    """(every field's own problem: an enumerated option that is not one of its options, a number outside
+    its range; those of them about sizes the feature rules divide by)."""
+    problems, sizes = [], []
     for section in dataclasses.fields(Config):
         values = getattr(cfg, section.name)
         hints = typing.get_type_hints(type(values))
@@ -426,11 +428,12 @@ def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
             where, value = f"{section.name}.{f.name}", getattr(values, f.name)
             if typing.get_origin(hints[f.name]) is Literal and value not in typing.get_args(hints[f.name]):
                 known = [str(o) for o in typing.get_args(hints[f.name])]
-                hint = _suggest(str(value), known, list_known=False)
-                options.append(f"{where}={value!r} is not one of {', '.join(known)}{hint}")
+                hint = suggest(str(value), known, list_known=False)
+                problems.append(f"{where}={value!r} is not one of {', '.join(known)}{hint}")
             if "ok" in f.metadata and not f.metadata["ok"](value):
-                ranges.append(f"{where}={value} {f.metadata['says']}")
-    return options, ranges
+                problems.append(f"{where}={value} {f.metadata['says']}")
+                sizes += [problems[-1]] if f.metadata["size"] else []
+    return problems, sizes
 
 
 def validate(cfg: Config, world_size: int = 1) -> list[str]:
@@ -446,18 +449,16 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     from meshtron.parallel.tensor import tensor_parallel_problems
     from meshtron.pipeline.runtime import pipeline_problems
 
-    options, ranges = field_problems(cfg)
-    if ranges:  # the rules below divide by these numbers
-        return options + ranges
-    problems = options + model_problems(cfg.model) + moe_problems(cfg.model)
+    problems, sizes = field_problems(cfg)
+    if sizes:  # the rules below divide by these numbers
+        return problems
+    problems += model_problems(cfg.model) + moe_problems(cfg.model)
     problems += layout_problems(cfg, world_size)
     problems += tensor_parallel_problems(cfg)
     problems += context_parallel_problems(cfg)
     problems += expert_parallel_problems(cfg)
-    batch = batch_problems(cfg, world_size)
-    problems += batch
-    if not batch:  # the pipeline's rules count the micro-batches the batch rule splits
-        problems += pipeline_problems(cfg, world_size)
+    problems += batch_problems(cfg, world_size)
+    problems += pipeline_problems(cfg, world_size)
     return problems
 
 

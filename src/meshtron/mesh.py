@@ -47,6 +47,11 @@ def resolve_dp_shard(parallel: ParallelConfig, world_size: int) -> int:
     return max(world_size // others, 1) if others > 0 else 1
 
 
+def dp_size(parallel: ParallelConfig, world_size: int) -> int:
+    """The ranks that split the batch: dp_replicate x dp_shard."""
+    return parallel.dp_replicate * resolve_dp_shard(parallel, world_size)
+
+
 def ep_folding_problem(dp_shard: int, cp: int, ep: int) -> str | None:
     """Expert parallelism re-reads the dp_shard x cp block as [edp, ep], so ep must divide it."""
     if (dp_shard * cp) % ep == 0:
@@ -328,6 +333,8 @@ class ParallelMesh:
     def grid(self, rows: str, columns: str) -> list[list[int]]:
         """The ranks that share this rank's coordinates in every dense dim but `rows` and `columns`:
         `grid[i][j]` is the global rank at index i of `rows` and j of `columns`."""
+        if rows == columns or not {rows, columns} <= set(DENSE_DIMS):
+            raise ValueError(f"grid needs two different dims of {DENSE_DIMS}, got {rows!r} and {columns!r}")
         at = self.dims.coords(self.rank)
         index = tuple(slice(None) if dim in (rows, columns) else at[dim] for dim in DENSE_DIMS)
         block = self.dims.dense_grid[index]

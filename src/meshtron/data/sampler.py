@@ -13,7 +13,7 @@ import torch
 
 from meshtron.config import Config
 from meshtron.data.dataset import PreparedData
-from meshtron.mesh import resolve_dp_shard
+from meshtron.mesh import dp_size
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -30,7 +30,8 @@ def batch_split_problem(global_batch: int, micro_batch: int, dp_size: int) -> st
 
 
 def batch_problems(cfg: Config, world_size: int) -> list[str]:
-    dp = cfg.parallel.dp_replicate * resolve_dp_shard(cfg.parallel, world_size)
+    """The batch rule for the data-parallel ranks of a job of `world_size` ranks."""
+    dp = dp_size(cfg.parallel, world_size)
     problem = batch_split_problem(cfg.training.global_batch, cfg.training.micro_batch, dp)
     return [problem] if problem else []
 

@@ -186,11 +186,6 @@ def output_logits(
     return F.linear(h_BSD, tok_embeddings.weight) if output is None else output(h_BSD)
 
 
-def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy [N] of every token (in fp32), for the loss to be summed and normalised by the caller."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
-
-
 def parameter_seed(seed: int, name: str) -> int:
     """A seed per logical parameter, so every layout draws the same values for it before slicing."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, RouterScore
 from meshtron.models.layers import FeedForward
 
 
@@ -23,6 +23,8 @@ def moe_problems(cfg: ModelConfig) -> list[str]:
     problems = []
     if not 1 <= cfg.top_k <= cfg.n_experts:
         problems.append(f"model.top_k={cfg.top_k} must be between 1 and model.n_experts={cfg.n_experts}")
+    if cfg.moe_every < 1:
+        problems.append(f"model.moe_every={cfg.moe_every} must be >= 1")
     outside = [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]
     if outside:
         problems.append(f"model.dense_layers {outside} are outside 0..{cfg.n_layers - 1}")
@@ -49,7 +51,9 @@ class Router(nn.Module):
         return weights_Tk, experts_Tk, scores_TE, logits_TE
 
 
-def load_balancing_loss(scores_TE: torch.Tensor, experts_Tk: torch.Tensor, score_fn: str) -> torch.Tensor:
+def load_balancing_loss(
+    scores_TE: torch.Tensor, experts_Tk: torch.Tensor, score_fn: RouterScore
+) -> torch.Tensor:
     """Switch-style loss E * sum_e f_e * P_e, with f_e = assignments to e per token (sums to k, as
     Mixtral's reference counts it) and P_e the mean routing probability of e."""
     n_tokens, n_experts = scores_TE.shape

@@ -34,6 +34,7 @@ def context_parallel_problems(cfg: Config) -> list[str]:
 
 
 def context_parallel_unsupported(cfg: Config) -> list[str]:
+    """cp > 1, until context parallel is built."""
     if cfg.parallel.cp > 1:
         return [f"parallel.cp={cfg.parallel.cp}: context parallel is not implemented yet; use parallel.cp=1"]
     return []

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from meshtron.comm import Comm
-from meshtron.config import Config
+from meshtron.config import Config, refuse
 from meshtron.mesh import ParallelMesh, resolve_dp_shard
 from meshtron.models.llama import Transformer
 from meshtron.parallel.ddp import DistributedDataParallel
@@ -28,10 +28,15 @@ from meshtron.parallel.zero import ZeroShardedOptimizer
 DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
 
 
-def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
+def uses_torch_fsdp(cfg: Config, world_size: int) -> bool:
+    """Whether PyTorch's fully_shard shards the model (ZeRO-3 over dp_shard > 1 with fsdp_impl="torch")."""
     p = cfg.parallel
-    torch_fsdp = resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
-    if torch_fsdp and p.pp > 1:
+    return resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+
+
+def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
+    """The engine choices this version cannot run yet."""
+    if uses_torch_fsdp(cfg, world_size) and cfg.parallel.pp > 1:
         return [
             "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
             "with parallel.pp > 1"
@@ -44,6 +49,7 @@ def apply_data_parallel(
 ) -> DataParallelEngine:
     """The engine for this layout over `model` (already cut by the earlier steps). `root`: the module whose
     forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk)."""
+    refuse(data_parallel_unsupported(cfg, mesh.dims.world_size))
     p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
     shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
     reduce_dtype = DTYPES[p.reduce_dtype]

@@ -29,6 +29,7 @@ def expert_parallel_problems(cfg: Config) -> list[str]:
 
 
 def expert_parallel_unsupported(cfg: Config) -> list[str]:
+    """ep > 1, until expert parallel is built."""
     if cfg.parallel.ep > 1:
         return [f"parallel.ep={cfg.parallel.ep}: expert parallel is not implemented yet; use parallel.ep=1"]
     return []

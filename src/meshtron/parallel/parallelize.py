@@ -9,7 +9,8 @@
   6  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
                          pp it runs per stage, over the chunks the pipeline runtime groups
 
-A step whose dim has size 1 changes nothing, so the same code runs one device and every layout.
+A parallelism of degree 1 changes nothing (its step is skipped or does nothing), so the same code runs
+one device and every layout.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from functools import partial
 
 import torch
 
-from meshtron.comm import Comm
+from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config
-from meshtron.mesh import ParallelMesh
-from meshtron.models.llama import Transformer, cross_entropy_per_token
+from meshtron.mesh import PP_ENDS, ParallelMesh
+from meshtron.models.llama import Transformer
+from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data_parallel import apply_data_parallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline
+from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
 
 @dataclass
@@ -43,6 +45,20 @@ class ParallelModel:
     pipeline: PipelineRuntime | None  # this rank's pipeline stage (None without pp)
     # Per-token cross-entropy [N] of this rank's logits (vocab-parallel under tp).
     token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    comm: Comm
+    # Under pp with tied embeddings, on the first and the last stage: the group that sums the copies' gradients.
+    tied_ends: CommGroup | None = None
+
+    def finish_gradients(self) -> None:
+        """After the step's last backward: wait for every gradient reduction, and sum the gradients of a
+        tied embedding's two copies (so that they take the same optimizer step)."""
+        self.engine.finish_gradients()
+        if self.tied_ends is not None:
+            sum_tied_gradients(self.engine, self.comm, self.tied_ends)
+
+    def counted_elsewhere(self) -> frozenset[str]:
+        """Parameters this rank holds whose gradient norm another rank counts."""
+        return self.pipeline.counted_elsewhere() if self.pipeline is not None else frozenset()
 
 
 def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config) -> ParallelModel:
@@ -66,4 +82,5 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
         if tp_plan is None
         else partial(vocab_parallel_cross_entropy, plan=tp_plan, comm=comm)
     )
-    return ParallelModel(model, engine, tp_plan, pipeline, token_loss)
+    tied_ends = mesh.group(PP_ENDS) if pipeline is not None and pipeline.holds_tied_weight() else None
+    return ParallelModel(model, engine, tp_plan, pipeline, token_loss, comm, tied_ends)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshtron.config import PipelineSchedule
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, idle_fraction, simulate
 
 COLOURS = {Kind.F: "#4c8bd6", Kind.B: "#e0793a", Kind.W: "#58a55c"}
@@ -78,7 +79,7 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
 
 
 def draw_measured_timeline(
-    measured: Timeline, schedule: str, vpp: int, microbatches: int, out_path: str | Path
+    measured: Timeline, schedule: PipelineSchedule, vpp: int, microbatches: int, out_path: str | Path
 ) -> tuple[Path, float, float]:
     """A training step's real timeline (seconds from each rank's step start) above the simulation of the
     same schedule with that step's mean time of each kind of action on each chunk: the simulation has

@@ -36,10 +36,11 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.config import Config
-from meshtron.data.sampler import micro_batches_per_step
-from meshtron.mesh import resolve_dp_shard
+from meshtron.config import Config, PipelineSchedule
+from meshtron.data.sampler import batch_split_problem
+from meshtron.mesh import dp_size
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
+from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, schedule_problems, send_release_points
 from meshtron.pipeline.split import chunks_of_rank, split_layers, split_problems
@@ -144,16 +145,6 @@ class Send:
     key: tuple[int, int]
 
 
-@dataclass
-class Losses:
-    """How a step's losses are formed: per-token loss of the last chunk's output, the global token count
-    each micro-batch's loss is divided by, and the autocast context of every forward."""
-
-    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    global_tokens: int
-    autocast: Callable[[], contextlib.AbstractContextManager]
-
-
 class _Step:
     """One step's actions on real tensors: what each forward keeps for its backward, what is in flight."""
 
@@ -161,15 +152,10 @@ class _Step:
         self,
         runtime: PipelineRuntime,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        losses: Losses,
+        loss: MicroBatchLoss,
         before_grads: Callable[[bool], None],
     ):
-        self.rt, self.micro_batches, self.losses, self.before_grads = (
-            runtime,
-            micro_batches,
-            losses,
-            before_grads,
-        )
+        self.rt, self.micro_batches, self.loss, self.before_grads = runtime, micro_batches, loss, before_grads
         schedule = build_schedule(runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule)
         self.actions = schedule[runtime.pp.rank]
         self.settled_by = send_release_points(schedule, runtime.pp.rank)
@@ -210,21 +196,20 @@ class _Step:
         tokens, targets = self.micro_batches[a.mb]
         x = tokens if a.chunk == 0 else self.inputs[key]
         defer = DeferWeightGrads() if self.split and a.chunk > 0 else contextlib.nullcontext()
-        with defer, self.losses.autocast():
+        with defer, self.loss.autocast():
             out, aux = self.rt.chunks[a.chunk](x, self.positions)
         if self.split and a.chunk > 0:
             self.deferred[key] = defer
-        share = targets.numel() / self.losses.global_tokens
         one = torch.ones((), device=self.device)
         if a.chunk == last:
-            ce = self.losses.token_loss(out, targets).sum() / self.losses.global_tokens
+            loss, ce = self.loss.of(out, aux, targets)
             self.ce_sum += ce.detach()
-            roots, grads = [ce + aux.float() * share], [one]
+            roots, grads = [loss], [one]
         else:
             self.unsent[key] = out
             roots, grads = [out], [None]
             if aux.requires_grad:  # an MoE chunk: its aux loss is back-propagated here too
-                roots, grads = [out, aux.float() * share], [None, one]
+                roots, grads = [out, self.loss.aux_share(aux, targets)], [None, one]
         self.outputs[key] = ([get_gradient_edge(r) for r in roots], grads)
 
     def send_forward(self, index: int, a: Action) -> None:
@@ -279,11 +264,11 @@ class PipelineRuntime:
         comm: Comm,
         pp: CommGroup,
         vpp: int,
-        schedule: str,
+        schedule: PipelineSchedule,
         layer_split: list[list[int]],
         seq_shards: int = 1,
     ):
-        """`model` already pruned by `keep_rank_chunks(model, chunks_of_rank(...), layer_split)`;
+        """`model` already pruned to this rank's chunks of `layer_split` (`split_pipeline`);
         `seq_shards`: activations between stages hold 1/seq_shards of the sequence (sequence parallel)."""
         self.model, self.comm, self.pp, self.vpp, self.schedule = model, comm, pp, vpp, schedule
         self.seq_shards = seq_shards
@@ -306,16 +291,21 @@ class PipelineRuntime:
     def is_last_stage(self) -> bool:
         return self.n_chunks - 1 in self.chunks
 
+    def counted_elsewhere(self) -> frozenset[str]:
+        """Parameters of this rank whose gradient another stage counts in the norm: the last stage's copy
+        of a tied embedding (the first stage counts it)."""
+        return frozenset({TIED_WEIGHT} if self.holds_tied_weight() and self.is_last_stage() else ())
+
     def run(
         self,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        losses: Losses,
+        loss: MicroBatchLoss,
         before_grads: Callable[[bool], None] = lambda is_last: None,
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only). `before_grads(is_last)` runs before every
         action that accumulates parameter gradients, true for the chunk's last such action of the step."""
-        step = _Step(self, micro_batches, losses, before_grads)
+        step = _Step(self, micro_batches, loss, before_grads)
         self.released_outputs = 0
         self.timeline = []
         step_start = time.perf_counter()
@@ -354,12 +344,15 @@ def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     chunks = p.pp * p.vpp
     problems = split_problems(m.n_layers, chunks, p.pp_layers, p.pp_embedding_layers, p.pp_head_layers)
-    dp = p.dp_replicate * resolve_dp_shard(p, world_size)
-    microbatches = micro_batches_per_step(t.global_batch, t.micro_batch, dp)
+    dp = dp_size(p, world_size)
+    # Unknown when the batch does not split (the batch rule says so): its rules are left out then.
+    microbatches = (
+        None
+        if batch_split_problem(t.global_batch, t.micro_batch, dp)
+        else t.global_batch // (t.micro_batch * dp)
+    )
     problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
-    if p.pp > 1 and p.pp_schedule == "interleaved" and p.vpp < 2:
-        problems.append("parallel.pp_schedule='interleaved' needs parallel.vpp >= 2")
-    if p.pp > 1 and microbatches < p.pp:
+    if p.pp > 1 and microbatches is not None and microbatches < p.pp:
         problems.append(
             f"{microbatches} micro-batch(es) per step cannot fill pp={p.pp} stages; raise "
             f"training.global_batch to at least {p.pp * t.micro_batch * dp}"

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshtron.config import PipelineSchedule
+from meshtron.config import PipelineSchedule, suggest
 
 SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
@@ -56,6 +56,8 @@ class Kind(str, enum.Enum):
     @property
     def carries(self) -> Kind:
         """For a send or receive, the compute whose result travels: F (activation) or B (gradient)."""
+        if self.is_compute:
+            raise ValueError(f"{self} is a computation, not a message")
         return Kind.F if self in (Kind.SEND_F, Kind.RECV_F) else Kind.B
 
     def __str__(self) -> str:
@@ -81,27 +83,34 @@ class Action:
     @property
     def source_chunk(self) -> int:
         """For a receive, the chunk whose send it takes: the one before (forward) or after (backward)."""
+        if not self.kind.is_recv:
+            raise ValueError(f"{self} is not a receive")
         return self.chunk - 1 if self.kind == Kind.RECV_F else self.chunk + 1
 
 
-def schedule_problems(pp: int, vpp: int, microbatches: int, name: str) -> list[str]:
-    """What a schedule needs of the pipeline degree, the virtual stages and the micro-batches per step."""
+def schedule_problems(pp: int, vpp: int, microbatches: int | None, name: PipelineSchedule) -> list[str]:
+    """What a schedule needs of the pipeline degree, the virtual stages and the micro-batches per step
+    (None: not known, so the rule about them is left out)."""
     problems = []
-    if name == "interleaved" and microbatches % pp:
-        problems.append(
-            f"interleaved 1F1B needs micro-batches per step ({microbatches}) to be a multiple of pp={pp}"
-        )
     if name != "interleaved" and vpp != 1:
         problems.append(
             f"parallel.vpp={vpp} needs the interleaved schedule (parallel.pp_schedule='interleaved')"
         )
+    if name == "interleaved" and pp > 1 and vpp < 2:
+        problems.append("parallel.pp_schedule='interleaved' needs parallel.vpp >= 2")
+    if name == "interleaved" and microbatches is not None and microbatches % pp:
+        problems.append(
+            f"interleaved 1F1B needs micro-batches per step ({microbatches}) to be a multiple of pp={pp}"
+        )
     return problems
 
 
-def check_schedule_args(pp: int, vpp: int, microbatches: int, name: str) -> None:
+def check_schedule_args(pp: int, vpp: int, microbatches: int, name: PipelineSchedule) -> None:
     problems = []
     if name not in SCHEDULES:
-        problems.append(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+        problems.append(
+            f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}{suggest(name, SCHEDULES)}"
+        )
     if pp < 1 or vpp < 1 or microbatches < 1:
         problems.append(f"pp={pp}, vpp={vpp} and microbatches={microbatches} must be positive")
     elif name in SCHEDULES:
@@ -110,7 +119,9 @@ def check_schedule_args(pp: int, vpp: int, microbatches: int, name: str) -> None
         raise ValueError("; ".join(problems))
 
 
-def _compute_order(pp: int, vpp: int, m: int, name: str, rank: int) -> list[tuple[Kind, int, int]]:
+def _compute_order(
+    pp: int, vpp: int, m: int, name: PipelineSchedule, rank: int
+) -> list[tuple[Kind, int, int]]:
     """The compute actions (kind, chunk, mb) of one rank, in order."""
     if name == "gpipe":
         return [(Kind.F, rank, mb) for mb in range(m)] + [(Kind.B, rank, mb) for mb in range(m)]
@@ -203,7 +214,7 @@ def with_p2p(order: list[tuple[Kind | str, int, int]], rank: int, pp: int, vpp: 
     return actions
 
 
-def build_schedule(pp: int, vpp: int, microbatches: int, name: str) -> list[list[Action]]:
+def build_schedule(pp: int, vpp: int, microbatches: int, name: PipelineSchedule) -> list[list[Action]]:
     """Every rank's ordered actions."""
     check_schedule_args(pp, vpp, microbatches, name)
     if name == "zero_bubble":

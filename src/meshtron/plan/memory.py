@@ -28,11 +28,11 @@ sequence-sharded count would.
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, Recompute
 
 
 def layer_activation_elements(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none"
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: Recompute = "none"
 ) -> int:
     """Elements one dense transformer layer keeps for backward on one tensor-parallel rank."""
     if cfg.is_moe:
@@ -52,7 +52,7 @@ def layer_activation_elements(
 
 
 def korthikanti_bytes(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none"
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: Recompute = "none"
 ) -> float:
     """The paper's 16-bit GPT-layer figure for the same sizes (docs/theory.md#activation-memory), for comparison."""
     sbh, a, s, h, t = seq * batch * cfg.dim, cfg.n_heads, seq, cfg.dim, tp

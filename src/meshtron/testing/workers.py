@@ -1,6 +1,6 @@
 """A pool of long-lived gloo worker processes that run functions on every rank.
 
-Tests (and `meshtron verify`) start the pool once and send it many functions, instead of paying
+Tests and benchmarks start the pool once and send it many functions, instead of paying
 process start-up and `import torch` per test. A function is sent by reference (module + name), so it
 must be importable at module level; every rank runs it with the same arguments and the pool returns
 each rank's result. An exception on any rank is re-raised in the caller with that rank's traceback.

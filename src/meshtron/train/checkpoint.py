@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config
-from meshtron.mesh import resolve_dp_shard
+from meshtron.parallel.data_parallel import uses_torch_fsdp
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import ShardedShape
 from meshtron.parallel.tensor import TensorParallelPlan
@@ -56,9 +56,9 @@ class CheckpointInfo:
 
 
 def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
+    """The layouts whose checkpoints this version cannot write or read yet."""
     p, c = cfg.parallel, cfg.checkpoint
-    torch_fsdp = resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
-    if p.tp > 1 and torch_fsdp and (c.every or c.resume):
+    if p.tp > 1 and uses_torch_fsdp(cfg, world_size) and (c.every or c.resume):
         return [
             "checkpoints of PyTorch's fully_shard over tensor-parallel shards are not implemented; use "
             "parallel.fsdp_impl='meshtron', or checkpoint.every=0 and checkpoint.resume=false"

@@ -7,6 +7,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,16 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes held in parameters (the model's and the optimizer's), gradients and optimizer state,
-    counted from tensor storage, once per storage (views of one buffer count once)."""
-    params = list(engine.model.parameters()) + engine.optimizer_params()
-    grads = [p.grad for p in params if p.grad is not None] + engine.grad_buffers()
+def state_bytes(
+    params: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    grad_buffers: Iterable[torch.Tensor] = (),
+) -> dict[str, int]:
+    """Bytes held in parameters, their gradients (and any other gradient buffers) and optimizer state,
+    counted from tensor storage, once per storage (views of one buffer count once; AdamW's scalar step
+    counters are left out)."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None] + list(grad_buffers)
     states = [
         t
         for state in optimizer.state.values()
@@ -97,6 +103,13 @@ def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimiz
         "grads": storage_bytes(grads),
         "optimizer": storage_bytes(states),
     }
+
+
+def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """`state_bytes` of a data-parallel engine: the model's and the optimizer's parameters."""
+    return state_bytes(
+        list(engine.model.parameters()) + engine.optimizer_params(), optimizer, engine.grad_buffers()
+    )
 
 
 def _human(n: float) -> str:

@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, ConfigError, check
+from meshtron.config import Config, ConfigError, DType, check
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.sampler import BatchSampler, micro_batches_per_step
-from meshtron.mesh import PP_ENDS, ParallelDims, ParallelMesh
+from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
+from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.data_parallel import DTYPES
 from meshtron.parallel.parallelize import parallelize
 from meshtron.pipeline.picture import draw_measured_timeline
-from meshtron.pipeline.runtime import TIED_WEIGHT, Losses, sum_tied_gradients
 from meshtron.train.checkpoint import (
     CheckpointError,
     TensorParallelBlocks,
@@ -95,21 +95,9 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
 
 
-def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+def autocast_context(device: torch.device, dtype: DType) -> contextlib.AbstractContextManager:
     """bf16 autocast over fp32 master weights, or nothing for fp32."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
-
-
-def micro_batch_loss(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, losses: Losses
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, its cross-entropy part), both already divided by the global token count so
-    that summing over micro-batches and data-parallel ranks gives the mean over the global batch."""
-    with losses.autocast():
-        logits, aux_loss = model(inputs, return_aux=True)
-    ce = losses.token_loss(logits, targets).sum() / losses.global_tokens
-    # The aux loss is a per-micro-batch mean; weight it by this micro-batch's share of the tokens.
-    return ce + aux_loss.float() * (targets.numel() / losses.global_tokens), ce
 
 
 class Trainer:
@@ -137,24 +125,22 @@ class Trainer:
         self.sampler = BatchSampler(self.dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
         self.model = build_model(cfg.model, seed=t.seed, device=device)
         self.n_params = self.model.num_params()
-        parts = parallelize(self.model, comm, mesh, cfg)
-        self.engine, self.tp_plan, self.pipeline = parts.engine, parts.tp_plan, parts.pipeline
+        self.parallel = parallelize(self.model, comm, mesh, cfg)
+        self.engine, self.tp_plan, self.pipeline = (
+            self.parallel.engine,
+            self.parallel.tp_plan,
+            self.parallel.pipeline,
+        )
         self.optimizer = build_optimizer(
             self.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
         )
-        self.losses = Losses(
-            parts.token_loss, t.global_batch * t.seq_len, partial(autocast_context, device, t.dtype)
-        )
+        autocast = partial(autocast_context, device, t.dtype)
+        self.loss = MicroBatchLoss(self.parallel.token_loss, t.global_batch * t.seq_len, autocast)
         self.tp_blocks = None
         if self.tp_plan is not None:
             self.tp_blocks = TensorParallelBlocks(self.tp_plan, mesh.grid("dp_shard", "tp"))
         self.start_step = self.resume_if_asked()
         self.dp = mesh.group("dp")
-        # The tied embedding's copy on the last stage is the first stage's: its norm counts once.
-        tied_copy = (
-            self.pipeline is not None and self.pipeline.holds_tied_weight() and self.pipeline.is_last_stage()
-        )
-        self.counted_elsewhere = frozenset({TIED_WEIGHT} if tied_copy else ())
         self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
@@ -182,23 +168,22 @@ class Trainer:
     def compute_gradients(self) -> torch.Tensor:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
         rank's share of the mean cross-entropy."""
-        batches = self.sampler.next_micro_batches(
-            self.dataset, self.dp.rank, self.dp.size, self.cfg.training.micro_batch
-        )
+        t = self.cfg.training
+        batches = self.sampler.next_micro_batches(self.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         batches = [(inputs.to(self.device), targets.to(self.device)) for inputs, targets in batches]
-        if self.pipeline is not None:
-            loss_sum = self.pipeline.run(batches, self.losses, before_grads=self.engine.prepare_micro_batch)
-            self.engine.finish_gradients()
-            if self.pipeline.holds_tied_weight():
-                sum_tied_gradients(self.engine, self.comm, self.place.mesh.group(PP_ENDS))
+        if self.pipeline is not None:  # the schedule's order; the loss is on the last stage only
+            loss_sum = self.pipeline.run(batches, self.loss, before_grads=self.engine.prepare_micro_batch)
+            self.parallel.finish_gradients()
             return self.comm.all_reduce_(loss_sum, self.place.mesh.group("pp"))
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, targets) in enumerate(batches):
             self.engine.prepare_micro_batch(is_last=index == len(batches) - 1)
-            loss, ce = micro_batch_loss(self.model, inputs, targets, self.losses)
+            with self.loss.autocast():
+                logits, aux = self.model(inputs, return_aux=True)
+            loss, ce = self.loss.of(logits, aux, targets)
             loss.backward()
             loss_sum += ce.detach()
-        self.engine.finish_gradients()
+        self.parallel.finish_gradients()
         return loss_sum
 
     def step(self, step: int) -> dict[str, Any]:
@@ -210,7 +195,7 @@ class Trainer:
             group["lr"] = lr
         loss_sum = self.compute_gradients()
         grad_norm = clip_grad_norm_(
-            self.engine, t.grad_clip, self.comm, self.tp_plan, pp, self.counted_elsewhere
+            self.engine, t.grad_clip, self.comm, self.tp_plan, pp, self.parallel.counted_elsewhere()
         )
         self.optimizer.step()
         self.engine.after_step()
@@ -220,7 +205,7 @@ class Trainer:
         comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
         self.comm.stats.reset()
         elapsed = time.perf_counter() - start
-        tokens_per_sec = self.losses.global_tokens / elapsed
+        tokens_per_sec = self.loss.global_tokens / elapsed
         extra = {}
         if self.pipeline is not None:  # the mean over stages of the time each spent not computing
             bubble = torch.tensor(self.pipeline.idle_fraction(), dtype=torch.float64)

@@ -1,0 +1,42 @@
+"""The training loss of a micro-batch, as every layout forms it.
+
+Each micro-batch's cross-entropy is summed over its tokens and divided by the *global* token count of
+the step (all micro-batches of all data-parallel ranks), and an MoE model's aux loss (a mean over the
+micro-batch's tokens) is weighted by the micro-batch's share of those tokens. Summing the micro-batches'
+losses over a step and over the data-parallel ranks then gives the mean over the global batch, so no
+layout ever averages gradients, and any layout computes the same update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy [N] of every token (in fp32), for the loss to be summed and normalised by the caller."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
+
+
+@dataclass
+class MicroBatchLoss:
+    """How each micro-batch's loss is formed in a step, and the autocast its forward runs under."""
+
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # per-token cross-entropy [N]
+    global_tokens: int
+    autocast: Callable[[], contextlib.AbstractContextManager]
+
+    def aux_share(self, aux: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The aux loss weighted by this micro-batch's share of the step's tokens."""
+        return aux.float() * (targets.numel() / self.global_tokens)
+
+    def of(
+        self, logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to back-propagate, its cross-entropy part)."""
+        ce = self.token_loss(logits, targets).sum() / self.global_tokens
+        return ce + self.aux_share(aux, targets), ce
