@@ -104,6 +104,18 @@ def row_block_elements(model: list[str], n: int, rank: int | None = None) -> int
     return total
 
 
+_RUNS: dict[tuple[str, ...], list[dict]] = {}
+
+
+def layout_run(workers, world: int, overrides: list[str]) -> list[dict]:
+    """`run_layout` on every rank, once per layout in this session: the memory and the communication
+    tests read the same run."""
+    key = (str(world), *overrides)
+    if key not in _RUNS:
+        _RUNS[key] = workers(world).run(run_layout, [*TINY, *overrides])
+    return _RUNS[key]
+
+
 def sharded_run(workers, name: str) -> tuple[int, int, list[str], list[dict]]:
     world, zero, model = SHARDED[name]
     parallel = [
@@ -111,11 +123,11 @@ def sharded_run(workers, name: str) -> tuple[int, int, list[str], list[dict]]:
         f"--parallel.zero={zero}",
         f"--training.micro_batch={8 // world}",
     ]
-    return world, zero, model, workers(world).run(run_layout, [*TINY, *model, *parallel])
+    return world, zero, model, layout_run(workers, world, [*model, *parallel])
 
 
 def test_ddp_memory_is_whole_on_every_rank(workers):
-    results = workers(4).run(run_layout, [*TINY, *LAYOUTS["ddp4"][1], "--training.micro_batch=2"])
+    results = layout_run(workers, 4, [*LAYOUTS["ddp4"][1], "--training.micro_batch=2"])
     psi = sum(math.prod(s) for s in parameter_shapes([]))
     for r in results:
         assert r["state_bytes"] == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
@@ -147,9 +159,7 @@ LOSS_BYTES, NORM_BYTES = 4, 8
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_comm_bytes_match_theory(workers, world):
     """Per step DDP all-reduces every gradient: twice the fp32 model's bytes, times (n-1)/n."""
-    results = workers(world).run(
-        run_layout, [*TINY, *LAYOUTS[f"ddp{world}"][1], f"--training.micro_batch={8 // world}"]
-    )
+    results = layout_run(workers, world, [*LAYOUTS[f"ddp{world}"][1], f"--training.micro_batch={8 // world}"])
     psi = sum(math.prod(s) for s in parameter_shapes([]))
     for row in results[0]["rows"][1:]:  # step 1 also carries the initial broadcast of the weights
         assert row["comm_bytes"] == (2 * 4 * psi + 2 * LOSS_BYTES) * ring(world)
