@@ -113,6 +113,9 @@ class BatchSampler:
     def rank_batch(self, dataset: PreparedData, step: int, dp_rank: int, dp_size: int) -> Batch:
         """``(inputs, targets)`` int64 ``[global_batch // dp_size, seq_len]``: this rank's contiguous slice."""
         self._check(dataset, dp_rank, dp_size)
+        return self._slice(dataset, step, dp_rank, dp_size)
+
+    def _slice(self, dataset: PreparedData, step: int, dp_rank: int, dp_size: int) -> Batch:
         per = self.global_batch // dp_size
         windows = self.global_indices(step)[dp_rank * per : (dp_rank + 1) * per]
         span = self.seq_len + 1
@@ -125,7 +128,7 @@ class BatchSampler:
     ) -> list[Batch]:
         """This rank's slice split into ``global_batch // (dp_size * micro_batch)`` micro-batches."""
         self._check(dataset, dp_rank, dp_size, micro_batch)
-        inputs, targets = self.rank_batch(dataset, step, dp_rank, dp_size)
+        inputs, targets = self._slice(dataset, step, dp_rank, dp_size)
         return list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
 
     def next_rank_batch(self, dataset: PreparedData, dp_rank: int, dp_size: int) -> Batch:

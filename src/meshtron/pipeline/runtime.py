@@ -37,7 +37,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.config import Config, PipelineSchedule
-from meshtron.data.sampler import batch_split_problem
+from meshtron.data.sampler import batch_problems, micro_batches_per_step
 from meshtron.mesh import dp_size
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
@@ -347,9 +347,7 @@ def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
     dp = dp_size(p, world_size)
     # Unknown when the batch does not split (the batch rule says so): its rules are left out then.
     microbatches = (
-        None
-        if batch_split_problem(t.global_batch, t.micro_batch, dp)
-        else t.global_batch // (t.micro_batch * dp)
+        None if batch_problems(cfg, world_size) else micro_batches_per_step(t.global_batch, t.micro_batch, dp)
     )
     problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
     if p.pp > 1 and microbatches is not None and microbatches < p.pp:

@@ -80,9 +80,10 @@ def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
         dataset = PreparedData.open(cfg.data.path)
     else:
         if place.rank == 0:
-            default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
+            dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
         place.comm.barrier(place.world)
-        dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
+        if place.rank != 0:
+            dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
