@@ -36,6 +36,7 @@ def test_mesh_json():
         "cp": 2,
         "tp": 2,
         "ep": 4,
+        "cp_ulysses": 1,
         "edp": 1,
         "world_size": 16,
     }

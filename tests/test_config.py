@@ -89,7 +89,11 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (["--training.dtype=fp16"], 1, "training.dtype='fp16' is not one of fp32, bf16"),
         (["--training.recompute=some"], 1, "training.recompute='some' is not one of none, selective, full"),
         (["--parallel.pp_schedule=1f1f"], 1, "did you mean '1f1b'?"),
-        (["--parallel.cp_impl=ulysses"], 1, "parallel.cp_impl='ulysses' is not one of ring, alltoall"),
+        (
+            ["--parallel.cp_impl=ulysses"],
+            1,
+            "parallel.cp_impl='ulysses' is not one of ring, allgather, alltoall, hybrid",
+        ),
         (["--model.router=topk"], 1, "model.router='topk' is not one of softmax, sigmoid"),
         (["--model.rope_scaling=yarn"], 1, "model.rope_scaling='yarn' is not one of none, llama3"),
         (["--run.device=tpu"], 1, "run.device='tpu' is not one of auto, cpu, cuda"),
@@ -154,7 +158,7 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (
             ["--parallel.cp=4", "--parallel.tp=4", "--parallel.cp_impl=alltoall"],
             16,
-            "cp_impl=alltoall needs model.n_heads=8 divisible by tp*cp=16",
+            "cp_impl='alltoall' splits the 2 query heads of a tp rank over 4 ranks",
         ),
         (["--parallel.pp=8", "--training.global_batch=64"], 8, "model.n_layers=4 cannot fill pp*vpp=8"),
         (["--parallel.vpp=2"], 1, "parallel.vpp=2 needs the interleaved schedule"),

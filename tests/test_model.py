@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ModelConfig, load_config
 from meshtron.models.llama import build_model, init_parameter, rope_inv_freq
-from meshtron.models.moe import MoE, dispatch_plan, load_balancing_loss, router_z_loss
+from meshtron.models.moe import MoE, dispatch_plan, router_losses
 from meshtron.train.metrics import active_params, flops_per_token
 
 
@@ -119,19 +119,40 @@ def test_moe_gradients_match_per_token_loop(capacity_factor):
     assert grads["router.weight"].abs().sum() > 0 and grads["shared_gate.weight"].abs().sum() > 0
 
 
-def test_load_balancing_loss_values():
+def test_router_loss_values():
     # Perfectly balanced routing with uniform probabilities: E * sum_e (k/E) * (1/E) = k.
     n_tokens, n_experts, k = 8, 4, 2
     scores = torch.full((n_tokens, n_experts), 1 / n_experts)
+    logits = torch.zeros(n_tokens, n_experts)
     experts = torch.tensor([[t % 4, (t + 1) % 4] for t in range(n_tokens)])
-    assert load_balancing_loss(scores, experts, "softmax").item() == pytest.approx(k)
+    assert router_losses(scores, experts, logits, "softmax")[0].item() == pytest.approx(k)
     # Everything on expert 0 with all probability there: E * (k... only e0 counted) = E * 1 * 1 (top-1).
     scores = torch.zeros(n_tokens, n_experts)
     scores[:, 0] = 1
-    assert load_balancing_loss(scores, torch.zeros(n_tokens, 1, dtype=torch.long), "softmax").item() == 4.0
+    top1 = torch.zeros(n_tokens, 1, dtype=torch.long)
+    assert router_losses(scores, top1, logits, "softmax")[0].item() == 4.0
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
     expected = ((math.log(2.0)) ** 2 + (math.log(4.0)) ** 2) / 2
-    assert router_z_loss(logits).item() == pytest.approx(expected)
+    assert router_losses(logits.softmax(-1), top1[:2], logits, "softmax")[1].item() == pytest.approx(expected)
+
+
+def test_router_losses_of_split_tokens_summed_equal_the_whole():
+    """Context parallel's seam: each part's statistics summed (here by hand) give the whole's losses."""
+    logits = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    scores, experts = logits.softmax(-1), logits.topk(2, dim=-1).indices
+    whole = router_losses(scores, experts, logits, "softmax")
+    parts = [slice(0, 5), slice(5, 12)]
+    stats = []
+
+    def grab(part_stats):
+        stats.append(part_stats)
+        return part_stats
+
+    for p in parts:
+        router_losses(scores[p], experts[p], logits[p], "softmax", grab)
+    total = stats[0] + stats[1]
+    split = router_losses(scores[parts[0]], experts[parts[0]], logits[parts[0]], "softmax", lambda _: total)
+    assert torch.allclose(torch.stack(split), torch.stack(whole), rtol=1e-6)
 
 
 def test_aux_loss_reaches_model_output():

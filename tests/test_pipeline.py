@@ -8,12 +8,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from meshtron.pipeline.schedules import build_schedule
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
+    merged,
     reference,
     run_layout,
     train_rows,
@@ -42,18 +42,6 @@ def pipeline(pp: int = 2, schedule: str = "1f1b", micro_batch: int = 2, *extra: 
         f"--training.micro_batch={micro_batch}",
         *extra,
     ]
-
-
-def merged(results: list[dict]) -> dict:
-    """Each pipeline rank holds different parameters: their gradients together are the whole model's.
-    A parameter two stages hold (the tied embedding) must have the same gradient on both."""
-    grads = {}
-    for r in results:
-        for name, grad in r["grads"].items():
-            if name in grads:
-                assert torch.equal(grads[name], grad), f"{name}: the stages' copies differ"
-            grads[name] = grad
-    return {**results[-1], "grads": grads}
 
 
 @pytest.mark.parametrize("schedule, pp, microbatches, vpp", CASES)

@@ -102,7 +102,7 @@ def test_unimplemented_layouts_are_refused():
     def refusals(overrides: list[str], world: int) -> str:
         return " ".join(not_yet_supported(load_config(None, overrides), world))
 
-    assert "context parallel is not implemented yet" in refusals(["--parallel.cp=2"], 2)
+    assert refusals(["--parallel.cp=2"], 2) == ""
     assert "expert parallel is not implemented yet" in refusals(["--parallel.ep=2"], 2)
     torch_fsdp = ["--parallel.fsdp_impl=torch", "--parallel.dp_shard=2"]
     assert "fully_shard is not wired into the pipeline runtime" in refusals(
@@ -114,19 +114,27 @@ def test_unimplemented_layouts_are_refused():
     assert refusals(torch_fsdp, 2) == ""
 
 
-@pytest.mark.parametrize(
-    "step, dim, what", [(apply_context_parallel, "cp", "context"), (apply_expert_parallel, "ep", "expert")]
-)
-def test_placeholder_steps_of_parallelize_refuse(step, dim, what):
-    """The context- and expert-parallel steps refuse a group of more than one rank even when called
-    without the up-front check; with one rank they leave the model as it is."""
-    cfg = load_config(None, [*TINY, *MOE, f"--parallel.{dim}=2"])
+def test_placeholder_step_of_parallelize_refuses():
+    """The expert-parallel step refuses a group of more than one rank even when called without the
+    up-front check; with one rank it leaves the model as it is."""
+    cfg = load_config(None, [*TINY, *MOE, "--parallel.ep=2"])
     model = build_model(cfg.model)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    with pytest.raises(ConfigError, match=f"{what} parallel is not implemented yet"):
-        step(model, Comm(), CommGroup(dim, (0, 1), None), cfg)
-    step(model, Comm(), CommGroup(dim, (0,), None), load_config(None, [*TINY, *MOE]))
+    with pytest.raises(ConfigError, match="expert parallel is not implemented yet"):
+        apply_expert_parallel(model, Comm(), CommGroup("ep", (0, 1), None), cfg)
+    apply_expert_parallel(model, Comm(), CommGroup("ep", (0,), None), load_config(None, [*TINY, *MOE]))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_context_parallel_step_refuses_what_validation_would():
+    """Called without the up-front check, the cp step still refuses an invalid layout (here a sequence
+    that does not split into 2·cp chunks); with one rank it changes nothing."""
+    cfg = load_config(None, [*TINY, "--parallel.cp=2", "--training.seq_len=34"])
+    model = build_model(cfg.model)
+    with pytest.raises(ConfigError, match="divisible by 2\\*cp=4"):
+        apply_context_parallel(model, Comm(), CommGroup("cp", (0, 1), None), cfg)
+    assert apply_context_parallel(model, Comm(), CommGroup("cp", (0,), None), cfg) is None
+    assert "attend" not in vars(model.layers["0"].attention)
 
 
 def test_lr_schedule_warmup_then_cosine():

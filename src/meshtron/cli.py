@@ -111,6 +111,20 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_context(args: argparse.Namespace) -> int:
+    from meshtron.parallel.context_picture import draw_assignment, ring_steps_table, ring_work
+
+    if args.ring < 1:
+        raise ConfigError([f"--ring={args.ring} must be positive"])
+    print(ring_steps_table(args.ring))
+    for zigzag in (True, False):
+        work = ", ".join(f"{w:g}" for w in ring_work(args.ring, zigzag))
+        print(f"attention work per rank ({'zigzag' if zigzag else 'contiguous'} chunks): {work}")
+    if args.out:
+        print(f"picture written to {draw_assignment(args.ring, args.out)}")
+    return 0
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     from meshtron.data.dataset import prepare_data
 
@@ -150,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--schedule", default="1f1b", help=", ".join(typing.get_args(PipelineSchedule)))
     sched.add_argument("--out", help="write a PNG of the timeline here")
 
+    ctx = sub.add_parser("context", help="print and draw how ring attention splits causal attention")
+    ctx.add_argument("--ring", type=int, required=True, help="ring ranks (cp, or cp / cp_ulysses for hybrid)")
+    ctx.add_argument("--out", help="write a PNG of the chunk assignment and ring steps here")
+
     prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
     prep.add_argument(
         "inputs", nargs="+", help="files or directories (.txt, .py, .md, .jsonl with a 'text' key)"
@@ -177,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_mesh(args)
         if args.command == "schedule":
             return cmd_schedule(args)
+        if args.command == "context":
+            return cmd_context(args)
         return cmd_prepare_data(args)
     except (ConfigError, DataError, CheckpointError) as err:
         # User errors (configs, layouts, data) get a message, not a traceback.

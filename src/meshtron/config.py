@@ -48,7 +48,7 @@ RopeScaling = Literal["none", "llama3"]
 RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
 FsdpImpl = Literal["meshtron", "torch"]  # ZeRO-3 implementation: meshtron's, or PyTorch's fully_shard
-CpImpl = Literal["ring", "alltoall"]
+CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -146,6 +146,7 @@ class ParallelConfig:
     sp: bool = False
     cp: int = positive(1)
     cp_impl: CpImpl = "ring"
+    cp_ulysses: int = positive(1)  # cp_impl="hybrid": the all-to-all ranks inside each ring rank
     pp: int = positive(1)
     pp_schedule: PipelineSchedule = "1f1b"
     vpp: int = positive(1)
@@ -464,14 +465,12 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
 
 def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
     """Valid layouts that this version cannot run yet, each refused by the module that will run it."""
-    from meshtron.parallel.context import context_parallel_unsupported
     from meshtron.parallel.data_parallel import data_parallel_unsupported
     from meshtron.parallel.expert import expert_parallel_unsupported
     from meshtron.train.checkpoint import checkpoint_unsupported
 
     return (
-        context_parallel_unsupported(cfg)
-        + expert_parallel_unsupported(cfg)
+        expert_parallel_unsupported(cfg)
         + data_parallel_unsupported(cfg, world_size)
         + checkpoint_unsupported(cfg, world_size)
     )

@@ -37,6 +37,8 @@ FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 # The first and the last stage of each pipeline, which share tied embedding weights.
 PP_ENDS = "pp_ends"
+# Hybrid context parallel's two parts of a cp group: all-to-all inside "cp_ulysses", a ring over "cp_ring".
+CP_PARTS = ("cp_ring", "cp_ulysses")
 
 
 def resolve_dp_shard(parallel: ParallelConfig, world_size: int) -> int:
@@ -93,11 +95,15 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    # Hybrid context parallel reads each cp group as [ring, ulysses] with ulysses innermost.
+    cp_ulysses: int = 1
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {bad}")
+        if self.cp % self.cp_ulysses:
+            raise ValueError(f"cp_ulysses={self.cp_ulysses} must divide cp={self.cp}")
         folding = ep_folding_problem(self.dp_shard, self.cp, self.ep)
         if folding:
             raise ValueError(folding)
@@ -111,6 +117,7 @@ class ParallelDims:
             cp=parallel.cp,
             tp=parallel.tp,
             ep=parallel.ep,
+            cp_ulysses=parallel.cp_ulysses if parallel.cp_impl == "hybrid" else 1,
         )
 
     @property
@@ -124,6 +131,8 @@ class ParallelDims:
     def size(self, dim: str) -> int:
         if dim == PP_ENDS:
             return min(self.pp, 2)
+        if dim in CP_PARTS:
+            return self.cp_ulysses if dim == "cp_ulysses" else self.cp // self.cp_ulysses
         if dim in FLAT_DIMS:
             return int(np.prod([getattr(self, d) for d in FLAT_DIMS[dim]]))
         return getattr(self, dim)
@@ -148,6 +157,11 @@ class ParallelDims:
         """Every group of `dim`: lists of ranks that differ only in their `dim` coordinate(s)."""
         if dim == PP_ENDS:
             return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+        if dim in CP_PARTS:  # ulysses: consecutive cp ranks; ring: one of each ulysses group
+            u = self.cp_ulysses
+            if dim == "cp_ulysses":
+                return [g[i : i + u] for g in self.groups("cp") for i in range(0, self.cp, u)]
+            return [g[i::u] for g in self.groups("cp") for i in range(u)]
         if dim in DENSE_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
         elif dim in ("ep", "edp"):
@@ -289,6 +303,9 @@ class ParallelMesh:
         self._pp_ends = None
         if dims.pp > 2:
             self._pp_ends, _ = dist.new_subgroups_by_enumeration(dims.groups(PP_ENDS))
+        self._cp_parts = {}
+        if 1 < dims.cp_ulysses < dims.cp:  # hybrid context parallel's subgroups, plain groups too
+            self._cp_parts = {d: dist.new_subgroups_by_enumeration(dims.groups(d))[0] for d in CP_PARTS}
 
     def close(self) -> None:
         """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
@@ -299,8 +316,9 @@ class ParallelMesh:
         for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
-        if self._pp_ends is not None:
-            groups[id(self._pp_ends)] = self._pp_ends
+        for extra in [self._pp_ends, *self._cp_parts.values()]:
+            if extra is not None:
+                groups[id(extra)] = extra
         for group in groups.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -319,10 +337,19 @@ class ParallelMesh:
             if self._pp_ends is None:
                 raise ValueError(f"rank {self.rank} is on a middle pipeline stage: it has no {PP_ENDS} group")
             return CommGroup(dim, tuple(self.ranks(dim)), self._pp_ends)
+        if dim in CP_PARTS:
+            if not self._cp_parts:
+                raise ValueError(f"{dim} exists only under hybrid context parallel (1 < cp_ulysses < cp)")
+            return CommGroup(dim, tuple(self.ranks(dim)), self._cp_parts[dim])
         return CommGroup(dim, tuple(self.ranks(dim)), self.mesh(dim).get_group())
 
     def size(self, dim: str) -> int:
         return self.dims.size(dim)
+
+    def with_cp(self, dim: str) -> str:
+        """ "dp" or "dp_shard" joined with cp when cp > 1 (the context-parallel ranks hold the same
+        parameters, so they take part in every gradient reduction): the name statistics report."""
+        return f"{dim}_cp" if self.dims.cp > 1 else dim
 
     def local_rank(self, dim: str) -> int:
         return self.mesh(dim).get_local_rank()
@@ -332,12 +359,14 @@ class ParallelMesh:
 
     def grid(self, rows: str, columns: str) -> list[list[int]]:
         """The ranks that share this rank's coordinates in every dense dim but `rows` and `columns`:
-        `grid[i][j]` is the global rank at index i of `rows` and j of `columns`."""
-        if rows == columns or not {rows, columns} <= set(DENSE_DIMS):
+        `grid[i][j]` is the global rank at index i of `rows` and j of `columns`. `rows` may be a view of
+        several dims (dp_shard_cp), indexed row-major as its group is."""
+        row_dims = FLAT_DIMS.get(rows, (rows,))
+        if columns in row_dims or not {*row_dims, columns} <= set(DENSE_DIMS):
             raise ValueError(f"grid needs two different dims of {DENSE_DIMS}, got {rows!r} and {columns!r}")
         at = self.dims.coords(self.rank)
-        index = tuple(slice(None) if dim in (rows, columns) else at[dim] for dim in DENSE_DIMS)
+        index = tuple(slice(None) if dim in (*row_dims, columns) else at[dim] for dim in DENSE_DIMS)
         block = self.dims.dense_grid[index]
-        if DENSE_DIMS.index(rows) > DENSE_DIMS.index(columns):
-            block = block.T
-        return block.tolist()
+        kept = [dim for dim in DENSE_DIMS if dim in (*row_dims, columns)]
+        block = np.moveaxis(block, kept.index(columns), -1)
+        return block.reshape(-1, self.dims.size(columns)).tolist()

@@ -7,6 +7,7 @@ Shapes in names: T tokens (B*S flattened), D model dim, E experts, k top-k, C pe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,20 +52,31 @@ class Router(nn.Module):
         return weights_Tk, experts_Tk, scores_TE, logits_TE
 
 
-def load_balancing_loss(
-    scores_TE: torch.Tensor, experts_Tk: torch.Tensor, score_fn: RouterScore
-) -> torch.Tensor:
-    """Switch-style loss E * sum_e f_e * P_e, with f_e = assignments to e per token (sums to k, as
-    Mixtral's reference counts it) and P_e the mean routing probability of e."""
-    n_tokens, n_experts = scores_TE.shape
+def router_losses(
+    scores_TE: torch.Tensor,
+    experts_Tk: torch.Tensor,
+    logits_TE: torch.Tensor,
+    score_fn: RouterScore,
+    token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, router z-loss) over the micro-batch's tokens.
+
+    Load balancing is Switch-style, E * sum_e f_e * P_e, with f_e = assignments to e per token (sums to
+    k, as Mixtral's reference counts it) and P_e the mean routing probability of e; the z-loss (ST-MoE)
+    is the mean squared log-sum-exp of the router logits, keeping the softmax well conditioned. Both are
+    formed from per-expert sums and a token count, which `token_sum` (context parallel's sum over the
+    ranks that split the sequence) completes when a rank holds only part of the micro-batch's tokens.
+    """
+    n_experts = scores_TE.shape[1]
     counts_E = torch.bincount(experts_Tk.flatten(), minlength=n_experts).to(scores_TE.dtype)
     probs_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-    return n_experts * torch.sum(counts_E / n_tokens * probs_TE.mean(0))
-
-
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE z-loss: keeps router logits small so the softmax stays well conditioned."""
-    return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+    z_sum = torch.logsumexp(logits_TE, dim=-1).pow(2).sum()
+    n_tokens = torch.tensor([float(scores_TE.shape[0])], device=scores_TE.device)
+    stats = torch.cat([counts_E, probs_TE.sum(0), z_sum[None], n_tokens])
+    if token_sum is not None:
+        stats = token_sum(stats)
+    counts_E, prob_sums_E, z_sum, n = stats[:n_experts], stats[n_experts:-2], stats[-2], stats[-1]
+    return n_experts * torch.sum(counts_E / n * (prob_sums_E / n)), z_sum / n
 
 
 class GroupedExperts(nn.Module):
@@ -118,6 +130,9 @@ class MoE(nn.Module):
             self.shared_experts = FeedForward(cfg.dim, cfg.shared_expert_ffn_dim)
             if cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
+        # Sums the routing statistics over the ranks that hold the rest of the micro-batch's tokens
+        # (set by context parallel); None when this rank holds them all.
+        self.token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def capacity(self, n_tokens: int) -> int | None:
         if self.capacity_factor <= 0:
@@ -147,7 +162,8 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
             y_TD = y_TD + shared
 
-        aux = self.aux_loss_coef * load_balancing_loss(scores_TE, experts_Tk, self.score_fn)
+        balance, z_loss = router_losses(scores_TE, experts_Tk, logits_TE, self.score_fn, self.token_sum)
+        aux = self.aux_loss_coef * balance
         if self.z_loss_coef:
-            aux = aux + self.z_loss_coef * router_z_loss(logits_TE)
+            aux = aux + self.z_loss_coef * z_loss
         return y_TD.view_as(x_BSD), aux

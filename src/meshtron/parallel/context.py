@@ -1,45 +1,340 @@
-"""Context parallel: each sequence split over the cp ranks inside attention. Not implemented yet.
+"""Context parallel: each sequence split over the cp ranks, which meet only inside attention.
 
-The cp dim already has its place in the mesh ([pp, dp_replicate, dp_shard, cp, tp], next to tp on the
-fastest links), and its rules about the model and the batch are checked up front with the others, so a
-layout that names cp fails before any process starts. Until the implementation lands, its step in
-`parallelize` refuses cp > 1.
+Everything but attention works token by token, so a rank runs its share of the sequence through the
+embedding, norms, projections, FFN/MoE and loss alone. Attention is replaced by one of four exchanges
+(`parallel.cp_impl`; docs/context-parallel.md draws them):
 
-  causal load balancing   the sequence is cut into 2·cp chunks and rank r keeps chunks r and 2·cp−1−r,
-                          so seq_len must divide by 2·cp
-  alltoall (Ulysses)      attention heads are exchanged for sequence, so tp·cp must divide the heads
+  ring       K/V travel round the cp ranks point to point, the next hop posted before the current
+             block is computed; partial outputs merge by log-sum-exp (blockwise_attention.py). Backward
+             runs the ring again: dQ stays, dK/dV accumulators (fp32) travel with their K/V and arrive
+             home after cp hops. Per layer: forward 2·b·s·k·(cp−1)/cp elements sent, backward the same
+             plus the accumulators' 2·b·s·k (fp32)                            (Liu et al. 2023)
+  allgather  K/V all-gathered (again in backward), each rank attends its chunks against the visible
+             prefix, dK/dV reduce-scattered                                   (Llama 3, Dubey et al. 2024)
+  alltoall   all-to-all swaps the sequence split for a head split, attention runs on whole sequences,
+             a last all-to-all swaps back; 4 all-to-alls forward, 4 backward (DeepSpeed-Ulysses,
+             Jacobs et al. 2023); key/value heads fewer than cp are replicated first
+  hybrid     cp = ring × ulysses: all-to-all inside groups of cp_ulysses ranks, then a ring over the
+             groups (USP, Fang & Zhao 2024)
+
+Causal load balancing (zigzag): the sequence is cut into 2·R chunks for a ring of R ranks and ring rank
+r holds chunks r and 2R−1−r, so every rank does the same attention work; inside a ring rank's share the
+cp_ulysses ranks hold consecutive pieces. Tokens, labels and positions are sharded by the same index
+map (`SequenceLayout`), RoPE sees each token's global position, and the loss divides by the global token
+count, so any cp gives the cp = 1 update. The cp ranks hold the same parameters: gradients are reduced
+over dp × cp, and ZeRO/FSDP shard over dp_shard × cp (data_parallel.py).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, refuse
+from meshtron.config import Config, divisors, refuse
 from meshtron.models.llama import Transformer
+from meshtron.parallel.blockwise_attention import block_backward, block_forward, delta, merge_
+
+
+def cp_degrees(cfg: Config) -> tuple[int, int]:
+    """(ring degree, Ulysses degree) of the layout: ring·ulysses = cp."""
+    p = cfg.parallel
+    if p.cp_impl == "alltoall":
+        return 1, p.cp
+    if p.cp_impl == "hybrid" and p.cp_ulysses > 0 and p.cp % p.cp_ulysses == 0:
+        return p.cp // p.cp_ulysses, p.cp_ulysses
+    return p.cp, 1
+
+
+def _local_heads(cfg: Config) -> tuple[int, int]:
+    """(query heads, key/value heads) one tensor-parallel rank holds."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return m.n_heads // tp, (m.kv_heads // tp if m.kv_heads % tp == 0 else 1)
 
 
 def context_parallel_problems(cfg: Config) -> list[str]:
-    """What splitting the sequence over cp ranks needs of the batch and the model."""
-    p, seq_len, n_heads = cfg.parallel, cfg.training.seq_len, cfg.model.n_heads
+    """What splitting the sequence over cp ranks needs of the batch, the model and cp_impl's options."""
+    p, seq_len = cfg.parallel, cfg.training.seq_len
     problems = []
+    if p.cp_impl != "hybrid" and p.cp_ulysses != 1:
+        problems.append(f"parallel.cp_ulysses={p.cp_ulysses} is only read by cp_impl='hybrid'; set it to 1")
+    if p.cp_impl == "hybrid" and (p.cp % p.cp_ulysses or not 1 < p.cp_ulysses < p.cp):
+        choices = [d for d in divisors(p.cp) if 1 < d < p.cp]
+        fix = (
+            f"use cp_ulysses in {choices}" if choices else "hybrid needs a cp with a divisor between 1 and cp"
+        )
+        problems.append(f"cp_impl='hybrid' needs 1 < parallel.cp_ulysses < cp dividing cp={p.cp}; {fix}")
+        return problems
     if p.cp > 1 and seq_len % (2 * p.cp):
         problems.append(
-            f"training.seq_len={seq_len} must be divisible by 2*cp={2 * p.cp} "
-            "(load-balanced causal context parallel gives each rank two chunks)"
+            f"training.seq_len={seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal context "
+            f"parallel gives each rank two chunks); use seq_len={seq_len - seq_len % (2 * p.cp) or 2 * p.cp}"
         )
-    if p.cp > 1 and p.cp_impl == "alltoall" and n_heads % (p.tp * p.cp):
+    _, ulysses = cp_degrees(cfg)
+    heads, kv_heads = _local_heads(cfg)
+    if ulysses > 1 and heads % ulysses:
         problems.append(
-            f"cp_impl=alltoall needs model.n_heads={n_heads} divisible by tp*cp={p.tp * p.cp}; use cp_impl=ring"
+            f"cp_impl={p.cp_impl!r} splits the {heads} query heads of a tp rank over {ulysses} ranks, which "
+            f"needs model.n_heads divisible by tp*{ulysses}; use cp_impl='ring' or 'allgather'"
+        )
+    if ulysses > 1 and kv_heads % ulysses and ulysses % kv_heads:
+        problems.append(
+            f"cp_impl={p.cp_impl!r}: the {kv_heads} key/value heads of a tp rank can be neither split over "
+            f"nor replicated to {ulysses} ranks (one must divide the other); use cp_impl='ring'"
+        )
+    if p.cp > 1 and cfg.model.is_moe and cfg.model.capacity_factor > 0:
+        problems.append(
+            "model.capacity_factor > 0 with parallel.cp > 1: which tokens overflow an expert's capacity "
+            "depends on the tokens a rank sees; use a dropless MoE (capacity_factor=0) with cp"
         )
     return problems
 
 
-def context_parallel_unsupported(cfg: Config) -> list[str]:
-    """cp > 1, until context parallel is built."""
-    if cfg.parallel.cp > 1:
-        return [f"parallel.cp={cfg.parallel.cp}: context parallel is not implemented yet; use parallel.cp=1"]
-    return []
+def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
+    """Global positions held by rank `index` of `parts` under load balancing: chunks index and
+    2·parts−1−index of the sequence cut into 2·parts chunks (the whole sequence for parts = 1)."""
+    c = seq_len // (2 * parts)
+    first = torch.arange(index * c, (index + 1) * c)
+    return torch.cat([first, torch.arange((2 * parts - 1 - index) * c, (2 * parts - index) * c)])
 
 
-def apply_context_parallel(model: Transformer, comm: Comm, cp: CommGroup, cfg: Config) -> None:
-    """The context-parallel step of `parallelize`: nothing to do with cp = 1; cp > 1 is refused."""
-    refuse(context_parallel_unsupported(cfg))
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which tokens of a sequence each cp rank holds. cp rank k = ring rank · ulysses + ulysses rank:
+    zigzag over the ring ranks, consecutive pieces over the Ulysses ranks inside a ring rank's share."""
+
+    seq_len: int
+    ring: int
+    ulysses: int = 1
+
+    def positions(self, cp_rank: int) -> torch.Tensor:
+        ring_rank, ulysses_rank = divmod(cp_rank, self.ulysses)
+        share = zigzag_positions(ring_rank, self.ring, self.seq_len)
+        return share.chunk(self.ulysses)[ulysses_rank]
+
+
+def ring_block(r: int, j: int, local_len: int) -> tuple[slice, slice]:
+    """(query rows, key columns) of the ring step where rank r holds rank j's K/V: the diagonal block
+    (causal inside), all queries against the first half of the keys (j < r), or the second half of
+    the queries against all keys (j > r); the other quarters are masked out whole."""
+    half, whole = local_len // 2, slice(None)
+    if j == r:
+        return whole, whole
+    return (whole, slice(0, half)) if j < r else (slice(half, None), whole)
+
+
+class _Flight:
+    """One ring hop in progress: `x` sent to the next rank, the previous rank's tensor arriving."""
+
+    def __init__(self, comm: Comm, group: CommGroup, x: torch.Tensor):
+        n, r = group.size, group.rank
+        self.x = x.contiguous()
+        self.sent = comm.isend(self.x, group, (r + 1) % n)
+        self.received, self.buffer = comm.irecv(x.shape, x.dtype, x.device, group, (r - 1) % n)
+
+    def result(self) -> torch.Tensor:
+        self.received.wait()
+        self.sent.wait()
+        return self.buffer
+
+
+@dataclass
+class RingPass:
+    """Ring attention over `group`: each rank's queries against every rank's keys, one hop at a time.
+    `exposed_s` adds up the time spent waiting for hops after the compute they overlapped (what the
+    overlap failed to hide; benchmarks/context_parallel.py reports it)."""
+
+    comm: Comm
+    group: CommGroup
+    window: int = 0
+    exposed_s: float = 0.0
+
+    def land(self, flight: _Flight) -> torch.Tensor:
+        start = time.perf_counter()
+        out = flight.result()
+        self.exposed_s += time.perf_counter() - start
+        return out
+
+    def share(self, ring_rank: int, local_len: int) -> torch.Tensor:
+        return zigzag_positions(ring_rank, self.group.size, local_len * self.group.size)
+
+    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        n, r, S = self.group.size, self.group.rank, q.shape[2]
+        q_pos, kv = self.share(r, S).to(q.device), torch.stack([k, v])
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        for i in range(n):
+            j = (r - i) % n
+            flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
+            rows, keys = ring_block(r, j, S)
+            k_pos = self.share(j, S).to(q.device)[keys]
+            part, part_lse = block_forward(
+                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos, self.window
+            )
+            merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
+            if flight is not None:
+                kv = self.land(flight)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+        n, r, S = self.group.size, self.group.rank, q.shape[2]
+        q_pos, kv, d = self.share(r, S).to(q.device), torch.stack([k, v]), delta(out, dout)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # rank r's own K/V's, at i = 0
+        accumulator: _Flight | None = None
+        for i in range(n):
+            j = (r - i) % n
+            flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None
+            rows, keys = ring_block(r, j, S)
+            k_pos = self.share(j, S).to(q.device)[keys]
+            grads = block_backward(
+                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos,
+                lse[:, :, rows], d[:, :, rows], dout[:, :, rows], self.window,
+            )  # fmt: skip
+            dq[:, :, rows] += grads[0]
+            if accumulator is not None:  # rank j's dK/dV, arriving from the previous rank
+                dkv = self.land(accumulator)
+            dkv[0][:, :, keys] += grads[1]
+            dkv[1][:, :, keys] += grads[2]
+            accumulator = _Flight(self.comm, self.group, dkv)  # on to the next rank, home after n hops
+            if flight is not None:
+                kv = self.land(flight)
+        dkv = self.land(accumulator)
+        return dq, dkv[0], dkv[1]
+
+
+@dataclass
+class GatherPass:
+    """All-gather attention: every rank's K/V gathered in position order; each query sees its prefix."""
+
+    comm: Comm
+    group: CommGroup
+    window: int = 0
+
+    def gathered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K/V of the whole sequence [2, B, K, S, Dh] in position order, the order used)."""
+        n, S = self.group.size, k.shape[2]
+        rank_major = torch.cat([zigzag_positions(j, n, S * n) for j in range(n)])
+        order = torch.argsort(rank_major).to(k.device)
+        kv = self.comm.all_gather_tensor(torch.stack([k, v]), self.group, dim=3)
+        return kv[:, :, :, order], order
+
+    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        n, S = self.group.size, q.shape[2]
+        kv, _ = self.gathered(k, v)
+        q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
+        k_pos = torch.arange(S * n, device=q.device)
+        return block_forward(q, kv[0], kv[1], q_pos, k_pos, self.window)
+
+    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+        n, S = self.group.size, q.shape[2]
+        kv, order = self.gathered(k, v)
+        q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
+        k_pos = torch.arange(S * n, device=q.device)
+        dq, dk, dv = block_backward(q, kv[0], kv[1], q_pos, k_pos, lse, delta(out, dout), dout, self.window)
+        dkv = torch.empty((2, *dk.shape), dtype=torch.float32, device=q.device)
+        dkv[:, :, :, order] = torch.stack([dk, dv])  # back to rank-major order, then each rank its own
+        dkv = self.comm.reduce_scatter_tensor(dkv, self.group, dim=3)
+        return dq, dkv[0], dkv[1]
+
+
+@dataclass
+class LocalPass:
+    """Attention over a whole sequence on one rank (inside Ulysses, after the heads were exchanged)."""
+
+    window: int = 0
+
+    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return block_forward(q, k, v, pos, pos, self.window)
+
+    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return block_backward(q, k, v, pos, pos, lse, delta(out, dout), dout, self.window)
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd around a pass: forward keeps q, k, v, the fp32 output and log-sum-exp; backward asks the
+    pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale one)."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, attention_pass) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = attention_pass.forward(q, k, v)
+        # Laid out [B, S, H, Dh] in memory, as a fused kernel's output is, so that the output projection
+        # reads it as [B, S, H·Dh] without a copy: backward keeps one tensor for both (in q's dtype).
+        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
+        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attention_pass = attention_pass
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.attention_pass.backward(q, k, v, out, lse, dout)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class ContextParallelAttention:
+    """What `Attention.attend` becomes under cp: rotated q [B, H, S/cp, Dh] and k, v [B, K, S/cp, Dh]
+    of this rank's tokens in, this rank's attention output out."""
+
+    def __init__(self, comm: Comm, impl: str, ring: CommGroup | None, ulysses: CommGroup | None, window: int):
+        self.comm, self.ulysses = comm, ulysses
+        passes = {"ring": RingPass, "hybrid": RingPass, "allgather": GatherPass}
+        self.inner = passes[impl](comm, ring, window) if impl in passes else LocalPass(window)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.with_lse(q, k, v, want_lse=False)[0]
+
+    def with_lse(self, q, k, v, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, and with want_lse the log-sum-exp [B, H, S/cp] of this rank's queries)."""
+        if self.ulysses is not None:
+            q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)
+        out, lse = _Attention.apply(q, k, v, self.inner)
+        if self.ulysses is None:
+            return out, lse
+        # Exchanged as [B, S, H, Dh], so the whole-heads result needs no copy before the projection.
+        out = self.comm.all_to_all(out.transpose(1, 2), self.ulysses, split_dim=1, concat_dim=2).transpose(
+            1, 2
+        )
+        if want_lse:
+            lse = self.comm.all_to_all_tensor(lse.contiguous(), self.ulysses, split_dim=2, concat_dim=1)
+        return out, lse if want_lse else None
+
+    def _to_heads(self, x_BHSD: torch.Tensor) -> torch.Tensor:
+        """Sequence-split, all heads -> whole (ring share of the) sequence, 1/ulysses of the heads.
+        Key/value heads fewer than the ranks are replicated first; their gradients sum back."""
+        u, heads = self.ulysses.size, x_BHSD.shape[1]
+        if heads % u:
+            x_BHSD = x_BHSD.repeat_interleave(u // heads, dim=1)
+        return self.comm.all_to_all(x_BHSD, self.ulysses, split_dim=1, concat_dim=2)
+
+
+def apply_context_parallel(
+    model: Transformer,
+    comm: Comm,
+    cp: CommGroup,
+    cfg: Config,
+    ring: CommGroup | None = None,
+    ulysses: CommGroup | None = None,
+) -> SequenceLayout | None:
+    """The context-parallel step of `parallelize`: every attention exchanges K/V (or heads) over cp and
+    every MoE layer sums its routing statistics over cp. Returns where this rank's tokens sit (None for
+    cp = 1). `ring`, `ulysses`: hybrid's two subgroups of cp."""
+    if cp.size == 1:
+        return None
+    refuse(context_parallel_problems(cfg))
+    impl = cfg.parallel.cp_impl
+    ring = {"ring": cp, "allgather": cp, "alltoall": None}.get(impl, ring)
+    ulysses = {"ring": None, "allgather": None, "alltoall": cp}.get(impl, ulysses)
+    for block in model.layers.values():
+        block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, cfg.model.sliding_window)
+        if block.moe is not None:
+            block.moe.token_sum = lambda stats: comm.all_reduce(stats, cp)
+    ring_degree, ulysses_degree = cp_degrees(cfg)
+    return SequenceLayout(cfg.training.seq_len, ring_degree, ulysses_degree)

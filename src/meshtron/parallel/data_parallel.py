@@ -1,8 +1,11 @@
 """The data-parallel step of `parallelize`: which engine replicates or shards this rank's model.
 
-  dp_shard = 1                    DDP over dp_replicate (a group of size 1 costs nothing)     ddp.py
-  dp_shard > 1, zero = 1 or 2     ZeRO-1/2 over dp_shard, all-reduce across dp_replicate     zero.py
-  dp_shard > 1, zero = 3          meshtron's FSDP (HSDP with dp_replicate > 1)               fsdp.py
+Context-parallel ranks hold the same parameters and different tokens, so they join the data-parallel
+ranks in every gradient reduction, and sharding runs over dp_shard x cp (as torchtitan does):
+
+  dp_shard·cp = 1                 DDP over dp_replicate (a group of size 1 costs nothing)      ddp.py
+  dp_shard·cp > 1, zero = 1 or 2  ZeRO-1/2 over dp_shard·cp, all-reduce across dp_replicate   zero.py
+  dp_shard·cp > 1, zero = 3       meshtron's FSDP (HSDP with dp_replicate > 1)                fsdp.py
                                   or PyTorch's fully_shard with fsdp_impl = "torch"
 
 Under pipeline parallel the same engines run per stage: FSDP's root unit (embedding, final norm, head)
@@ -29,9 +32,9 @@ DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
 
 
 def uses_torch_fsdp(cfg: Config, world_size: int) -> bool:
-    """Whether PyTorch's fully_shard shards the model (ZeRO-3 over dp_shard > 1 with fsdp_impl="torch")."""
+    """Whether PyTorch's fully_shard shards the model (ZeRO-3 over dp_shard·cp > 1, fsdp_impl="torch")."""
     p = cfg.parallel
-    return resolve_dp_shard(p, world_size) > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+    return resolve_dp_shard(p, world_size) * p.cp > 1 and p.zero == 3 and p.fsdp_impl == "torch"
 
 
 def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
@@ -51,18 +54,21 @@ def apply_data_parallel(
     forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk)."""
     refuse(data_parallel_unsupported(cfg, mesh.dims.world_size))
     p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
-    shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
+    shard_dim = mesh.with_cp("dp_shard")
+    shard, replicate = mesh.group(shard_dim), mesh.group("dp_replicate")
     reduce_dtype = DTYPES[p.reduce_dtype]
     bucket_bytes = int(p.bucket_mb * 2**20)
     if shard.size == 1:
-        return DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes, reduce_dtype)
+        return DistributedDataParallel(
+            model, comm, mesh.group(mesh.with_cp("dp")), bucket_bytes, reduce_dtype
+        )
     if p.zero in (1, 2):
         return ZeroShardedOptimizer(
-            model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh("dp_shard")
+            model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh(shard_dim)
         )
     blocks = list(model.layers.values())
     if p.fsdp_impl == "torch":
-        device_mesh = mesh.world["dp_replicate", "dp_shard"] if replicate.size > 1 else mesh.mesh("dp_shard")
+        device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
         return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)
     return FullyShardedDataParallel(
         model,
@@ -73,6 +79,6 @@ def apply_data_parallel(
         dtype,
         reduce_dtype,
         p.reshard_after_forward,
-        mesh.mesh("dp_shard"),
+        mesh.mesh(shard_dim),
         root=root,
     )

@@ -3,7 +3,8 @@
   1  pipeline split      keep this rank's chunks of layers, so the steps below cut only what is kept
                          (pipeline/runtime.py)
   2  tensor (+ seq.)     column / row / vocab-parallel weights over tp (tensor.py)
-  3  context             the sequence split over cp inside attention (context.py; refuses cp > 1 yet)
+  3  context             attention exchanges K/V (or heads) over cp; each rank holds its tokens
+                         (context.py)
   4  expert              experts placed on ep ranks (expert.py; refuses ep > 1 yet)
   5  recompute           what each block keeps for backward (recompute.py)
   6  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
@@ -48,6 +49,14 @@ class ParallelModel:
     comm: Comm
     # Under pp with tied embeddings, on the first and the last stage: the group that sums the copies' gradients.
     tied_ends: CommGroup | None = None
+    # Under cp: the global positions [S/cp] of the tokens this rank holds of every sequence.
+    positions: torch.Tensor | None = None
+
+    def local_sequence(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens (or labels) of each sequence: all of them without cp."""
+        if self.positions is None:
+            return x_BS
+        return x_BS[:, self.positions.to(x_BS.device)].contiguous()
 
     def finish_gradients(self) -> None:
         """After the step's last backward: wait for every gradient reduction, and sum the gradients of a
@@ -66,7 +75,9 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     p = cfg.parallel
     layer_split = split_pipeline(model, mesh.group("pp"), cfg)
     tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp) if mesh.size("tp") > 1 else None
-    apply_context_parallel(model, comm, mesh.group("cp"), cfg)
+    hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
+    ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
+    layout = apply_context_parallel(model, comm, mesh.group("cp"), cfg, ring, ulysses)
     apply_expert_parallel(model, comm, mesh.group("ep"), cfg)
     apply_recompute(model, cfg.training.recompute)
     pipeline = None
@@ -83,4 +94,5 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
         else partial(vocab_parallel_cross_entropy, plan=tp_plan, comm=comm)
     )
     tied_ends = mesh.group(PP_ENDS) if pipeline is not None and pipeline.holds_tied_weight() else None
-    return ParallelModel(model, engine, tp_plan, pipeline, token_loss, comm, tied_ends)
+    positions = layout.positions(mesh.group("cp").rank) if layout is not None else None
+    return ParallelModel(model, engine, tp_plan, pipeline, token_loss, comm, tied_ends, positions)

@@ -154,6 +154,7 @@ class _Step:
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
         loss: MicroBatchLoss,
         before_grads: Callable[[bool], None],
+        positions_BS: torch.Tensor | None = None,
     ):
         self.rt, self.micro_batches, self.loss, self.before_grads = runtime, micro_batches, loss, before_grads
         schedule = build_schedule(runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule)
@@ -175,7 +176,9 @@ class _Step:
         batch, seq = tokens0.shape
         self.device = tokens0.device
         self.ce_sum = torch.zeros((), device=self.device)
-        self.positions = torch.arange(seq, device=self.device).expand(batch, -1)
+        if positions_BS is None:
+            positions_BS = torch.arange(seq, device=self.device).expand(batch, -1)
+        self.positions = positions_BS
         shape = (batch, seq // runtime.seq_shards, runtime.model.cfg.dim)
         self.receiver = ReceiveAhead(runtime.comm, runtime.pp, self.actions, shape, self.device)
         self.handlers = {
@@ -301,11 +304,13 @@ class PipelineRuntime:
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
         loss: MicroBatchLoss,
         before_grads: Callable[[bool], None] = lambda is_last: None,
+        positions_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only). `before_grads(is_last)` runs before every
-        action that accumulates parameter gradients, true for the chunk's last such action of the step."""
-        step = _Step(self, micro_batches, loss, before_grads)
+        action that accumulates parameter gradients, true for the chunk's last such action of the step.
+        `positions_BS`: the global positions of the tokens (under context parallel; default 0..S-1)."""
+        step = _Step(self, micro_batches, loss, before_grads, positions_BS)
         self.released_outputs = 0
         self.timeline = []
         step_start = time.perf_counter()

@@ -20,6 +20,13 @@ width held per rank, f the FFN width:
                     as the output projection's input: minus b·(a/t)·s only. With a fused kernel there is
                     no score matrix left for selective recompute to drop.
 
+Context parallel (cp ranks, each holding s/cp tokens of every sequence) divides every term by cp: its
+attention keeps the same tensors for its own tokens (rotated q and k, v, the output, the log-sum-exp),
+the exchanged K/V blocks are freed after each step and fetched again in backward. One exception: the
+all-to-all implementations (Ulysses degree u) keep the attention output twice, head-split for their
+own backward and sequence-split for the output projection's (s·b·q/t more), and with fewer key/value
+heads per tp rank than u they keep k and v replicated to u heads.
+
 The 5·a·s² score term is absent: the fused kernel never materialises the scores. Unlike Megatron, the
 all-gathered input of the column-parallel projections is kept whole under sequence parallel rather than
 gathered again in backward, so tp + sp keeps 2·s·b·h·(1 − 1/t) elements per layer more than a fully
@@ -32,18 +39,31 @@ from meshtron.config import ModelConfig, Recompute
 
 
 def layer_activation_elements(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: Recompute = "none"
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: Recompute = "none",
+    cp: int = 1,
+    ulysses: int = 1,
 ) -> int:
-    """Elements one dense transformer layer keeps for backward on one tensor-parallel rank."""
+    """Elements one dense transformer layer keeps for backward on one rank of tp x cp (`ulysses`: the
+    all-to-all degree of context parallel, cp for cp_impl="alltoall")."""
     if cfg.is_moe:
         raise ValueError("the activation formula covers dense layers; MoE layers depend on the routing")
+    seq //= cp
     sb, h, a = seq * batch, cfg.dim, cfg.n_heads
     q = cfg.n_heads * cfg.head_size
-    kv = cfg.kv_heads * cfg.head_size // tp if cfg.kv_heads % tp == 0 else cfg.head_size
+    kv_heads = cfg.kv_heads // tp if cfg.kv_heads % tp == 0 else 1
     if recompute == "full":
         return sb * h // tp if sp else sb * h
     norm = (2 * sb * h) // tp + sb // tp + sb * h if sp else 3 * sb * h + sb
-    attention = sb * (2 * q // tp + 2 * kv) + batch * (a // tp) * seq
+    attention = sb * (2 * q // tp + 2 * kv_heads * cfg.head_size) + batch * (a // tp) * seq
+    if ulysses > 1 and recompute == "none":  # (selective recompute keeps the inputs, before the exchange)
+        # Ulysses keeps k and v with the key/value heads it had to replicate, and its output twice:
+        # head-split for its own backward, sequence-split for the output projection's.
+        attention += sb * (2 * (max(kv_heads, ulysses) - kv_heads) * cfg.head_size + q // tp)
     swiglu = 4 * sb * cfg.ffn_dim // tp
     total = 2 * norm + attention + swiglu
     if recompute == "selective":

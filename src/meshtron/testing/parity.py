@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from meshtron.config import load_config
@@ -94,6 +95,18 @@ def assert_losses_match(
     assert [r["step"] for r in rows] == [r["step"] for r in want]
     for got, expected in zip(rows, want, strict=True):
         assert relative(got["loss"], expected["loss"]) <= rtol, (got["step"], got["loss"], expected["loss"])
+
+
+def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each pipeline rank holds different parameters: their gradients together are the whole model's.
+    A parameter two stages hold (the tied embedding) must have the same gradient on both."""
+    grads = {}
+    for r in results:
+        for name, grad in r["grads"].items():
+            if name in grads:
+                assert torch.equal(grads[name], grad), f"{name}: the stages' copies differ"
+            grads[name] = grad
+    return {**results[-1], "grads": grads}
 
 
 def assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:

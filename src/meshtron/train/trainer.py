@@ -139,9 +139,9 @@ class Trainer:
         self.loss = MicroBatchLoss(self.parallel.token_loss, t.global_batch * t.seq_len, autocast)
         self.tp_blocks = None
         if self.tp_plan is not None:
-            self.tp_blocks = TensorParallelBlocks(self.tp_plan, mesh.grid("dp_shard", "tp"))
+            self.tp_blocks = TensorParallelBlocks(self.tp_plan, mesh.grid("dp_shard_cp", "tp"))
         self.start_step = self.resume_if_asked()
-        self.dp = mesh.group("dp")
+        self.dp, self.dp_cp = mesh.group("dp"), mesh.group(mesh.with_cp("dp"))
         self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
@@ -171,21 +171,34 @@ class Trainer:
         rank's share of the mean cross-entropy."""
         t = self.cfg.training
         batches = self.sampler.next_micro_batches(self.dataset, self.dp.rank, self.dp.size, t.micro_batch)
-        batches = [(inputs.to(self.device), targets.to(self.device)) for inputs, targets in batches]
+        local = self.parallel.local_sequence  # under cp: this rank's tokens of each sequence
+        batches = [
+            (local(inputs).to(self.device), local(targets).to(self.device)) for inputs, targets in batches
+        ]
+        positions = self.positions(batches[0][0])
         if self.pipeline is not None:  # the schedule's order; the loss is on the last stage only
-            loss_sum = self.pipeline.run(batches, self.loss, before_grads=self.engine.prepare_micro_batch)
+            loss_sum = self.pipeline.run(
+                batches, self.loss, before_grads=self.engine.prepare_micro_batch, positions_BS=positions
+            )
             self.parallel.finish_gradients()
             return self.comm.all_reduce_(loss_sum, self.place.mesh.group("pp"))
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, targets) in enumerate(batches):
             self.engine.prepare_micro_batch(is_last=index == len(batches) - 1)
             with self.loss.autocast():
-                logits, aux = self.model(inputs, return_aux=True)
+                logits, aux = self.model(inputs, positions, return_aux=True)
             loss, ce = self.loss.of(logits, aux, targets)
             loss.backward()
             loss_sum += ce.detach()
         self.parallel.finish_gradients()
         return loss_sum
+
+    def positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The global position [B, S/cp] of every token this rank holds (for the rotary embedding)."""
+        seq = self.parallel.positions
+        if seq is None:
+            seq = torch.arange(tokens_BS.shape[1])
+        return seq.to(tokens_BS.device).expand(tokens_BS.shape[0], -1)
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step (0-based `step`); returns its metrics row."""
@@ -201,7 +214,7 @@ class Trainer:
         self.optimizer.step()
         self.engine.after_step()
         self.engine.zero_grad()
-        self.comm.all_reduce_(loss_sum, self.dp)
+        self.comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
 
         comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
         self.comm.stats.reset()
