@@ -167,13 +167,18 @@ def formula_bytes(seq: int, cp: int, impl: str) -> float:
     return layers * total
 
 
-def tables(seq: int, cp: int, single: reporting.Samples, samples: dict[str, reporting.Samples], extra: dict):
+def tables(
+    seq: int,
+    cp: int,
+    impls: Sequence[str],
+    single: reporting.Samples,
+    samples: dict[str, reporting.Samples],
+    extra: dict,
+) -> list[list[str]]:
     rows = []
     cfg = load_config(None, overrides(seq, 1, "ring", "."))
-    for impl in ("single", *IMPLS):
-        s = single if impl == "single" else samples.get(label(impl, cp))
-        if s is None:
-            continue
+    for impl in ("single", *impls):
+        s = single if impl == "single" else samples[label(impl, cp)]
         measured = s.measured[0].notes if s.measured else {}
         comm = measured.get("comm", {})
         attention = sum(v for g, v in comm.items() if g in ("cp", "cp_ring", "cp_ulysses"))
@@ -201,9 +206,9 @@ def tables(seq: int, cp: int, single: reporting.Samples, samples: dict[str, repo
             "| vs cp=1 | activations kept per layer MiB (formula) | attention comm MiB per rank: measured / formula "
             "| ring hops: ms waited after overlap / ms alone",
             rows,
-            "Steps (the slowest rank's), memory and traffic per rank (measured step):",
+            f"cp={cp}: steps (the slowest rank's), memory and traffic per rank (measured step):",
         ),
-        reporting.comparison_table([Pair(label("ring", cp), label(i, cp)) for i in IMPLS[1:]], samples),
+        reporting.comparison_table([Pair(label(impls[0], cp), label(i, cp)) for i in impls[1:]], samples),
     ]
 
 
@@ -211,28 +216,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = reporting.parser(__doc__, steps=8, warmup=2)
     parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--cp", type=int, default=4, help="cp degree = ranks (hybrid: 2 Ulysses x cp/2 ring)")
+    parser.add_argument(
+        "--cp", type=int, nargs="+", default=[2, 4], help="cp degrees, one world each (hybrid: cp >= 4)"
+    )
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     args = parser.parse_args(argv)
     report = reporting.Report(__file__, TITLE)
-    print(f"cp=1 on one rank, then cp={args.cp} on {args.cp} gloo ranks; seq {args.seq}")
+    print(f"cp=1 on one rank, then cp={args.cp} gloo ranks; seq {args.seq}")
     single_result = harness.run_world(1, bench_rank, args.seq, 1, ["ring"], args.warmup, args.steps, None)
     single = report.add(single_result)[label("ring", 1)]
     reference = [r.loss for r in single_result[0].records[label("ring", 1)][:1]]
-    results = harness.run_world(
-        args.cp, bench_rank, args.seq, args.cp, args.impls, args.warmup, args.steps, reference
-    )
-    samples = report.add(results)
-    report.blocks = tables(args.seq, args.cp, single, samples, results[0].extra)
+    torch_cp = ""
+    for cp in args.cp:
+        impls = [i for i in args.impls if i != "hybrid" or cp >= 4]  # hybrid needs 1 < ulysses < cp
+        results = harness.run_world(cp, bench_rank, args.seq, cp, impls, args.warmup, args.steps, reference)
+        samples = report.add(results)
+        report.blocks += tables(args.seq, cp, impls, single, samples, results[0].extra)
+        torch_cp = results[0].extra["torch_cp"]
     cpus = os.cpu_count() or 1
-    torch_cp = results[0].extra["torch_cp"]
+    worlds = ", ".join(f"cp={c} {'oversubscribed' if c > cpus else 'one rank per core'}" for c in args.cp)
     report.facts = [
-        f"every rank `torch.set_num_threads(1)`; {args.cp} ranks on {cpus} logical CPUs"
-        + (
-            " (oversubscribed: a rank waits for the OS at every exchange, so times are noisy)"
-            if args.cp > cpus
-            else ""
-        ),
+        f"every rank `torch.set_num_threads(1)`; {worlds} (an oversubscribed rank waits for the OS to "
+        "schedule its peers at every exchange, so its times are noisy and its waits long)",
         f"model: {' '.join(a.removeprefix('--') for a in MODEL[:6])}, seq {args.seq}, batch 1; fp32; "
         "ZeRO-1 over the cp ranks (they hold the same parameters)",
         f"{args.steps} timed steps per layout after 1 check step and {args.warmup} warmup, plus one measured step",

@@ -70,6 +70,17 @@ def test_mesh_bad_layout_is_a_clear_error():
     assert "ep=3 must divide dp_shard*cp=4" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_context_table_and_picture(tmp_path):
+    out = meshtron("context", "--ring", "3", "--out", str(tmp_path / "cp.png"))
+    assert out.returncode == 0, out.stderr
+    assert "ring of 3: rank r holds chunks r and 5-r of 6" in out.stdout
+    assert "step 1: r0<-kv2: second half q x all kv; r1<-kv0: all q x first half kv" in out.stdout
+    assert "(zigzag chunks): 6, 6, 6" in out.stdout and "(contiguous chunks): 2, 6, 10" in out.stdout
+    assert (tmp_path / "cp.png").read_bytes()[:4] == b"\x89PNG"
+    bad = meshtron("context", "--ring", "0")
+    assert bad.returncode == 2 and "--ring=0 must be positive" in bad.stderr
+
+
 def test_prepare_data(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from meshtron.comm import Comm
 from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.parallel.blockwise_attention import block_forward, merge_
+from meshtron.parallel.blockwise_attention import _fused_parts, block_backward, block_forward, merge_
 from meshtron.parallel.context import ContextParallelAttention, SequenceLayout, zigzag_positions
 
 TOL = 1e-5
@@ -118,9 +118,42 @@ def test_merge_survives_far_apart_and_fully_masked_blocks():
     assert torch.allclose(a, whole, atol=1e-6) and torch.allclose(a_lse, whole_lse, atol=1e-6)
 
 
-def test_blockwise_attention_equals_sdpa():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "tiled"])
+def test_blockwise_attention_equals_sdpa(fused):
     q, k, v = torch.randn(2, 4, 40, 8), torch.randn(2, 2, 40, 8), torch.randn(2, 2, 40, 8)
     pos = torch.arange(40)
-    out, _ = block_forward(q, k, v, pos, pos)
+    out, _ = block_forward(q, k, v, pos, pos, fused=fused)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert (out - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "q_at, k_at",
+    [
+        ("zigzag", "zigzag"),  # a ring's diagonal step
+        ("zigzag", "all"),  # all-gather: each chunk against its visible prefix
+        ("zigzag", "first"),  # a ring step against an earlier rank's K/V
+        ("gap", "all"),  # keys at the queries' positions missing: the fused path must decline
+    ],
+)
+def test_fused_and_tiled_blocks_agree(q_at, k_at):
+    """Both ways of computing a block give the same output, log-sum-exp and gradients (the gradients
+    given a final output and log-sum-exp over more keys than the block's, as in the ring)."""
+    positions = {"zigzag": zigzag_positions(1, 4, 64), "all": torch.arange(64), "first": torch.arange(8, 16)}
+    positions["gap"] = torch.cat([torch.arange(20, 28), torch.arange(40, 48)])
+    q_pos, k_pos = positions[q_at], positions[k_at]
+    if q_at == "gap":
+        k_pos = torch.cat([torch.arange(0, 22), torch.arange(30, 64)])
+    assert (_fused_parts(q_pos, k_pos) is None) == (q_at == "gap")  # which path "fused" takes
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, q_pos.numel(), 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, k_pos.numel(), 8, generator=gen) for _ in range(2))
+    results = []
+    for fused in (True, False):
+        out, lse = block_forward(q, k, v, q_pos, k_pos, fused=fused)
+        final_out, final_lse = out + 0.1, lse + 0.5  # as if other blocks had been merged in
+        results.append(
+            (out, lse, *block_backward(q, k, v, q_pos, k_pos, final_out, final_lse, dout, fused=fused))
+        )
+    for a, b in zip(*results, strict=True):
+        assert (a - b).abs().max() < 1e-5

@@ -5,11 +5,20 @@ communication volume and kept activations against the formulas, exactly."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
 from meshtron.config import ConfigError, check, load_config
-from meshtron.testing.parity import assert_parity, merged, reference, run_layout, trainer_for
+from meshtron.testing.parity import (
+    assert_losses_match,
+    assert_parity,
+    merged,
+    reference,
+    run_layout,
+    train_rows,
+    trainer_for,
+)
 from meshtron.testing.tiny import MOE, TINY
 
 RING2 = ["--parallel.cp=2"]
@@ -163,3 +172,22 @@ def test_invalid_cp_layouts_are_refused_with_the_fix():
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             check(load_config(None, [*TINY, *overrides]), world)
+
+
+def test_checkpoint_written_under_cp_resumes_on_other_layouts(workers, tmp_path):
+    """Save under ring cp 2 x tp 2 + sp (ZeRO-3 shards over the cp ranks, MoE included); resume on one
+    device and under all-to-all cp 2 x ZeRO-1 dp 2: each continues as the uninterrupted run does."""
+    base = [*TINY, *MOE, "--training.steps=6", "--training.micro_batch=2"]
+    saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
+    straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
+    saved_by = [*RING2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=1"]
+    first = [*base, *saving, *saved_by, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"]
+    assert [r["step"] for r in workers(4).run(train_rows, first)[0]] == [1, 2, 3]
+    for name, world, layout in [
+        ("single", 1, ["--parallel.dp_shard=1"]),
+        ("alltoall2_zero1", 4, ["--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.zero=1"]),
+    ]:
+        shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
+        resume = [*base, *saving, *layout, "--checkpoint.resume=true", f"--run.dir={tmp_path / name}"]
+        rows = workers(world).run(train_rows, resume)[0]
+        assert_losses_match(rows, straight[3:])

@@ -112,6 +112,8 @@ class Attention(nn.Module):
         return self.attend(apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin), v_BKSDh)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of rotated q [B, H, S, Dh] over k, v [B, K, S, Dh]. Context parallel replaces
+        it on the instance with an exchange over the ranks that hold the rest of the sequence."""
         S = q.shape[2]
         gqa = q.shape[1] != k.shape[1]
         if self.sliding_window and S > self.sliding_window:

@@ -15,9 +15,18 @@ position: the masked upper triangle is skipped, not computed.
              p = exp(s − lse), δ = rowsum(dO ∘ o), dV = pᵀ dO, dS = p ∘ (dO vᵀ − δ),
              dQ = dS k·scale, dK = dSᵀ q·scale    -- so blocks can be differentiated one at a time
 
+Two ways to compute a block, with the same results (tests/test_context_attention.py checks both):
+
+  fused    on CPU without a sliding window: each run of consecutive query positions splits the keys
+           into those all of its queries see (a full block) and those at its own positions (a causal
+           square); PyTorch's fused CPU flash-attention kernel computes each part with its
+           log-sum-exp, and its backward accepts the final output and log-sum-exp. Public SDPA does not
+           return the log-sum-exp, so this calls the private ATen operator, here and nowhere else.
+  tiled    everywhere else (sliding windows, CUDA, any positions): plain tensor ops over tiles of
+           queries, [B, H, tile, Sk] scores at a time (TILE_ELEMENTS), never Sq × Sk.
+
 Shapes: B batch, H query heads, K key/value heads (grouped-query attention: H = K·G), Sq and Sk the
-block's query and key lengths, Dh the head dim. The score tile [B, H, tile, Sk] is the only quadratic
-tensor, and it is freed tile by tile: nothing of size Sq × Sk is kept.
+block's query and key lengths, Dh the head dim.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
-# Score elements per tile (fp32: 64 MiB): bounds the transient memory of a long block.
-TILE_ELEMENTS = 1 << 24
+# Score elements per tile (fp32: 4 MiB): bounds the transient memory of a long block.
+TILE_ELEMENTS = 1 << 20
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -47,9 +58,7 @@ def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, heads: int, batch: int, win
     """(query slice, key slice, mask) per tile of queries. A tile never spans a jump in the query
     positions (the two chunks a load-balanced rank holds), so each reads only the keys it can see."""
     rows = max(1, TILE_ELEMENTS // max(1, batch * heads * k_pos.numel()))
-    jumps = (torch.nonzero(q_pos[1:] - q_pos[:-1] != 1).flatten() + 1).tolist()
-    bounds = [0, *jumps, q_pos.numel()]
-    for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for begin, end in _segments(q_pos):
         for start in range(begin, end, rows):
             stop = min(start + rows, end)
             lo, hi = _key_range(q_pos[start:stop], k_pos, window)
@@ -73,6 +82,38 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - finite[..., None])
 
 
+def _segments(q_pos: torch.Tensor) -> list[tuple[int, int]]:
+    """[begin, end) of each run of consecutive query positions (a load-balanced rank holds two)."""
+    jumps = (torch.nonzero(q_pos[1:] - q_pos[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0, *jumps, q_pos.numel()]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _fused_parts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
+    """(query rows, keys, causal) blocks the fused kernel can compute: per run of query positions
+    [a, a + n), the keys before a (all visible) and the keys at a .. a + n − 1 (a causal square); None
+    when the keys at the run's positions are not exactly those (then the tiled path masks by position)."""
+    parts = []
+    for begin, end in _segments(q_pos):
+        first, n = int(q_pos[begin]), end - begin
+        lo = int(torch.searchsorted(k_pos, first))
+        hi = int(torch.searchsorted(k_pos, first + n))
+        if lo > 0:
+            parts.append((slice(begin, end), slice(0, lo), False))
+        if hi > lo:
+            if hi - lo != n or int(k_pos[lo]) != first:
+                return None
+            parts.append((slice(begin, end), slice(lo, hi), True))
+    return parts
+
+
+def _fused(q: torch.Tensor, window: int, q_pos: torch.Tensor, k_pos: torch.Tensor, fused: bool | None):
+    """The fused kernel's parts for this block, or None to take the tiled path."""
+    if fused is False or window > 0 or q.device.type != "cpu" or _FUSED is None:
+        return None
+    return _fused_parts(q_pos, k_pos)
+
+
 def block_forward(
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
@@ -80,23 +121,35 @@ def block_forward(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     window: int = 0,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [B, H, Sq, Dh], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
-    that sees no key has output 0 and log-sum-exp −inf."""
+    that sees no key has output 0 and log-sum-exp −inf. `fused=False` forces the tiled path."""
+    out = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
+    lse = torch.full(q_BHSD.shape[:-1], NEG_INF, device=q_BHSD.device)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, fused)
+    if parts is not None:
+        for rows, keys, causal in parts:
+            part, part_lse = _FUSED(q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys], 0.0, causal)
+            merge_(out[:, :, rows], lse[:, :, rows], part.float(), part_lse)
+        return out, lse
     B, H, Sq, D = q_BHSD.shape
     K, scale = k_BKSD.shape[1], D**-0.5
-    q_g = _grouped(q_BHSD, K)
-    out = q_g.new_zeros(q_g.shape)
-    lse = q_g.new_full(q_g.shape[:-1], NEG_INF)
+    q_g, out_g, lse_g = _grouped(q_BHSD, K), out.view(B, K, H // K, Sq, D), lse.view(B, K, H // K, Sq)
     for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window):
         if keys.stop == keys.start:
             continue
         s = _scores(q_g[..., rows, :], k_BKSD[:, :, keys], mask, scale)
-        tile_lse = torch.logsumexp(s, dim=-1)
-        p = _probabilities(s, tile_lse)
-        out[..., rows, :] = torch.matmul(p, v_BKSD[:, :, keys].float()[:, :, None])
-        lse[..., rows] = tile_lse
-    return out.view(B, H, Sq, D), lse.view(B, H, Sq)
+        m = s.amax(dim=-1)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row that sees no key: p = 0
+        p = torch.exp(s - m[..., None])
+        total = p.sum(-1)
+        out_g[..., rows, :] = (
+            torch.matmul(p, v_BKSD[:, :, keys].float()[:, :, None])
+            / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+        )
+        lse_g[..., rows] = m + torch.log(total)
+    return out, lse
 
 
 def block_backward(
@@ -105,20 +158,42 @@ def block_backward(
     v_BKSD: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
+    out_BHSD: torch.Tensor,
     lse_BHS: torch.Tensor,
-    delta_BHS: torch.Tensor,
     dout_BHSD: torch.Tensor,
     window: int = 0,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final log-sum-exp and
-    δ = rowsum(dO ∘ O) over its final output."""
+    """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final output and
+    log-sum-exp (over all its keys, not only this block's)."""
+    dq = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
+    dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
+    dv = torch.zeros_like(dk)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, fused)
+    if parts is not None:
+        out = out_BHSD.to(q_BHSD.dtype)  # the kernel takes every tensor but the log-sum-exp in q's dtype
+        for rows, keys, causal in parts:
+            grads = _FUSED_BACKWARD(
+                dout_BHSD[:, :, rows], q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys],
+                out[:, :, rows], lse_BHS[:, :, rows], 0.0, causal,
+            )  # fmt: skip
+            dq[:, :, rows] += grads[0]
+            dk[:, :, keys] += grads[1]
+            dv[:, :, keys] += grads[2]
+        return dq, dk, dv
+    _tiled_backward(q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, (dq, dk, dv))
+    return dq, dk, dv
+
+
+def _tiled_backward(
+    q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads
+) -> None:
+    """block_backward's tiled path: accumulates into grads = (dq, dk, dv)."""
     B, H, Sq, D = q_BHSD.shape
     K, scale = k_BKSD.shape[1], D**-0.5
     q_g, do_g = _grouped(q_BHSD, K), _grouped(dout_BHSD, K)
-    lse_g, delta_g = lse_BHS.view(B, K, H // K, Sq), delta_BHS.view(B, K, H // K, Sq)
-    dq = torch.zeros_like(q_g)
-    dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
-    dv = torch.zeros_like(dk)
+    lse_g, delta_g = lse_BHS.view(B, K, H // K, Sq), delta(out_BHSD, dout_BHSD).view(B, K, H // K, Sq)
+    dq, dk, dv = grads[0].view(B, K, H // K, Sq, D), grads[1], grads[2]
     for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window):
         if keys.stop == keys.start:
             continue
@@ -128,9 +203,8 @@ def block_backward(
         do = do_g[..., rows, :]
         dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), do).sum(2)
         ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta_g[..., rows, None])
-        dq[..., rows, :] = torch.matmul(ds, k) * scale
+        dq[..., rows, :] += torch.matmul(ds, k) * scale
         dk[:, :, keys] += torch.matmul(ds.transpose(-1, -2), q_g[..., rows, :]).sum(2) * scale
-    return dq.view(B, H, Sq, D), dk, dv
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

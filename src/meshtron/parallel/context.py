@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config, divisors, refuse
 from meshtron.models.llama import Transformer
-from meshtron.parallel.blockwise_attention import block_backward, block_forward, delta, merge_
+from meshtron.parallel.blockwise_attention import block_backward, block_forward, merge_
 
 
 def cp_degrees(cfg: Config) -> tuple[int, int]:
@@ -161,7 +162,7 @@ class RingPass:
     def share(self, ring_rank: int, local_len: int) -> torch.Tensor:
         return zigzag_positions(ring_rank, self.group.size, local_len * self.group.size)
 
-    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         n, r, S = self.group.size, self.group.rank, q.shape[2]
         q_pos, kv = self.share(r, S).to(q.device), torch.stack([k, v])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -179,9 +180,11 @@ class RingPass:
                 kv = self.land(flight)
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+    ) -> tuple[Tensor, ...]:
         n, r, S = self.group.size, self.group.rank, q.shape[2]
-        q_pos, kv, d = self.share(r, S).to(q.device), torch.stack([k, v]), delta(out, dout)
+        q_pos, kv = self.share(r, S).to(q.device), torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # rank r's own K/V's, at i = 0
         accumulator: _Flight | None = None
@@ -192,7 +195,7 @@ class RingPass:
             k_pos = self.share(j, S).to(q.device)[keys]
             grads = block_backward(
                 q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos,
-                lse[:, :, rows], d[:, :, rows], dout[:, :, rows], self.window,
+                out[:, :, rows], lse[:, :, rows], dout[:, :, rows], self.window,
             )  # fmt: skip
             dq[:, :, rows] += grads[0]
             if accumulator is not None:  # rank j's dK/dV, arriving from the previous rank
@@ -222,19 +225,21 @@ class GatherPass:
         kv = self.comm.all_gather_tensor(torch.stack([k, v]), self.group, dim=3)
         return kv[:, :, :, order], order
 
-    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         n, S = self.group.size, q.shape[2]
         kv, _ = self.gathered(k, v)
         q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
         k_pos = torch.arange(S * n, device=q.device)
         return block_forward(q, kv[0], kv[1], q_pos, k_pos, self.window)
 
-    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+    ) -> tuple[Tensor, ...]:
         n, S = self.group.size, q.shape[2]
         kv, order = self.gathered(k, v)
         q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
         k_pos = torch.arange(S * n, device=q.device)
-        dq, dk, dv = block_backward(q, kv[0], kv[1], q_pos, k_pos, lse, delta(out, dout), dout, self.window)
+        dq, dk, dv = block_backward(q, kv[0], kv[1], q_pos, k_pos, out, lse, dout, self.window)
         dkv = torch.empty((2, *dk.shape), dtype=torch.float32, device=q.device)
         dkv[:, :, :, order] = torch.stack([dk, dv])  # back to rank-major order, then each rank its own
         dkv = self.comm.reduce_scatter_tensor(dkv, self.group, dim=3)
@@ -247,13 +252,15 @@ class LocalPass:
 
     window: int = 0
 
-    def forward(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         pos = torch.arange(q.shape[2], device=q.device)
         return block_forward(q, k, v, pos, pos, self.window)
 
-    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+    ) -> tuple[Tensor, ...]:
         pos = torch.arange(q.shape[2], device=q.device)
-        return block_backward(q, k, v, pos, pos, lse, delta(out, dout), dout, self.window)
+        return block_backward(q, k, v, pos, pos, out, lse, dout, self.window)
 
 
 class _Attention(torch.autograd.Function):
@@ -261,8 +268,9 @@ class _Attention(torch.autograd.Function):
     pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale one)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, attention_pass) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = attention_pass.forward(q, k, v)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, attention_pass: Any) -> tuple[Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
+            out, lse = attention_pass.forward(q, k, v)
         # Laid out [B, S, H, Dh] in memory, as a fused kernel's output is, so that the output projection
         # reads it as [B, S, H·Dh] without a copy: backward keeps one tensor for both (in q's dtype).
         out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
@@ -291,7 +299,9 @@ class ContextParallelAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.with_lse(q, k, v, want_lse=False)[0]
 
-    def with_lse(self, q, k, v, want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def with_lse(
+        self, q: Tensor, k: Tensor, v: Tensor, want_lse: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """(output, and with want_lse the log-sum-exp [B, H, S/cp] of this rank's queries)."""
         if self.ulysses is not None:
             q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)
