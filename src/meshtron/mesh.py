@@ -23,6 +23,7 @@ import numpy as np
 
 from meshtron.comm import CommGroup
 from meshtron.config import Config, ParallelConfig
+from meshtron.figures import pyplot, save_figure
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
@@ -222,10 +223,7 @@ class ParallelDims:
 def draw_mesh(dims: ParallelDims, gpus_per_node: int, out_path: str | Path) -> Path:
     """PNG with one panel per dim of size > 1: ranks laid out as nodes (rows) x GPUs (columns),
     each coloured by its group in that dim; thick lines mark node boundaries."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [d for d in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep") if dims.size(d) > 1] or ["tp"]
     n_nodes = -(-dims.world_size // gpus_per_node)
@@ -269,12 +267,7 @@ def draw_mesh(dims: ParallelDims, gpus_per_node: int, out_path: str | Path) -> P
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(f"meshtron {dims.summary()}", fontsize=10)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)
 
 
 class ParallelMesh:

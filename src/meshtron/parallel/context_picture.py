@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshtron.figures import pyplot, save_figure
 from meshtron.parallel.context import ring_block, zigzag_positions
 
 
@@ -50,10 +51,7 @@ def ring_steps_table(ring: int) -> str:
 def draw_assignment(ring: int, out_path: str | Path) -> Path:
     """Two panels, zigzag and contiguous: the chunk-level causal matrix coloured by the rank that
     computes each cell, labelled with the ring step that computes it; the work per rank in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Polygon, Rectangle
 
     n = 2 * ring
@@ -83,9 +81,4 @@ def draw_assignment(ring: int, out_path: str | Path) -> Path:
     fig.suptitle(
         f"causal attention over {n} chunks, ring of {ring}: colour = rank, number = ring step", fontsize=9
     )
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtron.config import PipelineSchedule
+from meshtron.figures import pyplot, save_figure
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, idle_fraction, simulate
 
 COLOURS = {Kind.F: "#4c8bd6", Kind.B: "#e0793a", Kind.W: "#58a55c"}
@@ -19,10 +20,7 @@ def draw_timeline(timeline: Timeline, out_path: str | Path, title: str, vpp: int
 
 
 def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp: int, xlabel: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     pp = len(panels[0][0])
     makespan = max((end for timeline, _ in panels for rank in timeline for _, _, end in rank), default=1.0)
@@ -70,12 +68,7 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
     kinds = [Kind.F, Kind.B, Kind.W] if split else [Kind.F, Kind.B]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
     axes[0, 0].legend(handles, [labels[k] for k in kinds], loc="upper right", fontsize=7, ncol=3)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)
 
 
 def draw_measured_timeline(

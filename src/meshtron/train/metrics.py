@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import ModelConfig
+from meshtron.figures import pyplot, save_figure
 from meshtron.parallel.engine import DataParallelEngine
 
 # Dense bf16 peak FLOP/s of accelerators by name fragment (published figures; docs/theory.md#flops-and-mfu).
@@ -169,18 +170,11 @@ class MetricsLogger:
 
 
 def plot_loss(rows: list[dict[str, Any]], out_path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)
