@@ -102,10 +102,8 @@ def ring_hops_alone(runner: TrainerStep, repeats: int = 5) -> float:
         start = time.perf_counter()
         # Per layer: forward n-1 K/V hops; backward n-1 K/V hops and n accumulator hops.
         for _ in range(len(runner.rings) * (3 * n - 2)):
-            sent = comm.isend(kv, ring.group, (ring.group.rank + 1) % n)
-            received, _ = comm.irecv(kv.shape, kv.dtype, "cpu", ring.group, (ring.group.rank - 1) % n)
-            received.wait()
-            sent.wait()
+            pending, _ = comm.sendrecv(kv, ring.group, (ring.group.rank + 1) % n, (ring.group.rank - 1) % n)
+            pending.wait()
         times.append(time.perf_counter() - start)
     comm.stats.reset()
     return statistics.median(times)

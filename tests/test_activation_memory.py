@@ -32,6 +32,8 @@ def saved_bytes_of_second_layer(
         f"--model.n_kv_heads={kv_heads}",
         f"--parallel.cp={cp}",
         f"--parallel.cp_impl={cp_impl}",
+        f"--parallel.tp={tp}",
+        f"--parallel.sp={str(sp).lower()}",
     ]
     cfg = load_config(None, [*overrides, f"--training.seq_len={SEQ}"])
     model = build_model(cfg.model, seed=0)

@@ -163,27 +163,6 @@ def test_byte_accounting_matches_ring_volumes(workers):
         assert set(r["groups"]) == {"world"}
 
 
-def p2p_autograd() -> dict:
-    """Rank 0: y = 3x, send y. Rank 1: z = recv; loss = sum(z^2). Reference: d loss/dx = 18x."""
-    comm = Comm(timeout_s=60)
-    group = _world_group(comm)
-    x_value = torch.arange(6, dtype=torch.float64).view(2, 3)
-    if dist.get_rank() == 0:
-        x = x_value.clone().requires_grad_(True)
-        handle = comm.send_autograd(3 * x, group, dst=1)
-        handle.backward()
-        return {"grad_err": float((x.grad - 18 * x_value).abs().max())}
-    z = comm.recv_autograd((2, 3), torch.float64, "cpu", group, src=0)
-    (z**2).sum().backward()
-    return {"recv_err": float((z.detach() - 3 * x_value).abs().max())}
-
-
-def test_send_recv_autograd(workers):
-    r0, r1 = workers(2).run(p2p_autograd)
-    assert r0["grad_err"] < 1e-12
-    assert r1["recv_err"] < 1e-12
-
-
 def stuck_collective() -> str:
     comm = Comm(timeout_s=2)
     group = _world_group(comm)
@@ -199,6 +178,28 @@ def stuck_collective() -> str:
     time.sleep(3)
     comm.all_reduce_(torch.ones(3), group)
     return ""
+
+
+def ring_exchange() -> dict:
+    """Every rank sends its tensor to the next and receives the previous rank's, in one batch."""
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    n, r = group.size, group.rank
+    mine = torch.full((2, 3), float(r), dtype=torch.float64)
+    pending, received = comm.sendrecv(mine, group, (r + 1) % n, (r - 1) % n)
+    pending.wait()
+    return {
+        "received": float(received[0, 0]),
+        "sent": comm.stats.total_bytes(op="send"),
+        "recv": comm.stats.total_bytes(op="recv"),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sendrecv_ring_exchange(workers, world):
+    """With two ranks both messages go between the same pair, the case NCCL needs batched."""
+    for rank, got in enumerate(workers(world).run(ring_exchange)):
+        assert got == {"received": float((rank - 1) % world), "sent": 48, "recv": 48}
 
 
 def test_timeout_names_rank_collective_and_group(workers):

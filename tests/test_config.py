@@ -153,7 +153,11 @@ def test_missing_file_and_malformed_toml(tmp_path):
             2,
             "training.seq_len=33 must be divisible by tp*cp=2",
         ),
-        (["--parallel.cp=2", "--training.seq_len=34"], 2, "training.seq_len=34 must be divisible by 2*cp=4"),
+        (
+            ["--parallel.cp=2", "--training.seq_len=34"],
+            2,
+            "training.seq_len=34 must be divisible by 4 for cp=2",
+        ),
         (["--parallel.cp=2", "--parallel.tp=4", "--parallel.cp_impl=alltoall"], 8, None),
         (
             ["--parallel.cp=4", "--parallel.tp=4", "--parallel.cp_impl=alltoall"],

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 
 from meshtron.comm import Comm
 from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.parallel.blockwise_attention import _fused_parts, block_backward, block_forward, merge_
+from meshtron.parallel.blockwise_attention import (
+    _FUSED,
+    _FUSED_BACKWARD,
+    _fused_parts,
+    block_backward,
+    block_forward,
+    merge_,
+)
 from meshtron.parallel.context import ContextParallelAttention, SequenceLayout, zigzag_positions
 
 TOL = 1e-5
@@ -118,11 +125,16 @@ def test_merge_survives_far_apart_and_fully_masked_blocks():
     assert torch.allclose(a, whole, atol=1e-6) and torch.allclose(a_lse, whole_lse, atol=1e-6)
 
 
+def test_this_torch_has_the_fused_cpu_kernel():
+    """The "fused" cases below test PyTorch's CPU flash-attention kernel only if it is there."""
+    assert _FUSED is not None and _FUSED_BACKWARD is not None
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "tiled"])
 def test_blockwise_attention_equals_sdpa(fused):
     q, k, v = torch.randn(2, 4, 40, 8), torch.randn(2, 2, 40, 8), torch.randn(2, 2, 40, 8)
     pos = torch.arange(40)
-    out, _ = block_forward(q, k, v, pos, pos, fused=fused)
+    out, _ = block_forward(q, k, v, pos, pos, allow_fused=fused)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert (out - want).abs().max() < 1e-5
 
@@ -150,10 +162,15 @@ def test_fused_and_tiled_blocks_agree(q_at, k_at):
     k, v = (torch.randn(2, 2, k_pos.numel(), 8, generator=gen) for _ in range(2))
     results = []
     for fused in (True, False):
-        out, lse = block_forward(q, k, v, q_pos, k_pos, fused=fused)
+        out, lse = block_forward(q, k, v, q_pos, k_pos, allow_fused=fused)
         final_out, final_lse = out + 0.1, lse + 0.5  # as if other blocks had been merged in
-        results.append(
-            (out, lse, *block_backward(q, k, v, q_pos, k_pos, final_out, final_lse, dout, fused=fused))
-        )
+        grads = block_backward(q, k, v, q_pos, k_pos, final_out, final_lse, dout, allow_fused=fused)
+        results.append((out, lse, *grads))
     for a, b in zip(*results, strict=True):
         assert (a - b).abs().max() < 1e-5
+    # And the forward against plain masked attention in fp64 (for "gap" both runs above were tiled).
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 8**0.5
+    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    want = s.softmax(-1) @ v.double().repeat_interleave(2, 1)
+    assert (results[1][0] - want).abs().max() < 1e-5
+    assert (results[1][1] - torch.logsumexp(s, -1)).abs().max() < 1e-5

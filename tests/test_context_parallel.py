@@ -162,16 +162,70 @@ def test_cp_moves_the_formula_volume(workers, impl):
     assert rest == {op: 0 for op in rest}
 
 
+def test_moe_routing_statistics_are_summed_over_cp(workers):
+    """The only other traffic on the cp group: each MoE layer's one all-reduce of its 2E + 2 routing
+    statistics (per-expert counts and probability sums, the z-loss sum, the token count), forward, and
+    its gradient backward."""
+    overrides = [
+        *TINY,
+        *MOE,
+        *RING2,
+        "--parallel.dp_shard=1",
+        "--parallel.zero=1",
+        "--training.micro_batch=8",
+    ]
+    got = workers(2).run(cp_comm, overrides)[0]
+    m = load_config(None, overrides).model
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    assert got["all_reduce"] == moe_layers * 2 * 2 * (2 * m.n_experts + 2) * 4 * (2 - 1) / 2
+
+
+def test_bf16_runs_match_the_single_device_bf16_run(workers, tmp_path):
+    """Under bf16 autocast every implementation trains as the cp = 1 run does, to bf16's precision: with
+    FSDP's bf16 parameters, and with ZeRO-1's fp32 ones (then q and k leave the rotary embedding in fp32
+    while v is bf16)."""
+    base = [*TINY, "--training.dtype=bf16", "--training.steps=3", "--training.micro_batch=8"]
+    want = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'single'}"])[0]
+    for impl, zero in [("ring", 3), ("ring", 1), ("allgather", 1), ("alltoall", 1), ("alltoall", 3)]:
+        layout = ["--parallel.cp=2", f"--parallel.cp_impl={impl}", f"--parallel.zero={zero}"]
+        layout.append(f"--run.dir={tmp_path / f'{impl}-{zero}'}")
+        assert_losses_match(workers(2).run(train_rows, [*base, *layout])[0], want, rtol=1e-2)
+
+
 def test_invalid_cp_layouts_are_refused_with_the_fix():
+    odd_heads = ["--model.n_heads=12", "--model.n_kv_heads=3", "--model.head_dim=8"]
     for overrides, world, message in [
+        (["--parallel.cp=4", "--training.seq_len=36"], 4, "must be divisible by 8 for cp=4"),
         (["--parallel.cp=4", "--training.seq_len=36"], 4, "use seq_len=32"),
+        (["--parallel.cp=4", "--parallel.cp_impl=alltoall", "--training.seq_len=34"], 4, "use seq_len=32"),
         (["--parallel.cp=4", "--parallel.cp_impl=hybrid"], 4, "use cp_ulysses in [2]"),
         (["--parallel.cp=2", "--parallel.cp_ulysses=2"], 2, "only read by cp_impl='hybrid'"),
         (["--parallel.cp=8", "--parallel.cp_impl=alltoall"], 8, "use cp_impl='ring' or 'allgather'"),
+        (
+            ["--parallel.cp=4", "--parallel.cp_impl=alltoall", *odd_heads],
+            4,
+            "neither split over nor replicated",
+        ),
+        (
+            ["--parallel.cp=4", "--parallel.cp_impl=alltoall", "--parallel.tp=2"],
+            8,
+            "the 2 query heads of a tp rank",
+        ),
+        (
+            ["--parallel.cp=8", "--parallel.cp_impl=hybrid", "--parallel.cp_ulysses=4", "--parallel.tp=2"],
+            16,
+            "use cp_ulysses in [2] or cp_impl='ring'",
+        ),
+        (["--parallel.cp=2", "--parallel.tp=4", "--parallel.sp=true", "--training.seq_len=36"], 8, "tp*cp=8"),
         (["--parallel.cp=2", "--model.capacity_factor=1.5", *MOE], 2, "dropless"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             check(load_config(None, [*TINY, *overrides]), world)
+    # Ulysses needs no zigzag: a length that divides by cp is enough.
+    check(
+        load_config(None, [*TINY, "--parallel.cp=4", "--parallel.cp_impl=alltoall", "--training.seq_len=36"]),
+        4,
+    )
 
 
 def test_checkpoint_written_under_cp_resumes_on_other_layouts(workers, tmp_path):

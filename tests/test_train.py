@@ -131,7 +131,7 @@ def test_context_parallel_step_refuses_what_validation_would():
     that does not split into 2·cp chunks); with one rank it changes nothing."""
     cfg = load_config(None, [*TINY, "--parallel.cp=2", "--training.seq_len=34"])
     model = build_model(cfg.model)
-    with pytest.raises(ConfigError, match="divisible by 2\\*cp=4"):
+    with pytest.raises(ConfigError, match="must be divisible by 4 for cp=2"):
         apply_context_parallel(model, Comm(), CommGroup("cp", (0, 1), None), cfg)
     assert apply_context_parallel(model, Comm(), CommGroup("cp", (0,), None), cfg) is None
     assert "attend" not in vars(model.layers["0"].attention)

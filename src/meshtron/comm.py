@@ -16,7 +16,6 @@ Autograd rules (SPMD: the loss is the sum of every rank's loss):
   reduce_scatter  forward sum + split          backward all_gather
   all_to_all      forward exchange chunks      backward the reverse exchange
   broadcast       forward copy from src        backward sum of grads to src
-  send / recv     forward p2p                  backward p2p the other way
 Tensor parallel also needs the pairs whose other side is replicated (Megatron's f and g):
   copy_to_group   forward identity             backward all_reduce
   reduce_from_group forward all_reduce         backward identity
@@ -110,6 +109,19 @@ class Pending:
     def completed(self) -> bool:
         """Whether the operation has finished (without waiting); `wait()` is still to be called."""
         return self.work is None or self.work.is_completed()
+
+
+class _Works:
+    """Several in-flight operations waited on as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        return all(w.wait(timeout=timeout) is not False for w in self.works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 class Comm:
@@ -237,26 +249,10 @@ class Comm:
         self.wait(work, "reduce", group)
         return x
 
-    def send(self, x: torch.Tensor, group: CommGroup, dst: int) -> None:
-        self.stats.record(group.name, "send", _nbytes(x))
-        self.wait(dist.isend(x.contiguous(), dst=group.ranks[dst], group=group.process_group), "send", group)
-
     def isend(self, x: torch.Tensor, group: CommGroup, dst: int) -> Pending:
         """Non-blocking send; keep `x` alive until the returned handle has been waited on."""
         self.stats.record(group.name, "send", _nbytes(x))
         return Pending(self, dist.isend(x, dst=group.ranks[dst], group=group.process_group), "send", group)
-
-    def recv(
-        self,
-        shape: torch.Size | tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device | str,
-        group: CommGroup,
-        src: int,
-    ) -> torch.Tensor:
-        pending, out = self.irecv(shape, dtype, device, group, src)
-        pending.wait()
-        return out
 
     def irecv(
         self,
@@ -272,6 +268,19 @@ class Comm:
         return Pending(
             self, dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group
         ), out
+
+    def sendrecv(self, x: torch.Tensor, group: CommGroup, dst: int, src: int) -> tuple[Pending, torch.Tensor]:
+        """Send `x` to `dst` and receive a tensor of its shape from `src`, posted together (NCCL needs a
+        send and a receive between the same two ranks in one batch, or both ranks block in the send).
+        Keep `x` alive until the handle has been waited on; the returned tensor is valid after it."""
+        out = torch.empty_like(x)
+        self.stats.record(group.name, "send", _nbytes(x))
+        self.stats.record(group.name, "recv", _nbytes(out))
+        ops = [
+            dist.P2POp(dist.isend, x, group.ranks[dst], group.process_group),
+            dist.P2POp(dist.irecv, out, group.ranks[src], group.process_group),
+        ]
+        return Pending(self, _Works(dist.batch_isend_irecv(ops)), "sendrecv", group), out
 
     def all_gather_object(self, obj: Any, group: CommGroup) -> list[Any]:
         """Every rank's picklable `obj`, in group order: for reports (timelines), not for the step's
@@ -346,22 +355,6 @@ class Comm:
 
     def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         return _SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
-
-    def send_autograd(self, x: torch.Tensor, group: CommGroup, dst: int) -> torch.Tensor:
-        """Send x; returns a scalar handle whose backward receives x's gradient from dst."""
-        return _Send.apply(x, self, group, dst)
-
-    def recv_autograd(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device | str,
-        group: CommGroup,
-        src: int,
-    ) -> torch.Tensor:
-        """Receive a tensor from src; its gradient is sent back to src in backward."""
-        anchor = torch.zeros((), device=device, requires_grad=True)
-        return _Recv.apply(anchor, self, group, src, tuple(shape), dtype)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -458,36 +451,3 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return ctx.comm.all_gather_tensor(grad.contiguous(), ctx.group, ctx.dim), None, None, None
-
-
-class _Send(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dst: int) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.dst, ctx.meta = comm, group, dst, (x.shape, x.dtype, x.device)
-        comm.send(x.detach(), group, dst)
-        return torch.zeros((), device=x.device)
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[Any, ...]:
-        shape, dtype, device = ctx.meta
-        return ctx.comm.recv(shape, dtype, device, ctx.group, ctx.dst), None, None, None
-
-
-class _Recv(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        anchor: torch.Tensor,
-        comm: Comm,
-        group: CommGroup,
-        src: int,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.src = comm, group, src
-        return comm.recv(shape, dtype, anchor.device, group, src)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.comm.send(grad.contiguous(), ctx.group, ctx.src)
-        return None, None, None, None, None, None

@@ -114,6 +114,11 @@ class ModelConfig:
     def head_size(self) -> int:
         return self.head_dim or self.dim // self.n_heads
 
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """Key/value heads a tensor-parallel rank holds: its 1/tp of them, or the one its query heads
+        read when there are fewer than tp (tensor parallel replicates them)."""
+        return self.kv_heads // tp if self.kv_heads % tp == 0 else 1
+
     @property
     def expert_ffn_dim(self) -> int:
         return self.moe_ffn_dim or self.ffn_dim

@@ -31,6 +31,8 @@ block's query and key lengths, Dh the head dim.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 NEG_INF = float("-inf")
@@ -54,11 +56,15 @@ def _key_range(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tuple[i
     return lo, max(lo, hi)
 
 
-def _tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, heads: int, batch: int, window: int):
+def _tiles(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, heads: int, batch: int, window: int
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
     """(query slice, key slice, mask) per tile of queries. A tile never spans a jump in the query
-    positions (the two chunks a load-balanced rank holds), so each reads only the keys it can see."""
-    rows = max(1, TILE_ELEMENTS // max(1, batch * heads * k_pos.numel()))
+    positions (the two chunks a load-balanced rank holds), so each reads only the keys it can see, and
+    it holds as many queries as fit TILE_ELEMENTS scores against the keys its run of queries can see."""
     for begin, end in _segments(q_pos):
+        lo, hi = _key_range(q_pos[begin:end], k_pos, window)
+        rows = max(1, TILE_ELEMENTS // max(1, batch * heads * (hi - lo)))
         for start in range(begin, end, rows):
             stop = min(start + rows, end)
             lo, hi = _key_range(q_pos[start:stop], k_pos, window)
@@ -107,9 +113,11 @@ def _fused_parts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, 
     return parts
 
 
-def _fused(q: torch.Tensor, window: int, q_pos: torch.Tensor, k_pos: torch.Tensor, fused: bool | None):
+def _fused(
+    q: torch.Tensor, window: int, q_pos: torch.Tensor, k_pos: torch.Tensor, allow_fused: bool
+) -> list[tuple[slice, slice, bool]] | None:
     """The fused kernel's parts for this block, or None to take the tiled path."""
-    if fused is False or window > 0 or q.device.type != "cpu" or _FUSED is None:
+    if not allow_fused or window > 0 or q.device.type != "cpu" or _FUSED is None:
         return None
     return _fused_parts(q_pos, k_pos)
 
@@ -121,13 +129,13 @@ def block_forward(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     window: int = 0,
-    fused: bool | None = None,
+    allow_fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [B, H, Sq, Dh], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
-    that sees no key has output 0 and log-sum-exp −inf. `fused=False` forces the tiled path."""
+    that sees no key has output 0 and log-sum-exp −inf. `allow_fused=False` forces the tiled path."""
     out = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     lse = torch.full(q_BHSD.shape[:-1], NEG_INF, device=q_BHSD.device)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, fused)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused)
     if parts is not None:
         for rows, keys, causal in parts:
             part, part_lse = _FUSED(q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys], 0.0, causal)
@@ -162,14 +170,14 @@ def block_backward(
     lse_BHS: torch.Tensor,
     dout_BHSD: torch.Tensor,
     window: int = 0,
-    fused: bool | None = None,
+    allow_fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final output and
     log-sum-exp (over all its keys, not only this block's)."""
     dq = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
     dv = torch.zeros_like(dk)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, fused)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused)
     if parts is not None:
         out = out_BHSD.to(q_BHSD.dtype)  # the kernel takes every tensor but the log-sum-exp in q's dtype
         for rows, keys, causal in parts:

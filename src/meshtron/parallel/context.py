@@ -27,6 +27,7 @@ over dp × cp, and ZeRO/FSDP shard over dp_shard × cp (data_parallel.py).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,39 @@ def cp_degrees(cfg: Config) -> tuple[int, int]:
     return p.cp, 1
 
 
-def _local_heads(cfg: Config) -> tuple[int, int]:
-    """(query heads, key/value heads) one tensor-parallel rank holds."""
-    m, tp = cfg.model, cfg.parallel.tp
-    return m.n_heads // tp, (m.kv_heads // tp if m.kv_heads % tp == 0 else 1)
+def sequence_divisor(cfg: Config) -> int:
+    """What seq_len must divide by: 2·R chunks for a ring (or all-gather) of R ranks, and the cp pieces
+    of the sequence (each ring rank's share is cut in cp_ulysses consecutive pieces)."""
+    ring, _ = cp_degrees(cfg)
+    cp = cfg.parallel.cp
+    return cp if ring == 1 else math.lcm(2 * ring, cp)
+
+
+def _heads_problems(cfg: Config) -> list[str]:
+    """Ulysses splits each tp rank's query heads over its ranks, and splits or replicates the KV heads."""
+    p, m = cfg.parallel, cfg.model
+    _, ulysses = cp_degrees(cfg)
+    heads, kv_heads = m.n_heads // p.tp, m.kv_heads_per_rank(p.tp)
+    if ulysses == 1:
+        return []
+    fits = [u for u in divisors(p.cp) if 1 < u < p.cp and heads % u == 0]
+    fix = (
+        f"use cp_ulysses in {fits} or cp_impl='ring'"
+        if p.cp_impl == "hybrid" and fits
+        else "use cp_impl='ring'"
+    )
+    problems = []
+    if heads % ulysses:
+        problems.append(
+            f"cp_impl={p.cp_impl!r} splits the {heads} query heads of a tp rank over {ulysses} ranks, which "
+            f"needs model.n_heads divisible by tp*{ulysses}; {fix} or 'allgather'"
+        )
+    if kv_heads % ulysses and ulysses % kv_heads:
+        problems.append(
+            f"cp_impl={p.cp_impl!r}: the {kv_heads} key/value heads of a tp rank can be neither split over "
+            f"nor replicated to {ulysses} ranks (one must divide the other); {fix}"
+        )
+    return problems
 
 
 def context_parallel_problems(cfg: Config) -> list[str]:
@@ -69,23 +99,14 @@ def context_parallel_problems(cfg: Config) -> list[str]:
         )
         problems.append(f"cp_impl='hybrid' needs 1 < parallel.cp_ulysses < cp dividing cp={p.cp}; {fix}")
         return problems
-    if p.cp > 1 and seq_len % (2 * p.cp):
+    step = sequence_divisor(cfg)
+    if p.cp > 1 and seq_len % step:
+        why = "one piece per rank" if step == p.cp else "load balancing gives each ring rank two chunks"
         problems.append(
-            f"training.seq_len={seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal context "
-            f"parallel gives each rank two chunks); use seq_len={seq_len - seq_len % (2 * p.cp) or 2 * p.cp}"
+            f"training.seq_len={seq_len} must be divisible by {step} for cp={p.cp} with cp_impl={p.cp_impl!r} "
+            f"({why}); use seq_len={seq_len - seq_len % step or step}"
         )
-    _, ulysses = cp_degrees(cfg)
-    heads, kv_heads = _local_heads(cfg)
-    if ulysses > 1 and heads % ulysses:
-        problems.append(
-            f"cp_impl={p.cp_impl!r} splits the {heads} query heads of a tp rank over {ulysses} ranks, which "
-            f"needs model.n_heads divisible by tp*{ulysses}; use cp_impl='ring' or 'allgather'"
-        )
-    if ulysses > 1 and kv_heads % ulysses and ulysses % kv_heads:
-        problems.append(
-            f"cp_impl={p.cp_impl!r}: the {kv_heads} key/value heads of a tp rank can be neither split over "
-            f"nor replicated to {ulysses} ranks (one must divide the other); use cp_impl='ring'"
-        )
+    problems += _heads_problems(cfg)
     if p.cp > 1 and cfg.model.is_moe and cfg.model.capacity_factor > 0:
         problems.append(
             "model.capacity_factor > 0 with parallel.cp > 1: which tokens overflow an expert's capacity "
@@ -97,6 +118,8 @@ def context_parallel_problems(cfg: Config) -> list[str]:
 def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
     """Global positions held by rank `index` of `parts` under load balancing: chunks index and
     2·parts−1−index of the sequence cut into 2·parts chunks (the whole sequence for parts = 1)."""
+    if parts == 1:
+        return torch.arange(seq_len)
     c = seq_len // (2 * parts)
     first = torch.arange(index * c, (index + 1) * c)
     return torch.cat([first, torch.arange((2 * parts - 1 - index) * c, (2 * parts - index) * c)])
@@ -132,13 +155,11 @@ class _Flight:
 
     def __init__(self, comm: Comm, group: CommGroup, x: torch.Tensor):
         n, r = group.size, group.rank
-        self.x = x.contiguous()
-        self.sent = comm.isend(self.x, group, (r + 1) % n)
-        self.received, self.buffer = comm.irecv(x.shape, x.dtype, x.device, group, (r - 1) % n)
+        self.x = x.contiguous()  # kept alive until the send is done
+        self.pending, self.buffer = comm.sendrecv(self.x, group, (r + 1) % n, (r - 1) % n)
 
     def result(self) -> torch.Tensor:
-        self.received.wait()
-        self.sent.wait()
+        self.pending.wait()
         return self.buffer
 
 
@@ -217,32 +238,36 @@ class GatherPass:
     group: CommGroup
     window: int = 0
 
-    def gathered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K/V of the whole sequence [2, B, K, S, Dh] in position order, the order used)."""
-        n, S = self.group.size, k.shape[2]
-        rank_major = torch.cat([zigzag_positions(j, n, S * n) for j in range(n)])
-        order = torch.argsort(rank_major).to(k.device)
-        kv = self.comm.all_gather_tensor(torch.stack([k, v]), self.group, dim=3)
-        return kv[:, :, :, order], order
+    def _chunks(self, rank_major: Tensor) -> list[Tensor]:
+        """Views of [n, ..., S/n, Dh] (rank j's two chunks along dim −2) in position order."""
+        n, half = self.group.size, rank_major.shape[-2] // 2
+        owner = [(c, 0) if c < n else (2 * n - 1 - c, 1) for c in range(2 * n)]  # (rank, which half)
+        return [rank_major[j, ..., h * half : (h + 1) * half, :] for j, h in owner]
+
+    def gathered(self, k: Tensor, v: Tensor) -> Tensor:
+        """K/V of the whole sequence [2, B, K, S, Dh] in position order (one copy after the gather)."""
+        kv_rank_major = self.comm.all_gather_tensor(torch.stack([k, v])[None], self.group, dim=0)
+        return torch.cat(self._chunks(kv_rank_major), dim=-2)
+
+    def positions(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        n, S = self.group.size, q.shape[2]
+        return zigzag_positions(self.group.rank, n, S * n).to(q.device), torch.arange(S * n, device=q.device)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        n, S = self.group.size, q.shape[2]
-        kv, _ = self.gathered(k, v)
-        q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
-        k_pos = torch.arange(S * n, device=q.device)
-        return block_forward(q, kv[0], kv[1], q_pos, k_pos, self.window)
+        kv = self.gathered(k, v)
+        return block_forward(q, kv[0], kv[1], *self.positions(q), self.window)
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
     ) -> tuple[Tensor, ...]:
+        kv = self.gathered(k, v)
+        dq, dk, dv = block_backward(q, kv[0], kv[1], *self.positions(q), out, lse, dout, self.window)
+        dkv = torch.stack([dk, dv])  # in position order; back to rank-major, then each rank its own
         n, S = self.group.size, q.shape[2]
-        kv, order = self.gathered(k, v)
-        q_pos = zigzag_positions(self.group.rank, n, S * n).to(q.device)
-        k_pos = torch.arange(S * n, device=q.device)
-        dq, dk, dv = block_backward(q, kv[0], kv[1], q_pos, k_pos, out, lse, dout, self.window)
-        dkv = torch.empty((2, *dk.shape), dtype=torch.float32, device=q.device)
-        dkv[:, :, :, order] = torch.stack([dk, dv])  # back to rank-major order, then each rank its own
-        dkv = self.comm.reduce_scatter_tensor(dkv, self.group, dim=3)
+        rank_major = torch.empty((n, *dkv.shape[:-2], S, dkv.shape[-1]), dtype=torch.float32, device=q.device)
+        for view, chunk in zip(self._chunks(rank_major), dkv.split(S // 2, dim=-2), strict=True):
+            view.copy_(chunk)
+        dkv = self.comm.reduce_scatter_tensor(rank_major, self.group, dim=0)[0]
         return dq, dkv[0], dkv[1]
 
 
@@ -264,8 +289,9 @@ class LocalPass:
 
 
 class _Attention(torch.autograd.Function):
-    """Autograd around a pass: forward keeps q, k, v, the fp32 output and log-sum-exp; backward asks the
-    pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale one)."""
+    """Autograd around a pass: forward keeps q, k, v, the output (in q's dtype) and the fp32 log-sum-exp;
+    backward asks the pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale
+    one)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, attention_pass: Any) -> tuple[Tensor, Tensor]:
@@ -287,11 +313,33 @@ class _Attention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+def _one_dtype(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in the dtype attention runs in: autocast's (as SDPA would be cast without cp; under
+    autocast the rotary embedding returns q and k in fp32 while v is bf16), else their common one."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 class ContextParallelAttention:
     """What `Attention.attend` becomes under cp: rotated q [B, H, S/cp, Dh] and k, v [B, K, S/cp, Dh]
     of this rank's tokens in, this rank's attention output out."""
 
     def __init__(self, comm: Comm, impl: str, ring: CommGroup | None, ulysses: CommGroup | None, window: int):
+        needs = {
+            "ring": (True, False),
+            "allgather": (True, False),
+            "alltoall": (False, True),
+            "hybrid": (True, True),
+        }
+        if impl not in needs or needs[impl] != (ring is not None, ulysses is not None):
+            raise ValueError(
+                f"cp_impl={impl!r} with ring group {ring} and Ulysses group {ulysses}: ring and allgather need "
+                "a ring group only, alltoall a Ulysses group only, hybrid both"
+            )
         self.comm, self.ulysses = comm, ulysses
         passes = {"ring": RingPass, "hybrid": RingPass, "allgather": GatherPass}
         self.inner = passes[impl](comm, ring, window) if impl in passes else LocalPass(window)
@@ -303,6 +351,7 @@ class ContextParallelAttention:
         self, q: Tensor, k: Tensor, v: Tensor, want_lse: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """(output, and with want_lse the log-sum-exp [B, H, S/cp] of this rank's queries)."""
+        q, k, v = _one_dtype(q, k, v)
         if self.ulysses is not None:
             q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)
         out, lse = _Attention.apply(q, k, v, self.inner)

@@ -35,14 +35,18 @@ def ring_work(ring: int, zigzag: bool = True) -> list[float]:
 
 def ring_steps_table(ring: int) -> str:
     """Per ring step and rank: whose K/V it holds and which of the three block shapes it computes."""
-    names = {"diag": "diagonal (causal)", "left": "all q x first half kv", "low": "second half q x all kv"}
+    names = {
+        "diagonal": "diagonal (causal)",
+        "first_keys": "all q x first half kv",
+        "last_queries": "second half q x all kv",
+    }
     lines = [f"ring of {ring}: rank r holds chunks r and {2 * ring - 1}-r of {2 * ring}"]
     for i in range(ring):
         cells = []
         for r in range(ring):
             j = (r - i) % ring
             _, keys = ring_block(r, j, 2)
-            shape = "diag" if j == r else ("left" if keys.stop == 1 else "low")
+            shape = "diagonal" if j == r else ("first_keys" if keys.stop == 1 else "last_queries")
             cells.append(f"r{r}<-kv{j}: {names[shape]}")
         lines.append(f"step {i}: " + "; ".join(cells))
     return "\n".join(lines)

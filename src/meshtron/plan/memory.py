@@ -55,7 +55,7 @@ def layer_activation_elements(
     seq //= cp
     sb, h, a = seq * batch, cfg.dim, cfg.n_heads
     q = cfg.n_heads * cfg.head_size
-    kv_heads = cfg.kv_heads // tp if cfg.kv_heads % tp == 0 else 1
+    kv_heads = cfg.kv_heads_per_rank(tp)
     if recompute == "full":
         return sb * h // tp if sp else sb * h
     norm = (2 * sb * h) // tp + sb // tp + sb * h if sp else 3 * sb * h + sb
