@@ -64,6 +64,16 @@ def test_mesh_text_and_picture(tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_mesh_shows_hybrid_context_parallel_groups():
+    """Ulysses takes consecutive cp ranks (the nearer ones), the ring one of each Ulysses group."""
+    out = meshtron("mesh", "--cp", "4", "--cp-ulysses", "2", "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    assert "cp_ulysses groups (size 2): [0, 2] [4, 6] [1, 3] [5, 7]" in out.stdout
+    assert "cp_ring groups (size 2): [0, 4] [2, 6] [1, 5] [3, 7]" in out.stdout
+    bad = meshtron("mesh", "--cp", "4", "--cp-ulysses", "3")
+    assert bad.returncode == 2 and "cp_ulysses=3 must divide cp=4" in bad.stderr
+
+
 def test_mesh_bad_layout_is_a_clear_error():
     out = meshtron("mesh", "--dp-shard", "4", "--ep", "3")
     assert out.returncode == 2

@@ -70,6 +70,7 @@ def cmd_mesh(args: argparse.Namespace) -> int:
             cp=args.cp,
             tp=args.tp,
             ep=args.ep,
+            cp_ulysses=args.cp_ulysses,
         )
     except ValueError as err:
         raise ConfigError([str(err)]) from None
@@ -153,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")
     for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
         mesh.add_argument(f"--{dim}", type=int, default=1)
+    mesh.add_argument(
+        "--cp-ulysses",
+        type=int,
+        default=1,
+        help="hybrid context parallel: all-to-all ranks in each ring rank",
+    )
     mesh.add_argument("--gpus-per-node", type=int, default=8)
     mesh.add_argument("--json", action="store_true", help="print dims and groups as JSON")
     mesh.add_argument("--out", help="write a PNG picture of the mesh here")

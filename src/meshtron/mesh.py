@@ -178,7 +178,10 @@ class ParallelDims:
         return moved.reshape(-1, int(np.prod([grid.shape[a] for a in axes]))).tolist()
 
     def group_table(self) -> dict[str, list[list[int]]]:
-        return {dim: self.groups(dim) for dim in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp")}
+        dims = ["tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp"]
+        if 1 < self.cp_ulysses < self.cp:  # hybrid context parallel's two parts of each cp group
+            dims[2:2] = CP_PARTS
+        return {dim: self.groups(dim) for dim in dims}
 
     def crossing_dims(self, gpus_per_node: int) -> list[str]:
         """Dims (of size > 1; the expert dims only when ep > 1) with a group spanning more than one node."""
@@ -187,7 +190,14 @@ class ParallelDims:
 
     def summary(self) -> str:
         dims = " x ".join(f"{d}{self.size(d)}" for d in DENSE_DIMS)
-        return f"mesh {dims}" + (f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else "")
+        hybrid = (
+            f" (cp = ring{self.cp // self.cp_ulysses} x ulysses{self.cp_ulysses})"
+            if self.cp_ulysses > 1
+            else ""
+        )
+        return f"mesh {dims}{hybrid}" + (
+            f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else ""
+        )
 
     def describe(self, gpus_per_node: int) -> str:
         """Human-readable layout: dims, each rank's coordinates and node, every group of every dim."""
