@@ -13,11 +13,11 @@ from meshtron.config import ConfigError, check, load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
+    comm_by_op,
     merged,
     reference,
     run_layout,
     train_rows,
-    trainer_for,
 )
 from meshtron.testing.tiny import MOE, TINY
 
@@ -114,13 +114,8 @@ def test_parity_with_single_device(workers, case):
 
 def cp_comm(overrides: list[str]) -> dict[str, float]:
     """Bytes per collective on the cp group(s) of one forward + backward."""
-    trainer = trainer_for(overrides)
-    trainer.comm.stats.reset()
-    trainer.compute_gradients()
-    stats = trainer.comm.stats
-    groups = ("cp", "cp_ring", "cp_ulysses")
     ops = ("send", "recv", "all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-    return {op: sum(stats.total_bytes(group=g, op=op) for g in groups) for op in ops}
+    return comm_by_op(overrides, ("cp", "cp_ring", "cp_ulysses"), ops)
 
 
 @pytest.mark.parametrize("impl", ["ring", "allgather", "alltoall", "hybrid"])

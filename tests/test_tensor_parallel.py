@@ -17,11 +17,11 @@ from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
+    comm_by_op,
     reference,
     ring,
     run_layout,
     train_rows,
-    trainer_for,
 )
 from meshtron.testing.tiny import MOE, TINY, perturb
 
@@ -74,12 +74,8 @@ def test_parity_with_single_device(workers, case):
 
 
 def tp_comm_by_op(overrides: list[str]) -> dict:
-    """Bytes per (group, collective) of one forward + backward (no clipping)."""
-    trainer = trainer_for(overrides)
-    trainer.comm.stats.reset()
-    trainer.compute_gradients()
-    stats = trainer.comm.stats
-    return {op: stats.total_bytes(group="tp", op=op) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    """Bytes per collective on the tp group of one forward + backward (no clipping)."""
+    return comm_by_op(overrides, ("tp",), ("all_reduce", "all_gather", "reduce_scatter"))
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -58,6 +58,7 @@ def router_losses(
     logits_TE: torch.Tensor,
     score_fn: RouterScore,
     token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    with_z: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, router z-loss) over the micro-batch's tokens.
 
@@ -66,11 +67,12 @@ def router_losses(
     is the mean squared log-sum-exp of the router logits, keeping the softmax well conditioned. Both are
     formed from per-expert sums and a token count, which `token_sum` (context parallel's sum over the
     ranks that split the sequence) completes when a rank holds only part of the micro-batch's tokens.
+    Without `with_z` the z-loss is not computed (returned as 0).
     """
     n_experts = scores_TE.shape[1]
     counts_E = torch.bincount(experts_Tk.flatten(), minlength=n_experts).to(scores_TE.dtype)
     probs_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-    z_sum = torch.logsumexp(logits_TE, dim=-1).pow(2).sum()
+    z_sum = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() if with_z else logits_TE.new_zeros(())
     n_tokens = torch.tensor([float(scores_TE.shape[0])], device=scores_TE.device)
     stats = torch.cat([counts_E, probs_TE.sum(0), z_sum[None], n_tokens])
     if token_sum is not None:
@@ -162,7 +164,9 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
             y_TD = y_TD + shared
 
-        balance, z_loss = router_losses(scores_TE, experts_Tk, logits_TE, self.score_fn, self.token_sum)
+        balance, z_loss = router_losses(
+            scores_TE, experts_Tk, logits_TE, self.score_fn, self.token_sum, with_z=bool(self.z_loss_coef)
+        )
         aux = self.aux_loss_coef * balance
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss

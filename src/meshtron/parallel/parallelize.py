@@ -52,6 +52,12 @@ class ParallelModel:
     # Under cp: the global positions [S/cp] of the tokens this rank holds of every sequence.
     positions: torch.Tensor | None = None
 
+    def positions_of(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """Global positions [B, S/cp] of this rank's tokens under cp; None (0..S-1) without."""
+        if self.positions is None:
+            return None
+        return self.positions.to(tokens_BS.device).expand(tokens_BS.shape[0], -1)
+
     def local_sequence(self, x_BS: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (or labels) of each sequence: all of them without cp."""
         if self.positions is None:

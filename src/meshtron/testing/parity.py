@@ -56,6 +56,16 @@ def run_layout(overrides: list[str]) -> dict[str, Any]:
     }
 
 
+def comm_by_op(overrides: list[str], groups: tuple[str, ...], ops: tuple[str, ...]) -> dict[str, float]:
+    """Bytes per collective over `groups`, as the comm layer counts them, of one step's forwards and
+    backwards (no clipping, no optimizer)."""
+    trainer = trainer_for(overrides)
+    trainer.comm.stats.reset()
+    trainer.compute_gradients()
+    stats = trainer.comm.stats
+    return {op: sum(stats.total_bytes(group=g, op=op) for g in groups) for op in ops}
+
+
 def train_rows(overrides: list[str]) -> list[dict[str, Any]]:
     return trainer_for(overrides).run()
 

@@ -175,7 +175,7 @@ class Trainer:
         batches = [
             (local(inputs).to(self.device), local(targets).to(self.device)) for inputs, targets in batches
         ]
-        positions = self.positions(batches[0][0])
+        positions = self.parallel.positions_of(batches[0][0])
         if self.pipeline is not None:  # the schedule's order; the loss is on the last stage only
             loss_sum = self.pipeline.run(
                 batches, self.loss, before_grads=self.engine.prepare_micro_batch, positions_BS=positions
@@ -192,13 +192,6 @@ class Trainer:
             loss_sum += ce.detach()
         self.parallel.finish_gradients()
         return loss_sum
-
-    def positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """The global position [B, S/cp] of every token this rank holds (for the rotary embedding)."""
-        seq = self.parallel.positions
-        if seq is None:
-            seq = torch.arange(tokens_BS.shape[1])
-        return seq.to(tokens_BS.device).expand(tokens_BS.shape[0], -1)
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step (0-based `step`); returns its metrics row."""
