@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ModelConfig, load_config
 from meshtron.models.llama import build_model, init_parameter, rope_inv_freq
-from meshtron.models.moe import MoE, dispatch_plan, router_losses
+from meshtron.models.moe import MoE, capacity_keep, router_losses
 from meshtron.train.metrics import active_params, flops_per_token
 
 
@@ -47,14 +47,21 @@ def reference_moe(moe: MoE, x_TD: torch.Tensor, capacity: int | None) -> torch.T
     weights, experts = scores.topk(moe.top_k, -1)
     if moe.router.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
-    used = [0] * moe.n_experts
+    queues: dict[int, list[tuple[float, int, int]]] = {}
+    for t in range(x_TD.shape[0]):
+        for j in range(moe.top_k):
+            queues.setdefault(int(experts[t, j]), []).append(
+                (-float(scores[t, experts[t, j]].detach()), t, j)
+            )
+    kept = set()
+    for queue in queues.values():  # each expert keeps its highest-scored assignments (earlier token on ties)
+        kept |= {(t, j) for _, t, j in sorted(queue)[: capacity if capacity is not None else len(queue)]}
     out = torch.zeros_like(x_TD)
     for t in range(x_TD.shape[0]):
         for j in range(moe.top_k):
             e = int(experts[t, j])
-            if capacity is not None and used[e] >= capacity:
-                continue  # token-order priority: later tokens are dropped
-            used[e] += 1
+            if (t, j) not in kept:
+                continue
             w1, w3, w2 = moe.experts.w1[e], moe.experts.w3[e], moe.experts.w2[e]
             h = F.silu(x_TD[t] @ w1.T) * (x_TD[t] @ w3.T)
             out[t] += weights[t, j].to(out.dtype) * (h @ w2.T)
@@ -88,15 +95,14 @@ def test_moe_matches_per_token_loop(overrides, capacity_factor):
     assert (out.view(-1, cfg.dim) - ref).abs().max() < 1e-10
 
 
-def test_capacity_drops_assignments():
+def test_capacity_drops_the_lowest_scored_assignments():
     experts = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 3]])
-    assignments, expert_ids, slots, queue_len = dispatch_plan(experts, 4, capacity=2)
-    # expert 0 receives 4 assignments but keeps only the first two tokens' (assignment ids 0 and 2)
-    kept_for_0 = assignments[expert_ids == 0].tolist()
-    assert kept_for_0 == [0, 2]
-    assert int(queue_len) == 2 and slots.max() < 2
-    _, _, _, dropless_len = dispatch_plan(experts, 4, capacity=None)
-    assert int(dropless_len) == 4
+    scores = torch.zeros(4, 4)
+    scores[:, 0] = torch.tensor([0.1, 0.9, 0.5, 0.5])  # expert 0: token 1 best, tokens 2 and 3 tie
+    keep = capacity_keep(scores, experts, capacity=2)
+    assert keep[:, 0].tolist() == [False, True, True, False]  # the tie goes to the earlier token
+    assert keep[:, 1].all()  # experts 1, 2, 3 are within capacity
+    assert capacity_keep(scores, experts, capacity=None).all()
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.75])

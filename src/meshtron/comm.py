@@ -15,6 +15,7 @@ Autograd rules (SPMD: the loss is the sum of every rank's loss):
   all_gather      forward concat               backward reduce_scatter
   reduce_scatter  forward sum + split          backward all_gather
   all_to_all      forward exchange chunks      backward the reverse exchange
+  all_to_all_v    forward uneven rows          backward the reverse exchange (splits swapped)
   broadcast       forward copy from src        backward sum of grads to src
 Tensor parallel also needs the pairs whose other side is replicated (Megatron's f and g):
   copy_to_group   forward identity             backward all_reduce
@@ -344,6 +345,12 @@ class Comm:
     def all_to_all(self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
         return _AllToAll.apply(x, self, group, split_dim, concat_dim) if group.size > 1 else x
 
+    def all_to_all_v(
+        self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        """Differentiable `all_to_all_single`: rows input_splits[j] go to rank j (expert dispatch)."""
+        return _AllToAllV.apply(x, self, group, output_splits, input_splits) if group.size > 1 else x
+
     def broadcast(self, x: torch.Tensor, group: CommGroup, src: int = 0) -> torch.Tensor:
         return _Broadcast.apply(x, self, group, src) if group.size > 1 else x
 
@@ -400,6 +407,18 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         split_dim, concat_dim = ctx.dims
         return ctx.comm.all_to_all_tensor(grad, ctx.group, concat_dim, split_dim), None, None, None, None
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, out_splits: list, in_splits: list):
+        ctx.comm, ctx.group, ctx.splits = comm, group, (out_splits, in_splits)
+        return comm.all_to_all_single(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out_splits, in_splits = ctx.splits
+        return ctx.comm.all_to_all_single(grad.contiguous(), ctx.group, in_splits, out_splits), *[None] * 4
 
 
 class _Broadcast(torch.autograd.Function):

@@ -49,6 +49,8 @@ RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
 FsdpImpl = Literal["meshtron", "torch"]  # ZeRO-3 implementation: meshtron's, or PyTorch's fully_shard
 CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
+EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
+BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -101,8 +103,15 @@ class ModelConfig:
     capacity_factor: float = non_negative(0.0)  # 0: dropless
     router: RouterScore = "softmax"
     router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
+    router_scale: float = positive(1.0)  # gate weights multiplied by this (DeepSeek-V3: 2.5)
+    n_expert_groups: int = positive(1)  # group-limited routing: experts in this many groups...
+    topk_expert_groups: int = positive(1)  # ...of which each token may use the best this many
     aux_loss_coef: float = non_negative(0.01)
+    balance_loss: BalanceLoss = "micro_batch"
     z_loss_coef: float = non_negative(0.0)
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for the top-k
+    # choice only, moves by this much per optimizer step towards an even load; 0: off.
+    router_bias_rate: float = non_negative(0.0)
     moe_every: int = 1  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
     dense_layers: list[int] = field(default_factory=list)  # layers forced dense (mlp_only_layers)
 
@@ -161,6 +170,8 @@ class ParallelConfig:
     pp_embedding_layers: float = non_negative(0.0)
     pp_head_layers: float = non_negative(0.0)
     ep: int = positive(1)
+    ep_dispatch: EpDispatch = "alltoall"
+    etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1
 
 
 @dataclass

@@ -1,13 +1,26 @@
-"""Mixture-of-experts feed-forward: top-k router, grouped expert GEMM, shared experts, aux losses.
+"""Mixture-of-experts feed-forward: top-k router, grouped expert GEMM, shared experts, balancing.
 
-Shapes in names: T tokens (B*S flattened), D model dim, E experts, k top-k, C per-expert capacity
-(the longest expert queue when dropless), F expert ffn dim.
+Shapes in names: T tokens (B*S flattened), D model dim, E experts, k top-k, N kept (token, choice)
+assignments sorted by expert, F expert ffn dim, G statistics groups (1, or the B sequences).
+
+A forward, on one device or on any layout:
+
+  route      fp32 scores; top-k chosen on the scores plus the balancing bias (if any), among the best
+             expert groups (if group-limited); gate weights from the unbiased scores
+  keep       dropless, or with a capacity C = ceil(T*k/E*factor) per expert over this micro-batch,
+             the lowest-scored assignments of an over-full expert dropped (the token keeps its
+             residual path and the shared experts)
+  dispatch   `local_dispatch` here: assignments sorted by expert (a stable sort), the experts run as one
+             grouped matmul, outputs weighted in fp32 and summed per token. Expert parallel replaces it
+             (`MoE.dispatch`) with an exchange over the ep ranks (parallel/expert.py)
+  balance    Switch/GShard loss over the micro-batch, or DeepSeek-V3's per sequence; router z-loss
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +44,30 @@ def moe_problems(cfg: ModelConfig) -> list[str]:
         problems.append(f"model.dense_layers {outside} are outside 0..{cfg.n_layers - 1}")
     if cfg.shared_expert_gate and cfg.n_shared_experts == 0:
         problems.append("model.shared_expert_gate=true needs model.n_shared_experts >= 1")
+    groups, best = cfg.n_expert_groups, cfg.topk_expert_groups
+    if cfg.n_experts % groups:
+        problems.append(f"model.n_experts={cfg.n_experts} is not divisible by model.n_expert_groups={groups}")
+    elif best > groups or cfg.top_k > best * cfg.n_experts // groups:
+        problems.append(
+            f"model.topk_expert_groups={best} must be <= model.n_expert_groups={groups} and leave at "
+            f"least top_k={cfg.top_k} experts to choose from ({cfg.n_experts // groups} per group)"
+        )
     return problems
+
+
+class _LoadCounting:
+    """Whether forwards count expert loads: not while activation recompute reruns one."""
+
+    on = True
+
+
+@contextlib.contextmanager
+def loads_not_counted() -> Iterator[None]:
+    before, _LoadCounting.on = _LoadCounting.on, False
+    try:
+        yield
+    finally:
+        _LoadCounting.on = before
 
 
 class Router(nn.Module):
@@ -40,16 +76,49 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.score_fn, self.norm_topk = cfg.top_k, cfg.router, cfg.router_norm_topk
+        self.scale, self.groups, self.best_groups = (
+            cfg.router_scale,
+            cfg.n_expert_groups,
+            cfg.topk_expert_groups,
+        )
+        self.bias_rate = cfg.router_bias_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
+        # Auxiliary-loss-free balancing: steers the choice, never the gate values; no gradient.
+        self.expert_bias: torch.Tensor | None = None
+        if self.bias_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [T,k], expert ids [T,k], scores [T,E], logits [T,E]); routing is done in fp32."""
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE = logits_TE.softmax(-1) if self.score_fn == "softmax" else logits_TE.sigmoid()
-        weights_Tk, experts_Tk = scores_TE.topk(self.top_k, dim=-1)
+        choice_TE = scores_TE.detach() if self.expert_bias is None else scores_TE.detach() + self.expert_bias
+        if self.groups > 1:
+            choice_TE = self._best_groups_only(choice_TE)
+        experts_Tk = choice_TE.topk(self.top_k, dim=-1).indices
+        weights_Tk = scores_TE.gather(1, experts_Tk)
         if self.norm_topk:
             weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)
-        return weights_Tk, experts_Tk, scores_TE, logits_TE
+        return weights_Tk * self.scale, experts_Tk, scores_TE, logits_TE
+
+    def _best_groups_only(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: a group scores the sum of its best two experts (its best
+        one if it has one), and only the experts of each token's best `best_groups` groups can be chosen."""
+        n_tokens, n_experts = choice_TE.shape
+        per_group = n_experts // self.groups
+        grouped = choice_TE.view(n_tokens, self.groups, per_group)
+        group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+        best = group_score.topk(self.best_groups, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        return choice_TE.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """One step of auxiliary-loss-free balancing from the global batch's expert loads: raise the bias
+        of underloaded experts, lower it for overloaded ones, by bias_rate times the sign; kept zero-mean."""
+        load_E = load_E.float()
+        self.expert_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
+        self.expert_bias -= self.expert_bias.mean()
 
 
 def router_losses(
@@ -59,30 +128,103 @@ def router_losses(
     score_fn: RouterScore,
     token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     with_z: bool = True,
+    n_sequences: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, router z-loss) over the micro-batch's tokens.
 
     Load balancing is Switch-style, E * sum_e f_e * P_e, with f_e = assignments to e per token (sums to
-    k, as Mixtral's reference counts it) and P_e the mean routing probability of e; the z-loss (ST-MoE)
-    is the mean squared log-sum-exp of the router logits, keeping the softmax well conditioned. Both are
-    formed from per-expert sums and a token count, which `token_sum` (context parallel's sum over the
-    ranks that split the sequence) completes when a rank holds only part of the micro-batch's tokens.
-    Without `with_z` the z-loss is not computed (returned as 0).
+    k, as Mixtral's reference counts it) and P_e the mean routing probability of e. With `n_sequences`
+    > 0 it is DeepSeek-V3's sequence-wise loss instead: the same statistics per sequence, divided by k
+    (so 1 when balanced) and averaged over the sequences. The z-loss (ST-MoE) is the mean squared
+    log-sum-exp of the router logits. All are formed from per-expert sums and token counts, which
+    `token_sum` (context parallel's sum over the ranks that split the sequences) completes when this rank
+    holds only part of the micro-batch's tokens. Without `with_z` the z-loss is 0.
     """
-    n_experts = scores_TE.shape[1]
-    counts_E = torch.bincount(experts_Tk.flatten(), minlength=n_experts).to(scores_TE.dtype)
+    n_tokens, n_experts = scores_TE.shape
+    groups = max(n_sequences, 1)
+    group_T = torch.arange(n_tokens, device=scores_TE.device) // (n_tokens // groups)
+    slots = (group_T[:, None] * n_experts + experts_Tk).flatten()
+    counts_GE = torch.bincount(slots, minlength=groups * n_experts).to(scores_TE.dtype)
     probs_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
     z_sum = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() if with_z else logits_TE.new_zeros(())
-    n_tokens = torch.tensor([float(scores_TE.shape[0])], device=scores_TE.device)
-    stats = torch.cat([counts_E, probs_TE.sum(0), z_sum[None], n_tokens])
+    n_G = scores_TE.new_full((groups,), float(n_tokens // groups))
+    stats = torch.cat([counts_GE, probs_TE.view(groups, -1, n_experts).sum(1).flatten(), z_sum[None], n_G])
     if token_sum is not None:
         stats = token_sum(stats)
-    counts_E, prob_sums_E, z_sum, n = stats[:n_experts], stats[n_experts:-2], stats[-2], stats[-1]
-    return n_experts * torch.sum(counts_E / n * (prob_sums_E / n)), z_sum / n
+    size = groups * n_experts
+    counts_GE, probs_GE = stats[:size].view(groups, -1), stats[size : 2 * size].view(groups, -1)
+    n_G = stats[-groups:]
+    balance_G = n_experts * torch.sum(counts_GE / n_G[:, None] * (probs_GE / n_G[:, None]), dim=1)
+    if n_sequences:
+        balance_G = balance_G / experts_Tk.shape[1]
+    return balance_G.mean(), stats[2 * size] / n_G.sum()
+
+
+def capacity_keep(scores_TE: torch.Tensor, experts_Tk: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """[T,k] bool: the assignments kept. Dropless (capacity None) keeps all; otherwise each expert keeps
+    its `capacity` highest-scored assignments (ties: earlier tokens first)."""
+    if capacity is None:
+        return torch.ones_like(experts_Tk, dtype=torch.bool)
+    flat_experts = experts_Tk.flatten()
+    by_score = torch.argsort(scores_TE.detach().gather(1, experts_Tk).flatten(), descending=True, stable=True)
+    order = by_score[torch.argsort(flat_experts[by_score], stable=True)]
+    counts_E = torch.bincount(flat_experts, minlength=scores_TE.shape[1])
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    place = torch.arange(order.numel(), device=order.device) - starts_E[flat_experts[order]]
+    keep = torch.zeros_like(flat_experts, dtype=torch.bool)
+    keep[order] = place < capacity
+    return keep.view_as(experts_Tk)
+
+
+def sort_by_expert(
+    experts_Tk: torch.Tensor, keep_Tk: torch.Tensor, first: int, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids into the flattened [T*k] assignments, sorted by expert, of the kept assignments to experts
+    [first, first + n_experts); their count per expert [n_experts]). A stable sort: token order within
+    an expert."""
+    local = experts_Tk.flatten() - first
+    ids = (keep_Tk.flatten() & (local >= 0) & (local < n_experts)).nonzero().squeeze(1)
+    order = ids[torch.argsort(local[ids], stable=True)]
+    return order, torch.bincount(local[ids], minlength=n_experts)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype the experts compute in (autocast's, if on): what dispatch sends."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
+def combine(y_ND: torch.Tensor, order: torch.Tensor, weights_Tk: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[T, D] in fp32 (or wider): each token's expert outputs (rows of y_ND, in `order`) weighted by their
+    gate values and summed."""
+    weighted = y_ND.to(torch.promote_types(y_ND.dtype, torch.float32)) * weights_Tk.flatten()[order, None]
+    top_k = weights_Tk.shape[1]
+    return weighted.new_zeros(n_tokens, y_ND.shape[1]).index_add(0, order // top_k, weighted)
+
+
+def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """y[n] = x[n] W_e^T for the expert e of row n (rows sorted by expert, counts_E of each): one grouped
+    matmul (torch's grouped_mm, in the autocast dtype), or a loop over experts where it does not apply
+    (its rows must be multiples of 16 bytes; fp64 is not among its dtypes)."""
+    device = x_ND.device.type
+    x_ND = compute_dtype(x_ND)
+    dtype = x_ND.dtype
+    w_EOI = w_EOI.to(dtype)
+    row_bytes = torch.finfo(dtype).bits // 8
+    grouped = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if grouped and all(d * row_bytes % 16 == 0 for d in w_EOI.shape[1:]):
+        offsets = torch.cumsum(counts_E, 0).to(torch.int32)
+        with torch.autocast(device, enabled=False):
+            y_NO = F.grouped_mm(x_ND.contiguous(), w_EOI.transpose(1, 2), offs=offsets)
+        if y_NO.requires_grad:  # its backward needs a dense gradient (not an expanded one)
+            y_NO.register_hook(torch.Tensor.contiguous)
+        return y_NO
+    chunks = x_ND.split(counts_E.tolist())
+    return torch.cat([x @ w.T for x, w in zip(chunks, w_EOI, strict=True)]) if chunks else x_ND[:, :0]
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights, computed with batched matmuls over per-expert queues."""
+    """E SwiGLU experts as stacked weights, computed over rows sorted by expert."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int):
         super().__init__()
@@ -90,30 +232,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # down
 
-    def forward(self, x_ECD: torch.Tensor) -> torch.Tensor:
-        gate = torch.bmm(x_ECD, self.w1.transpose(1, 2))
-        up = torch.bmm(x_ECD, self.w3.transpose(1, 2))
-        return torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        gate = grouped_linear(x_ND, self.w1, counts_E)
+        up = grouped_linear(x_ND, self.w3, counts_E)
+        return grouped_linear(F.silu(gate) * up, self.w2, counts_E)
 
 
-def dispatch_plan(experts_Tk: torch.Tensor, n_experts: int, capacity: int | None) -> tuple[torch.Tensor, ...]:
-    """Where each kept (token, choice) assignment sits in the [E, C] expert queues.
-
-    Returns (assignment ids into the flattened [T*k], expert id, slot in that expert's queue, C).
-    Assignments are queued in token order, so with a capacity the latest tokens are the ones dropped.
-    """
-    flat_experts = experts_Tk.flatten()
-    order = torch.argsort(flat_experts, stable=True)
-    sorted_experts = flat_experts[order]
-    counts_E = torch.bincount(flat_experts, minlength=n_experts)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    slots = torch.arange(order.numel(), device=order.device) - starts_E[sorted_experts]
-    if capacity is None:
-        queue_len = int(counts_E.max()) if order.numel() else 0
-    else:
-        keep = slots < capacity
-        order, sorted_experts, slots, queue_len = order[keep], sorted_experts[keep], slots[keep], capacity
-    return order, sorted_experts, slots, torch.tensor(queue_len)
+def local_dispatch(
+    moe: MoE, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor, keep_Tk: torch.Tensor
+) -> torch.Tensor:
+    """[T, D] fp32: this rank's experts (all of them, or under expert tensor parallel its share, the
+    others' outputs summed by tensor parallel's exit) on this rank's tokens."""
+    order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.experts.w1.shape[0])
+    y_ND = moe.experts(x_TD[order // moe.top_k], counts_E)
+    return combine(y_ND, order, weights_Tk, x_TD.shape[0])
 
 
 class MoE(nn.Module):
@@ -122,7 +254,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.capacity_factor = cfg.capacity_factor
+        self.capacity_factor, self.per_sequence = cfg.capacity_factor, cfg.balance_loss == "sequence"
         self.aux_loss_coef, self.z_loss_coef, self.score_fn = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.router
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
@@ -132,31 +264,39 @@ class MoE(nn.Module):
             self.shared_experts = FeedForward(cfg.dim, cfg.shared_expert_ffn_dim)
             if cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
-        # Sums the routing statistics over the ranks that hold the rest of the micro-batch's tokens
-        # (set by context parallel); None when this rank holds them all.
+        # The seams parallelisms fill in. `first_expert`: the id of this rank's first expert when it holds
+        # a range of them (tensor parallel with etp=1); `dispatch`: how tokens reach the experts (expert
+        # parallel); `token_sum`: sums routing statistics over the ranks holding the rest of the
+        # micro-batch's tokens (context parallel).
+        self.first_expert = 0
+        self.dispatch: Callable[..., torch.Tensor] = local_dispatch
         self.token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Assignments routed to / kept by each expert since the last `take_loads` (metrics, bias updates).
+        self.register_buffer("loads_2E", torch.zeros(2, cfg.n_experts), persistent=False)
 
     def capacity(self, n_tokens: int) -> int | None:
         if self.capacity_factor <= 0:
             return None
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
+    @torch.no_grad()
+    def _count(self, experts_Tk: torch.Tensor, keep_Tk: torch.Tensor) -> None:
+        if _LoadCounting.on:
+            self.loads_2E[0] += torch.bincount(experts_Tk.flatten(), minlength=self.n_experts)
+            self.loads_2E[1] += torch.bincount(experts_Tk[keep_Tk], minlength=self.n_experts)
+
+    def take_loads(self) -> torch.Tensor:
+        """[2, E]: (routed, kept) assignments per expert counted since the last call; resets them."""
+        loads = self.loads_2E.clone()
+        self.loads_2E.zero_()
+        return loads
+
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        n_tokens, dim = x_TD.shape
         weights_Tk, experts_Tk, scores_TE, logits_TE = self.router(x_TD)
-
-        assignments, expert_ids, slots, queue_len = dispatch_plan(
-            experts_Tk, self.n_experts, self.capacity(n_tokens)
-        )
-        capacity = int(queue_len)
-        tokens = assignments // self.top_k
-        queue_index = expert_ids * capacity + slots
-        queues_ECD = x_TD.new_zeros(self.n_experts * capacity, dim).index_copy(0, queue_index, x_TD[tokens])
-        out_ECD = self.experts(queues_ECD.view(self.n_experts, capacity, dim))
-        gathered = out_ECD.reshape(-1, dim)[queue_index]
-        weighted = gathered * weights_Tk.flatten()[assignments, None].to(gathered.dtype)
-        y_TD = weighted.new_zeros(n_tokens, dim).index_add(0, tokens, weighted)
+        keep_Tk = capacity_keep(scores_TE, experts_Tk, self.capacity(x_TD.shape[0]))
+        self._count(experts_Tk, keep_Tk)
+        y_TD = self.dispatch(self, x_TD, weights_Tk, experts_Tk, keep_Tk).to(x_TD.dtype)
 
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
@@ -165,7 +305,13 @@ class MoE(nn.Module):
             y_TD = y_TD + shared
 
         balance, z_loss = router_losses(
-            scores_TE, experts_Tk, logits_TE, self.score_fn, self.token_sum, with_z=bool(self.z_loss_coef)
+            scores_TE,
+            experts_Tk,
+            logits_TE,
+            self.score_fn,
+            self.token_sum,
+            with_z=bool(self.z_loss_coef),
+            n_sequences=x_BSD.shape[0] if self.per_sequence else 0,
         )
         aux = self.aux_loss_coef * balance
         if self.z_loss_coef:

@@ -8,6 +8,9 @@ ranks in every gradient reduction, and sharding runs over dp_shard x cp (as torc
   dp_shard·cp > 1, zero = 3       meshtron's FSDP (HSDP with dp_replicate > 1)                fsdp.py
                                   or PyTorch's fully_shard with fsdp_impl = "torch"
 
+With expert parallel (ep > 1) the experts' weights get a second engine of the same kind over their
+expert-data-parallel group edp (DDP over dp_replicate when edp = 1); expert_data_parallel.py.
+
 Under pipeline parallel the same engines run per stage: FSDP's root unit (embedding, final norm, head)
 is the stage's chunk that holds them, and a middle stage has none.
 """
@@ -25,6 +28,8 @@ from meshtron.mesh import ParallelMesh, resolve_dp_shard
 from meshtron.models.llama import Transformer
 from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
+from meshtron.parallel.expert import expert_parameter_names
+from meshtron.parallel.expert_data_parallel import ExpertDataParallel, ParameterSubset
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
 
@@ -51,22 +56,53 @@ def apply_data_parallel(
     model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config, root: nn.Module | None = None
 ) -> DataParallelEngine:
     """The engine for this layout over `model` (already cut by the earlier steps). `root`: the module whose
-    forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk)."""
+    forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk).
+    With expert parallel, the experts get an engine of their own over edp (expert_data_parallel.py)."""
     refuse(data_parallel_unsupported(cfg, mesh.dims.world_size))
-    p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
     shard_dim = mesh.with_cp("dp_shard")
+    blocks = list(model.layers.values())
+    experts = expert_parameter_names(model) if mesh.size("ep") > 1 else frozenset()
+    if not experts:
+        return _engine(model, blocks, comm, cfg, mesh, shard_dim, mesh.with_cp("dp"), root)
+    dense = _engine(
+        ParameterSubset(model, experts, keep=False),
+        blocks,
+        comm,
+        cfg,
+        mesh,
+        shard_dim,
+        mesh.with_cp("dp"),
+        root if root is not None else model,
+    )
+    expert_modules = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
+    expert_engine = _engine(
+        ParameterSubset(model, experts, keep=True), expert_modules, comm, cfg, mesh, "edp", "dp_replicate"
+    )
+    return ExpertDataParallel(model, dense, expert_engine, mesh.group("ep"))
+
+
+def _engine(
+    model: nn.Module | ParameterSubset,
+    blocks: list[nn.Module],
+    comm: Comm,
+    cfg: Config,
+    mesh: ParallelMesh,
+    shard_dim: str,
+    whole_dim: str,
+    root: nn.Module | None = None,
+) -> DataParallelEngine:
+    """The engine of the table above for `model`'s parameters: sharded over `shard_dim` (all-reduced
+    across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
+    p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
     shard, replicate = mesh.group(shard_dim), mesh.group("dp_replicate")
     reduce_dtype = DTYPES[p.reduce_dtype]
     bucket_bytes = int(p.bucket_mb * 2**20)
     if shard.size == 1:
-        return DistributedDataParallel(
-            model, comm, mesh.group(mesh.with_cp("dp")), bucket_bytes, reduce_dtype
-        )
+        return DistributedDataParallel(model, comm, mesh.group(whole_dim), bucket_bytes, reduce_dtype)
     if p.zero in (1, 2):
         return ZeroShardedOptimizer(
             model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh(shard_dim)
         )
-    blocks = list(model.layers.values())
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
         return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)

@@ -1,40 +1,155 @@
-"""Expert parallel: the experts of every MoE layer placed on ep ranks. Not implemented yet.
+"""Expert parallel: the experts of every MoE layer spread over the ep ranks, tokens sent to them.
 
-Expert parallelism borrows its ranks from dp_shard × cp: the mesh re-reads that block as [edp, ep]
-(mesh.py checks that ep divides it), so expert weights are replicated over dp_replicate × edp. The rules
-about the model are checked up front with the others; until the token dispatch lands, its step in
-`parallelize` refuses ep > 1.
+The ep ranks are borrowed from dp_shard x cp (mesh.py re-reads that block as [edp, ep]): each rank of an
+ep group holds E/ep consecutive experts and its own tokens. A forward of an MoE layer (models/moe.py
+routes and keeps; this module moves the tokens):
+
+  alltoall   (`parallel.ep_dispatch`, the default)
+    1  sort this rank's kept assignments by expert (stable): the rows for each ep rank are contiguous
+    2  all-gather the per-expert counts [ep, E]: every rank learns what it sends and receives
+    3  all-to-all the token rows (uneven splits), regroup what arrived by local expert
+    4  local experts as one grouped matmul
+    5  the reverse all-to-all, then each token's outputs weighted by its gate values and summed in fp32
+  allgather
+    1  all-gather every rank's tokens, gate values, expert ids and keep mask over ep
+    2  each rank runs its experts on the assignments routed to them and sums them per token (fp32)
+    3  reduce-scatter: each rank gets back its own tokens' sums
+       (moves ep times the tokens but never waits on counts; better when top_k is large against ep)
+
+Both are exact: the same assignments reach the same experts as on one device. Backward runs the
+exchanges in reverse (comm.py's autograd rules), so an expert's gradient sums the contributions of the
+tokens every ep rank sent it. Capacity is decided before the exchange, on each rank's own micro-batch.
+
+With tensor parallel, `parallel.etp` says how experts meet tp: etp = tp (default) splits every expert's
+FFN over tp as the dense FFN; etp = 1 gives each tp rank whole experts (the tp ranks hold the same,
+gathered tokens, and each computes its own experts' share; tensor parallel's exit sums them). Either way
+the ep groups (one per tp rank) exchange only among ranks with the same tp coordinate.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config, divisors, refuse
 from meshtron.models.llama import Transformer
+from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, sort_by_expert
+
+
+def expert_tp(cfg: Config) -> bool:
+    """Whether experts are split over tensor parallel (etp = tp) rather than whole per tp rank."""
+    return cfg.parallel.etp in (0, cfg.parallel.tp)
 
 
 def expert_parallel_problems(cfg: Config) -> list[str]:
-    """What placing whole experts on ep ranks needs of the model."""
-    m, ep = cfg.model, cfg.parallel.ep
-    if ep == 1:
-        return []
+    """What placing whole experts on ep ranks (and on tp ranks with etp = 1) needs of the model."""
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if p.etp not in (0, 1, p.tp):
+        problems.append(
+            f"parallel.etp={p.etp} must be 1 (whole experts per tensor-parallel rank) or tp={p.tp} (experts "
+            "split over tp like the dense FFN)"
+        )
+    if p.ep == 1 and (p.etp in (0, p.tp) or not m.is_moe):
+        return problems
     if not m.is_moe:
-        return [f"parallel.ep={ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1"]
-    if m.n_experts % ep:
+        return [*problems, f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1"]
+    owners = p.ep * (1 if expert_tp(cfg) else p.tp)
+    if m.n_experts % owners:
+        what = "parallel.ep" if owners == p.ep else "parallel.ep*tp (etp=1 spreads experts over tp too)"
+        problems.append(
+            f"model.n_experts={m.n_experts} is not divisible by {what}={owners}; use "
+            f"{'ep' if owners == p.ep else 'ep*tp'} in {divisors(m.n_experts)}"
+        )
+    return problems
+
+
+def expert_parallel_unsupported(cfg: Config) -> list[str]:
+    if cfg.parallel.ep > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
         return [
-            f"model.n_experts={m.n_experts} is not divisible by parallel.ep={ep}; "
-            f"use ep in {divisors(m.n_experts)}"
+            "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
+            "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
         ]
     return []
 
 
-def expert_parallel_unsupported(cfg: Config) -> list[str]:
-    """ep > 1, until expert parallel is built."""
-    if cfg.parallel.ep > 1:
-        return [f"parallel.ep={cfg.parallel.ep}: expert parallel is not implemented yet; use parallel.ep=1"]
-    return []
+def expert_parameter_names(model: nn.Module) -> frozenset[str]:
+    """The stacked expert weights: placed by expert parallel, reduced over expert-data-parallel."""
+    return frozenset(
+        f"{module_name}.{name}"
+        for module_name, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for name, _ in module.named_parameters()
+    )
+
+
+class AllToAllDispatch:
+    """Tokens to the ep ranks holding their experts and back, with uneven all-to-alls."""
+
+    def __init__(self, comm: Comm, ep: CommGroup):
+        self.comm, self.ep = comm, ep
+
+    def __call__(
+        self,
+        moe: MoE,
+        x_TD: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        experts_Tk: torch.Tensor,
+        keep_Tk: torch.Tensor,
+    ) -> torch.Tensor:
+        n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
+        order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
+        table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
+        sent, received_SE = table[me].sum(-1).tolist(), table[:, me]
+        received = received_SE.sum(-1).tolist()
+        x_ND = compute_dtype(x_TD)[order // moe.top_k]
+        x_MD = self.comm.all_to_all_v(x_ND, self.ep, received, sent)  # rows by (source, local expert)
+        expert_M = torch.arange(local, device=x_MD.device).repeat(n).repeat_interleave(received_SE.flatten())
+        by_expert = torch.argsort(expert_M, stable=True)
+        y_MD = moe.experts(x_MD[by_expert], received_SE.sum(0))[torch.argsort(by_expert)]
+        y_ND = self.comm.all_to_all_v(y_MD, self.ep, sent, received)
+        return combine(y_ND, order, weights_Tk, x_TD.shape[0])
+
+
+class AllGatherDispatch:
+    """Every rank's tokens gathered over ep; each rank's experts' weighted outputs reduce-scattered back."""
+
+    def __init__(self, comm: Comm, ep: CommGroup):
+        self.comm, self.ep = comm, ep
+
+    def __call__(
+        self,
+        moe: MoE,
+        x_TD: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        experts_Tk: torch.Tensor,
+        keep_Tk: torch.Tensor,
+    ) -> torch.Tensor:
+        x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
+        weights_all = self.comm.all_gather(weights_Tk, self.ep)
+        experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
+        keep_all = self.comm.all_gather_tensor(keep_Tk.to(torch.uint8), self.ep).bool()
+        order, counts_E = sort_by_expert(experts_all, keep_all, moe.first_expert, moe.experts.w1.shape[0])
+        y_ND = moe.experts(x_all[order // moe.top_k], counts_E)
+        return self.comm.reduce_scatter(combine(y_ND, order, weights_all, x_all.shape[0]), self.ep)
 
 
 def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, cfg: Config) -> None:
-    """The expert-parallel step of `parallelize`: nothing to do with ep = 1; ep > 1 is refused."""
+    """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer (of the
+    ones tensor parallel left it) and route tokens to the others through the chosen dispatch."""
     refuse(expert_parallel_unsupported(cfg))
+    if ep.size == 1:
+        return
+    dispatch = (AllToAllDispatch if cfg.parallel.ep_dispatch == "alltoall" else AllGatherDispatch)(comm, ep)
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        experts = moe.experts
+        per_rank = experts.w1.shape[0] // ep.size
+        keep = slice(ep.rank * per_rank, (ep.rank + 1) * per_rank)
+        for name, weight in list(experts.named_parameters()):
+            setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
+        moe.first_expert += ep.rank * per_rank
+        moe.dispatch = dispatch

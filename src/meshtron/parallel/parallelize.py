@@ -5,7 +5,8 @@
   2  tensor (+ seq.)     column / row / vocab-parallel weights over tp (tensor.py)
   3  context             attention exchanges K/V (or heads) over cp; each rank holds its tokens
                          (context.py)
-  4  expert              experts placed on ep ranks (expert.py; refuses ep > 1 yet)
+  4  expert              each rank keeps its experts; tokens reach the others by all-to-all or
+                         all-gather over ep (expert.py)
   5  recompute           what each block keeps for backward (recompute.py)
   6  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
                          pp it runs per stage, over the chunks the pipeline runtime groups
@@ -30,7 +31,7 @@ from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data_parallel import apply_data_parallel
 from meshtron.parallel.engine import DataParallelEngine
-from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.expert import apply_expert_parallel, expert_tp
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
@@ -80,7 +81,9 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     """Apply every parallelism of `cfg` to `model` (built whole, on this rank) in the order above."""
     p = cfg.parallel
     layer_split = split_pipeline(model, mesh.group("pp"), cfg)
-    tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp) if mesh.size("tp") > 1 else None
+    tp_plan = None
+    if mesh.size("tp") > 1:
+        tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp, expert_tp(cfg))
     hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
     ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
     layout = apply_context_parallel(model, comm, mesh.group("cp"), cfg, ring, ulysses)

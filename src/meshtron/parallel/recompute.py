@@ -21,11 +21,13 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import Recompute
 from meshtron.models.llama import Transformer
+from meshtron.models.moe import loads_not_counted
 
 
 def _replay_function_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """Recompute under the torch-function modes the forward ran under (zero-bubble's deferral of weight
-    gradients is one), so that the rerun saves the same tensors the forward did."""
+    gradients is one), so that the rerun saves the same tensors the forward did; an MoE layer's expert
+    loads were counted by the forward, so the rerun does not count them again."""
     return contextlib.nullcontext(), _entered(_get_current_function_mode_stack())
 
 
@@ -34,6 +36,7 @@ def _entered(modes: list[Any]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
+        stack.enter_context(loads_not_counted())
         yield
 
 

@@ -9,8 +9,10 @@ layers' parameter names do not change.
               K < tp, every rank keeps all K key/value heads and uses the one its query heads read),
               wo row-parallel
   SwiGLU      w1, w3 column-parallel, w2 row-parallel
-  MoE         router replicated, every expert's FFN split like SwiGLU (expert tensor parallel = tp); the
-              routed and shared outputs are combined while still partial, then reduced once
+  MoE         router replicated; every expert's FFN split like SwiGLU (parallel.etp = tp), or with
+              etp = 1 each rank keeps E/tp whole experts and computes only their share of the (gathered)
+              tokens; either way the routed and shared outputs are combined while still partial, then
+              reduced once
   embedding   vocab-parallel: rows [r*V/tp, (r+1)*V/tp) of the (padded) vocabulary
   head        vocab-parallel logits, and `vocab_parallel_cross_entropy` never gathers them
 
@@ -182,7 +184,7 @@ def vocab_parallel_cross_entropy(
 #   row          input features split; the partial sums are reduced on the way out (the region's exit)
 #   partial_row  row, left partial: the MoE output reduces the routed and shared parts once, together
 #   replicated   whole on every rank but fed part of the work: gradient summed over tp
-#   experts      every expert's SwiGLU split like column, column, row
+#   experts      every expert's SwiGLU split like column, column, row (etp = tp), or E/tp whole experts
 #   moe_exit     the MoE output (partial) leaves the region; its aux losses count 1/tp on each rank
 BLOCK_PLAN: dict[str, str] = {
     "attention_norm": "entering",
@@ -220,8 +222,11 @@ def _resolve(root: nn.Module, path: str) -> nn.Module | None:
 class _Sharder:
     """Applies the plans' styles on this rank of `tp`, recording how each parameter was cut."""
 
-    def __init__(self, cfg: ModelConfig, comm: Comm, tp: CommGroup, sequence_parallel: bool):
+    def __init__(
+        self, cfg: ModelConfig, comm: Comm, tp: CommGroup, sequence_parallel: bool, expert_tp: bool = True
+    ):
         self.cfg, self.comm, self.tp, self.sp = cfg, comm, tp, sequence_parallel
+        self.expert_tp = expert_tp
         self.n, self.r = tp.size, tp.rank
         self.plan = TensorParallelPlan(tp)
         self.padded_vocab = math.ceil(cfg.vocab_size / self.n) * self.n
@@ -295,6 +300,12 @@ class _Sharder:
 
     def experts(self, experts: nn.Module, name: str) -> None:
         n, r = self.n, self.r
+        if not self.expert_tp:  # whole experts: this rank's E/tp of them
+            n_experts = experts.w1.shape[0]
+            for w in ("w1", "w3", "w2"):
+                setattr(experts, w, nn.Parameter(_rows(getattr(experts, w), 0, r, n)))
+                self.plan.split_dims[f"{name}.{w}"] = (0, n_experts)
+            return
         ffn = experts.w1.shape[1]
         experts.w1 = nn.Parameter(_rows(experts.w1, 1, r, n))
         experts.w3 = nn.Parameter(_rows(experts.w3, 1, r, n))
@@ -305,6 +316,8 @@ class _Sharder:
         # The aux losses are computed identically on every rank, so each contributes 1/tp of their gradient.
         moe.aux_loss_coef /= self.n
         moe.z_loss_coef /= self.n
+        if not self.expert_tp:
+            moe.first_expert = self.r * (moe.n_experts // self.n)
         moe.register_forward_hook(lambda _m, _i, out: (self.exit_region(out[0]), out[1]))
 
     def _vocab_shard(self, weight: torch.Tensor) -> torch.Tensor:
@@ -325,11 +338,11 @@ class _Sharder:
 
 
 def apply_tensor_parallel(
-    model: Transformer, comm: Comm, tp: CommGroup, sequence_parallel: bool
+    model: Transformer, comm: Comm, tp: CommGroup, sequence_parallel: bool, expert_tp: bool = True
 ) -> TensorParallelPlan:
     """Shard `model` in place for this rank of `tp` by BLOCK_PLAN and MODEL_PLAN; returns how each
-    parameter was cut."""
-    sharder = _Sharder(model.cfg, comm, tp, sequence_parallel)
+    parameter was cut. `expert_tp`: split each expert's FFN over tp (else whole experts per rank)."""
+    sharder = _Sharder(model.cfg, comm, tp, sequence_parallel, expert_tp)
     for i, block in model.layers.items():
         sharder.apply(block, BLOCK_PLAN, f"layers.{i}")
     sharder.apply(model, MODEL_PLAN, "")
@@ -357,7 +370,7 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
         problems.append(
             f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}"
         )
-    if m.is_moe and m.expert_ffn_dim % tp:
+    if m.is_moe and p.etp in (0, tp) and m.expert_ffn_dim % tp:
         problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
     if p.sp and tp == 1:
         problems.append(
