@@ -103,7 +103,10 @@ def test_unimplemented_layouts_are_refused():
         return " ".join(not_yet_supported(load_config(None, overrides), world))
 
     assert refusals(["--parallel.cp=2"], 2) == ""
-    assert "expert parallel is not implemented yet" in refusals(["--parallel.ep=2"], 2)
+    assert refusals([*MOE, "--parallel.ep=2"], 2) == ""
+    assert "use parallel.fsdp_impl='meshtron' with parallel.ep > 1" in refusals(
+        [*MOE, "--parallel.ep=2", "--parallel.fsdp_impl=torch"], 2
+    )
     torch_fsdp = ["--parallel.fsdp_impl=torch", "--parallel.dp_shard=2"]
     assert "fully_shard is not wired into the pipeline runtime" in refusals(
         [*torch_fsdp, "--parallel.pp=2"], 4
@@ -114,13 +117,13 @@ def test_unimplemented_layouts_are_refused():
     assert refusals(torch_fsdp, 2) == ""
 
 
-def test_placeholder_step_of_parallelize_refuses():
-    """The expert-parallel step refuses a group of more than one rank even when called without the
+def test_expert_parallel_step_refuses_what_it_cannot_run():
+    """The expert-parallel step refuses PyTorch's fully_shard with ep > 1 even when called without the
     up-front check; with one rank it leaves the model as it is."""
-    cfg = load_config(None, [*TINY, *MOE, "--parallel.ep=2"])
+    cfg = load_config(None, [*TINY, *MOE, "--parallel.ep=2", "--parallel.fsdp_impl=torch"])
     model = build_model(cfg.model)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    with pytest.raises(ConfigError, match="expert parallel is not implemented yet"):
+    with pytest.raises(ConfigError, match="use parallel.fsdp_impl='meshtron' with parallel.ep > 1"):
         apply_expert_parallel(model, Comm(), CommGroup("ep", (0, 1), None), cfg)
     apply_expert_parallel(model, Comm(), CommGroup("ep", (0,), None), load_config(None, [*TINY, *MOE]))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from meshtron.presets import PRESETS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -228,65 +229,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-_LLAMA3_ROPE = types.MappingProxyType(
-    dict(
-        rope_theta=500000.0,
-        rope_scaling="llama3",
-        rope_scaling_factor=8.0,
-        rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0,
-        rope_original_max_position=8192,
-    )
-)
-_TINY = types.MappingProxyType(dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512))
-# Architectures of named models (published hyper-parameters); explicit keys override them.
-PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
-    {
-        "tiny": _TINY,
-        "tiny-moe": {**_TINY, "n_experts": 4, "top_k": 2, "moe_ffn_dim": 96, "n_shared_experts": 1},
-        "llama3-1b": dict(
-            dim=2048,
-            n_layers=16,
-            n_heads=32,
-            n_kv_heads=8,
-            ffn_dim=8192,
-            vocab_size=128256,
-            tie_embeddings=True,
-            **_LLAMA3_ROPE,
-        ),
-        "llama3-8b": dict(
-            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, **_LLAMA3_ROPE
-        ),
-        "llama3-70b": dict(
-            dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, **_LLAMA3_ROPE
-        ),
-        "llama3-405b": dict(
-            dim=16384,
-            n_layers=126,
-            n_heads=128,
-            n_kv_heads=8,
-            ffn_dim=53248,
-            vocab_size=128256,
-            **_LLAMA3_ROPE,
-        ),
-        "mixtral-8x7b": dict(
-            dim=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=8,
-            ffn_dim=14336,
-            vocab_size=32000,
-            rope_theta=1e6,
-            n_experts=8,
-            top_k=2,
-            router="softmax",
-            router_norm_topk=True,
-            aux_loss_coef=0.02,
-        ),
-    }
-)
 
 
 def model_preset(name: str) -> dict[str, Any]:

@@ -84,9 +84,7 @@ class Router(nn.Module):
         self.bias_rate = cfg.router_bias_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         # Auxiliary-loss-free balancing: steers the choice, never the gate values; no gradient.
-        self.expert_bias: torch.Tensor | None = None
-        if self.bias_rate > 0:
-            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if self.bias_rate > 0 else None)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [T,k], expert ids [T,k], scores [T,E], logits [T,E]); routing is done in fp32."""

@@ -13,7 +13,8 @@ block of the logical tensor this rank holds, so a checkpoint written by one layo
 
 A checkpoint is written into `step-NNNNNNNN.tmp/` and renamed to `step-NNNNNNNN/` only once every rank
 has finished, so a crash mid-save leaves the previous checkpoint as the newest complete one. The state
-holds the model, the optimizer, the data sampler and the step, which is all an exact resume needs
+holds the model (with MoE routers' balancing biases), the optimizer, the data sampler and the step, which
+is all an exact resume needs
 (the learning rate is a function of the step; the model has no dropout).
 """
 
@@ -95,47 +96,72 @@ def _wrap(local: torch.Tensor, entry: OwnedRows, mesh: Any) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TensorParallelBlocks:
-    """Where the tensor-parallel shards of this rank's slice of the mesh sit: `ranks[s][t]` is the global
-    rank holding dp_shard block s of tp shard t."""
+class ShardBlocks:
+    """Where every rank of this rank's dp_shard_cp x tp slice of the mesh holds its rows of parameters
+    split over tensor parallel and/or expert parallel: `ranks[k][t]` is the global rank at index k of
+    dp_shard x cp and t of tp. A dense parameter's rows are sharded over all of dp_shard x cp; an expert
+    parameter's (`experts`) over edp only, index k being (edp k // ep, ep k % ep), and ep rank e holds the
+    e-th dim-0 block of what tensor parallel left."""
 
-    plan: TensorParallelPlan
+    plan: TensorParallelPlan | None
     ranks: list[list[int]]
+    ep: int = 1
+    experts: frozenset[str] = frozenset()
+
+    def holds(self, name: str) -> bool:
+        """Whether `name` is split over tp or ep (otherwise it is a plain dim-0 shard over dp_shard_cp)."""
+        return name in self.experts or (self.plan is not None and self.plan.split_dims.get(name) is not None)
+
+    def logical_shape(self, name: str, local_shape: tuple[int, ...]) -> list[int]:
+        logical = list(local_shape)
+        if name in self.experts:
+            logical[0] *= self.ep
+        split = self.plan.split_dims.get(name) if self.plan is not None else None
+        if split is not None:
+            logical[split[0]] = split[1]
+        return logical
 
     def block(
-        self, name: str, local_shape: tuple[int, ...], t: int, s: int
+        self, name: str, local_shape: tuple[int, ...], t: int, k: int
     ) -> tuple[list[int], list[int]] | None:
-        """(offsets, sizes) in the logical tensor of the rows dp rank s owns of tp rank t's shard of
-        parameter `name` (None: padding only)."""
-        dim, logical = self.plan.split_dims[name]
-        per_tp = local_shape[dim]
-        valid_tp = max(0, min(per_tp, logical - t * per_tp))  # the padded vocabulary's last shard
-        start, stop = ShardedShape(local_shape, len(self.ranks)).row_range(s)
+        """(offsets, sizes) in the logical tensor of the rows rank (k, t) owns of parameter `name`, whose
+        per-rank shape before data-parallel sharding is `local_shape` (None: padding only)."""
+        ep = self.ep if name in self.experts else 1
+        s, e = divmod(k, ep)
         offsets, sizes = [0] * len(local_shape), list(local_shape)
-        offsets[dim], sizes[dim] = t * per_tp, valid_tp
-        if dim == 0:
-            stop = min(stop, valid_tp)
-        offsets[0] += start
+        valid_rows = local_shape[0]
+        split = self.plan.split_dims.get(name) if self.plan is not None else None
+        if split is not None:
+            dim, logical = split
+            per_tp = local_shape[dim] * (ep if dim == 0 else 1)
+            valid_tp = max(0, min(per_tp, logical - t * per_tp))  # the padded vocabulary's last shard
+            offsets[dim], sizes[dim] = t * per_tp, valid_tp
+            if dim == 0:
+                valid_rows, sizes[0] = min(valid_rows, valid_tp), local_shape[0]
+        start, stop = ShardedShape(local_shape, len(self.ranks) // ep).row_range(s)
+        stop = min(stop, valid_rows)
+        offsets[0] += e * local_shape[0] + start
         sizes[0] = stop - start
-        return (offsets, sizes) if sizes[0] > 0 and sizes[dim] > 0 else None
+        return (offsets, sizes) if min(sizes) > 0 else None
 
     def wrap(self, local: torch.Tensor, entry: OwnedRows) -> ShardedTensor:
-        """This rank's rows of its tp shard, as a ShardedTensor that knows every rank's block."""
-        me_t, me_s = self.plan.tp.rank, next(i for i, row in enumerate(self.ranks) if dist.get_rank() in row)
-        logical = list(entry.shape)
-        dim, logical[dim] = self.plan.split_dims[entry.name]
+        """This rank's rows of its tp/ep shard, as a ShardedTensor that knows every rank's block."""
+        me_t = self.plan.tp.rank if self.plan is not None else 0
+        me_k = next(i for i, row in enumerate(self.ranks) if dist.get_rank() in row)
         device = local.device.type
         shards, mine = [], None
-        for s, row in enumerate(self.ranks):
+        for k, row in enumerate(self.ranks):
             for t, rank in enumerate(row):
-                block = self.block(entry.name, entry.shape, t, s)
+                block = self.block(entry.name, entry.shape, t, k)
                 if block is not None:
                     shards.append(ShardMetadata(block[0], block[1], f"rank:{rank}/{device}"))
-                    if (t, s) == (me_t, me_s):
+                    if (t, k) == (me_t, me_k):
                         mine = shards[-1]
         local_shards = [LocalShard(local[: mine.shard_sizes[0]], mine)] if mine is not None else []
         metadata = ShardedTensorMetadata(
-            shards, torch.Size(logical), TensorProperties.create_from_tensor(local)
+            shards,
+            torch.Size(self.logical_shape(entry.name, entry.shape)),
+            TensorProperties.create_from_tensor(local),
         )
         return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
@@ -154,12 +180,12 @@ def _state(
     engine: DataParallelEngine,
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
-    tp_blocks: TensorParallelBlocks | None,
+    tp_blocks: ShardBlocks | None,
 ) -> dict[str, Any]:
     model_sd: dict[str, torch.Tensor] = {}
     optim_sd: dict[str, dict[str, torch.Tensor]] = {}
     for entry in engine.owned_rows():
-        if tp_blocks is not None and tp_blocks.plan.split_dims.get(entry.name) is not None:
+        if tp_blocks is not None and tp_blocks.holds(entry.name):
             wrap = partial(tp_blocks.wrap, entry=entry)
         else:
             wrap = partial(_wrap, entry=entry, mesh=engine.shard_mesh)
@@ -171,6 +197,8 @@ def _state(
             "exp_avg": wrap(state["exp_avg"][rows]),
             "exp_avg_sq": wrap(state["exp_avg_sq"][rows]),
         }
+    # Auxiliary-loss-free balancing biases: the same on every rank holding their layer (saved once).
+    model_sd.update({n: b for n, b in engine.model.named_buffers() if n.endswith("expert_bias")})
     return {"model": model_sd, "optimizer": optim_sd, "train": train_state}
 
 
@@ -183,7 +211,7 @@ def save_checkpoint(
     comm: Comm,
     world: CommGroup,
     keep: int,
-    tp_blocks: TensorParallelBlocks | None = None,
+    tp_blocks: ShardBlocks | None = None,
 ) -> Path:
     """Collective: every rank must call it. Returns the final directory."""
     final = root / f"step-{step:08d}"
@@ -208,7 +236,7 @@ def load_checkpoint(
     engine: DataParallelEngine,
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
-    tp_blocks: TensorParallelBlocks | None = None,
+    tp_blocks: ShardBlocks | None = None,
 ) -> dict[str, Any]:
     """Load `path` (written by any layout) into this layout in place; returns the saved train state."""
     state = _state(engine, optimizer, train_state, tp_blocks)

@@ -160,6 +160,8 @@ class MetricsLogger:
             f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
             f"peak mem {_human(row['peak_mem_bytes'])}B | comm {_human(row['comm_bytes'])}B"
             + (f" | bubble {100 * row['pp_bubble']:.0f}%" if "pp_bubble" in row else "")
+            + (f" | MoE imbalance {row['moe_imbalance']:.2f}x" if "moe_imbalance" in row else "")
+            + (f", dropped {100 * row['moe_dropped']:.1f}%" if row.get("moe_dropped") else "")
         )
 
     def close(self) -> None:

@@ -29,15 +29,17 @@ from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.data_parallel import DTYPES
+from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import parallelize
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.train.checkpoint import (
     CheckpointError,
-    TensorParallelBlocks,
+    ShardBlocks,
     complete_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from meshtron.train.expert_load import ExpertLoads, draw_expert_load
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
 from meshtron.train.optim import build_optimizer, clip_grad_norm_, lr_at
 
@@ -137,11 +139,13 @@ class Trainer:
         )
         autocast = partial(autocast_context, device, t.dtype)
         self.loss = MicroBatchLoss(self.parallel.token_loss, t.global_batch * t.seq_len, autocast)
-        self.tp_blocks = None
-        if self.tp_plan is not None:
-            self.tp_blocks = TensorParallelBlocks(self.tp_plan, mesh.grid("dp_shard_cp", "tp"))
+        self.tp_blocks = None  # where tensor- and expert-parallel shards sit, for checkpoints
+        experts = expert_parameter_names(self.model) if self.dims.ep > 1 else frozenset()
+        if self.tp_plan is not None or experts:
+            self.tp_blocks = ShardBlocks(self.tp_plan, mesh.grid("dp_shard_cp", "tp"), self.dims.ep, experts)
         self.start_step = self.resume_if_asked()
         self.dp, self.dp_cp = mesh.group("dp"), mesh.group(mesh.with_cp("dp"))
+        self.expert_loads = ExpertLoads(self.model, comm, self.dp_cp, mesh.group("pp"), cfg.model.is_moe)
         self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
@@ -210,10 +214,10 @@ class Trainer:
         self.comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
 
         comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
+        extra = self.expert_loads.after_step()  # MoE loads: the balancing bias step and the metrics
         self.comm.stats.reset()
         elapsed = time.perf_counter() - start
         tokens_per_sec = self.loss.global_tokens / elapsed
-        extra = {}
         if self.pipeline is not None:  # the mean over stages of the time each spent not computing
             bubble = torch.tensor(self.pipeline.idle_fraction(), dtype=torch.float64)
             extra["pp_bubble"] = float(self.comm.all_reduce_(bubble, pp, op="avg"))
@@ -289,6 +293,7 @@ class Trainer:
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
             plot_loss(logger.rows, run_dir / "loss.png", title)
+            draw_expert_load(logger.rows, run_dir / "expert-load.png", f"expert load per MoE layer: {title}")
         if cfg.run.plot and self.pipeline is not None and cfg.training.steps > self.start_step:
             self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
         logger.close()

@@ -1,0 +1,113 @@
+"""Expert load per MoE layer: what each step's routing did, the balancing bias it moves, and a heat map.
+
+Every MoE layer counts, over a step's micro-batches, the assignments routed to and kept by each of its
+experts (models/moe.py). Once per optimizer step the counts are summed over the global batch (every
+data- and context-parallel rank; tensor-parallel ranks route the same tokens and are not summed) and
+
+  - drive auxiliary-loss-free balancing: b_e += rate * sign(mean load - load_e), kept zero-mean
+    (DeepSeek-V3), on every rank holding the layer, so the copies stay identical;
+  - become the metrics row's `moe`: per layer, imbalance = max / mean tokens per expert, dropped =
+    the fraction of assignments over capacity, and the loads; `moe_imbalance` (the worst layer) and
+    `moe_dropped` (all layers) as scalars for the console and TensorBoard.
+
+Under pipeline parallel each stage reports its own layers; rank 0 collects them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from meshtron.comm import Comm, CommGroup
+from meshtron.figures import pyplot, save_figure
+from meshtron.models.moe import MoE
+
+
+class ExpertLoads:
+    """The MoE layers of this rank's part of the model, read once per optimizer step."""
+
+    def __init__(self, model: nn.Module, comm: Comm, data: CommGroup, pp: CommGroup, is_moe: bool):
+        self.is_moe = is_moe  # of the whole model: a pipeline stage may hold none of its MoE layers
+        self.layers = {
+            name.removesuffix(".moe"): module
+            for name, module in model.named_modules()
+            if isinstance(module, MoE)
+        }
+        self.comm, self.data, self.pp = comm, data, pp
+
+    def after_step(self) -> dict[str, Any]:
+        """Collective over the data-parallel and pipeline groups: the global batch's loads, the bias step,
+        and the metrics (complete on rank 0 of each pipeline)."""
+        if not self.is_moe:
+            return {}
+        per_layer = {}
+        if self.layers:
+            loads_L2E = torch.stack([moe.take_loads() for moe in self.layers.values()])
+            self.comm.all_reduce_(loads_L2E, self.data)
+            for moe, loads_2E in zip(self.layers.values(), loads_L2E, strict=True):
+                if moe.router.expert_bias is not None:
+                    moe.router.update_bias(loads_2E[0])
+            per_layer = {
+                name: _layer_metrics(loads) for name, loads in zip(self.layers, loads_L2E, strict=True)
+            }
+        if self.pp.size > 1:
+            per_layer = {
+                k: v for part in self.comm.all_gather_object(per_layer, self.pp) for k, v in part.items()
+            }
+        if not per_layer:
+            return {}
+        routed = sum(sum(layer["load"]) for layer in per_layer.values())
+        dropped = sum(layer["dropped"] * sum(layer["load"]) for layer in per_layer.values())
+        return {
+            "moe": per_layer,
+            "moe_imbalance": max(layer["imbalance"] for layer in per_layer.values()),
+            "moe_dropped": dropped / max(routed, 1),
+        }
+
+
+def _layer_metrics(loads_2E: torch.Tensor) -> dict[str, Any]:
+    routed, kept = loads_2E.double()
+    total = float(routed.sum())
+    return {
+        "imbalance": float(routed.max() / routed.mean()) if total else 1.0,
+        "dropped": float(1 - kept.sum() / total) if total else 0.0,
+        "load": [int(v) for v in routed],
+    }
+
+
+def draw_expert_load(rows: list[dict[str, Any]], out_path: Path, title: str) -> Path | None:
+    """One heat map per MoE layer: experts (rows) over steps (columns), each expert's load relative to the
+    layer's mean that step (1 = balanced). None when the rows hold no MoE metrics."""
+    rows = [r for r in rows if "moe" in r]
+    if not rows:
+        return None
+    layers = sorted(rows[0]["moe"], key=lambda name: int(name.rsplit(".", 1)[-1]))
+    plt = pyplot()
+    cols = min(len(layers), 4)
+    n_rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(n_rows, cols, squeeze=False, figsize=(3.2 * cols + 1, 2.6 * n_rows + 0.6))
+    steps = [r["step"] for r in rows]
+    for ax, name in zip(axes.flat, layers, strict=False):
+        load = np.array([r["moe"][name]["load"] for r in rows], dtype=float).T  # [E, steps]
+        relative = load / np.maximum(load.mean(axis=0, keepdims=True), 1e-9)
+        image = ax.imshow(
+            relative,
+            aspect="auto",
+            cmap="coolwarm",
+            vmin=0,
+            vmax=2,
+            interpolation="nearest",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[0] - 0.5, -0.5),
+        )
+        ax.set_title(f"{name}: worst {max(r['moe'][name]['imbalance'] for r in rows):.2f}x mean", fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("expert", fontsize=8)
+    for ax in list(axes.flat)[len(layers) :]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="load / mean")
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, out_path)

@@ -1,0 +1,401 @@
+"""Expert parallel against the single-device run (losses over 10 steps, step-1 gradients of every
+expert, router and other weight; tolerances in parity.py) for both dispatchers at ep 2 and 4, dropless
+and with capacity, and composed with every other dim; the dispatch itself at module level (round trip,
+dispatcher equivalence, skewed routing, exact bytes); HF MoE checkpoints under ep; refusals."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from meshtron.comm import Comm
+from meshtron.config import ConfigError, ModelConfig, check, load_config
+from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.models.moe import MoE, combine, grouped_linear, sort_by_expert
+from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.testing.parity import (
+    assert_losses_match,
+    assert_parity,
+    merged,
+    reference,
+    run_layout,
+    train_rows,
+)
+from meshtron.testing.tiny import MOE, TINY
+
+# The tiny MoE with every balancing option on: Switch aux loss, z-loss, and the aux-loss-free bias
+# (its update moves routing from step 2 on, so the losses check that it is the same on every layout).
+EP_MOE = [*MOE, "--model.router_bias_rate=0.01"]
+EP2, EP4 = ["--parallel.ep=2"], ["--parallel.ep=4"]
+CASES = {
+    # name: (world, model overrides, parallel overrides incl. the per-rank micro-batch)
+    "ep2_alltoall": (2, [], [*EP2, "--training.micro_batch=4"]),
+    "ep2_allgather": (2, [], [*EP2, "--parallel.ep_dispatch=allgather", "--training.micro_batch=4"]),
+    "ep4_alltoall": (4, [], [*EP4, "--training.micro_batch=2"]),
+    "ep4_allgather": (4, [], [*EP4, "--parallel.ep_dispatch=allgather", "--training.micro_batch=2"]),
+    "ep2_alltoall_capacity": (2, ["--model.capacity_factor=1.5"], [*EP2, "--training.micro_batch=4"]),
+    "ep4_allgather_capacity": (
+        4,
+        ["--model.capacity_factor=1.25"],
+        [*EP4, "--parallel.ep_dispatch=allgather", "--training.micro_batch=2"],
+    ),
+    "ep2_sequence_loss_groups_sigmoid": (
+        2,
+        [
+            "--model.balance_loss=sequence",
+            "--model.router=sigmoid",
+            "--model.n_expert_groups=2",
+            "--model.topk_expert_groups=1",
+            "--model.router_scale=2.5",
+        ],
+        [*EP2, "--training.micro_batch=4"],
+    ),
+    # edp = 2: expert gradients summed over the expert-data-parallel group, under each ZeRO stage.
+    "ep2_x_zero3_edp2": (4, [], [*EP2, "--training.micro_batch=2"]),
+    "ep2_x_zero1_edp2": (4, [], [*EP2, "--parallel.zero=1", "--training.micro_batch=2"]),
+    "ep2_x_zero2_edp2_allgather": (
+        4,
+        [],
+        [*EP2, "--parallel.zero=2", "--parallel.ep_dispatch=allgather", "--training.micro_batch=2"],
+    ),
+    "ep2_x_hsdp": (4, [], [*EP2, "--parallel.dp_replicate=2", "--training.micro_batch=2"]),
+    "ep2_x_tp2_sp_etp2": (4, [], [*EP2, "--parallel.tp=2", "--parallel.sp=true", "--training.micro_batch=4"]),
+    "ep2_x_tp2_etp1": (4, [], [*EP2, "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=4"]),
+    "tp2_sp_etp1": (2, [], ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1"]),
+    "ep2_x_cp2": (4, [], [*EP2, "--parallel.cp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
+    "ep2_over_cp2": (2, [], [*EP2, "--parallel.cp=2", "--parallel.ep_dispatch=allgather"]),
+    "pp2_x_ep2_1f1b": (4, [], [*EP2, "--parallel.pp=2", "--training.micro_batch=2"]),
+    "pp2_x_ep2_interleaved": (
+        4,
+        ["--model.n_layers=4"],
+        [
+            *EP2,
+            "--parallel.pp=2",
+            "--parallel.vpp=2",
+            "--parallel.pp_schedule=interleaved",
+            "--training.micro_batch=2",
+        ],
+    ),
+    "pp2_x_ep2_zero_bubble": (
+        4,
+        [],
+        [*EP2, "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--training.micro_batch=2"],
+    ),
+    "ep2_full_recompute": (2, [], [*EP2, "--training.recompute=full", "--training.micro_batch=4"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_single_device(workers, case):
+    world, model, parallel = CASES[case]
+    micro = [p for p in parallel if "micro_batch" in p] or ["--training.micro_batch=8"]
+    results = workers(world).run(run_layout, [*TINY, *EP_MOE, *model, *parallel, *micro])
+    pipelined = any("parallel.pp=" in p for p in parallel)  # each stage its own parameters
+    ref = reference(workers(1), [*EP_MOE, *model], int(micro[0].split("=")[1]))
+    assert_parity(merged(results) if pipelined else results[0], ref)
+    for other in results[1:]:
+        assert [r["loss"] for r in other["rows"]] == [r["loss"] for r in results[0]["rows"]]
+    rows, want = results[0]["rows"], ref["rows"]
+    # The routing statistics (and so the bias updates) are the global batch's, as on one device; a
+    # recomputed forward does not count its tokens twice.
+    assert [r["moe"] for r in rows] == [r["moe"] for r in want]
+    cfg = load_config(None, [*TINY, *EP_MOE, *model])
+    tokens = cfg.training.global_batch * cfg.training.seq_len * cfg.model.top_k
+    assert all(sum(layer["load"]) == tokens for layer in rows[-1]["moe"].values())
+
+
+# ---- the dispatch at module level ---------------------------------------------------------------------
+
+MODULE_CFG = ModelConfig(dim=32, n_heads=4, ffn_dim=64, vocab_size=64, n_experts=8, top_k=2, moe_ffn_dim=48)
+
+
+def random_moe(cfg: ModelConfig) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def run_moe(cfg: ModelConfig, dispatch: str | None, skew: bool) -> dict[str, torch.Tensor]:
+    """On every rank: its own tokens through an MoE whose experts are spread over all ranks (`dispatch`) or
+    all local (None); the output, the input gradient and every expert's gradient gathered to [E, ...]."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    moe, comm = random_moe(cfg), Comm(timeout_s=60)
+    x = torch.randn(3, 5, cfg.dim, generator=torch.Generator().manual_seed(rank + 1))
+    if skew:  # every token prefers experts 0 and 1: every rank but rank 0 receives nothing
+        with torch.no_grad():
+            moe.router.weight.zero_()
+            moe.router.weight[:2, 0] = torch.tensor([2.0, 1.0])
+        x[..., 0] = x[..., 0].abs() + 1
+    x.requires_grad_(True)
+    mesh = None
+    if dispatch is not None:
+        mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
+        cfg_ep = load_config(
+            None, ["--model.n_experts=8", f"--parallel.ep={world}", f"--parallel.ep_dispatch={dispatch}"]
+        )
+        apply_expert_parallel(
+            types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)}),
+            comm,
+            mesh.group("ep"),
+            cfg_ep,
+        )
+    out, _ = moe(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + rank)))
+    grads = {name: p.grad for name, p in moe.experts.named_parameters()}
+    if mesh is not None:
+        grads = {name: comm.all_gather_tensor(g, mesh.group("ep")) for name, g in grads.items()}
+        mesh.close()
+    return {"out": out.detach(), "x_grad": x.grad, **grads}
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_dispatchers_match_local_experts(workers, skew):
+    """alltoall and allgather give the outputs and gradients of the experts run locally (each rank's
+    experts' gradients summed over the ranks, as data parallel would), on 4 ranks; with skewed routing
+    three ranks receive no tokens and still finish, with zero gradients for the idle experts."""
+    pool = workers(4)
+    local = pool.run(run_moe, MODULE_CFG, None, skew)
+    summed = {name: sum(r[name] for r in local) for name in ("w1", "w3", "w2")}
+    for dispatch in ("alltoall", "allgather"):
+        results = pool.run(run_moe, MODULE_CFG, dispatch, skew)
+        for rank, (got, want) in enumerate(zip(results, local, strict=True)):
+            for key in ("out", "x_grad"):
+                torch.testing.assert_close(
+                    got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{dispatch} {key} rank {rank}"
+                )
+            for name, grad in summed.items():
+                torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-4, msg=f"{dispatch} {name}")
+        if skew:
+            assert all(results[0][name][2:].abs().max() == 0 for name in summed)
+
+
+def dispatch_bytes(dispatch: str) -> dict[str, float]:
+    """Bytes and calls of the ep group's token all-to-alls over one forward and backward, with every
+    token's k choices spread round-robin over the experts (exactly uniform routing)."""
+    world = torch.distributed.get_world_size()
+    cfg = MODULE_CFG
+    moe, comm = random_moe(cfg), Comm()
+    n_tokens = 4 * cfg.n_experts
+    experts_Tk = (torch.arange(n_tokens * cfg.top_k) % cfg.n_experts).view(n_tokens, cfg.top_k)
+
+    def uniform_router(x_TD):
+        logits = x_TD.float() @ moe.router.weight.float().T
+        scores = logits.softmax(-1)
+        return scores.gather(1, experts_Tk), experts_Tk, scores, logits
+
+    moe.router.forward = uniform_router
+    mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
+    cfg_ep = load_config(
+        None, ["--model.n_experts=8", f"--parallel.ep={world}", f"--parallel.ep_dispatch={dispatch}"]
+    )
+    apply_expert_parallel(
+        types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)}), comm, mesh.group("ep"), cfg_ep
+    )
+    x = torch.randn(1, n_tokens, cfg.dim, requires_grad=True)
+    out, _ = moe(x)
+    out.sum().backward()
+    stats = comm.stats
+    got = {
+        "all_to_all": stats.total_bytes(group="ep", op="all_to_all"),
+        "calls": stats.total_calls(group="ep", op="all_to_all"),
+    }
+    mesh.close()
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alltoall_moves_the_formula_bytes_exactly(workers, world):
+    """Uniform routing: each of the 4 token all-to-alls (dispatch and combine, forward and backward)
+    moves top_k·tokens·dim·4 bytes·(ep−1)/ep from each rank."""
+    cfg = MODULE_CFG
+    n_tokens = 4 * cfg.n_experts
+    per_call = cfg.top_k * n_tokens * cfg.dim * 4 * (world - 1) / world
+    for got in workers(world).run(dispatch_bytes, "alltoall"):
+        assert got == {"all_to_all": 4 * per_call, "calls": 4}
+
+
+def test_sort_and_combine_round_trip_with_empty_experts():
+    """Sorting assignments by expert and combining them back is the identity (with unit weights, one
+    choice), whatever the counts: experts with no tokens, no kept assignment at all, another rank's
+    range; the grouped matmul handles empty groups, and its fallback loop (odd widths) agrees."""
+    experts_Tk = torch.tensor([[3], [0], [3], [5], [0]])
+    x_TD = torch.randn(5, 8)
+    for keep_Tk, first, n in [
+        (torch.ones(5, 1, dtype=torch.bool), 0, 6),
+        (torch.tensor([[True], [False], [True], [True], [False]]), 0, 6),
+        (torch.zeros(5, 1, dtype=torch.bool), 0, 6),
+        (torch.ones(5, 1, dtype=torch.bool), 3, 3),  # experts 3..5 only
+    ]:
+        order, counts = sort_by_expert(experts_Tk, keep_Tk, first, n)
+        assert counts.tolist() == [
+            int(((experts_Tk[:, 0] == first + e) & keep_Tk[:, 0]).sum()) for e in range(n)
+        ]
+        assert (experts_Tk.flatten()[order].diff() >= 0).all()
+        back = combine(x_TD[order], order, torch.ones(5, 1), 5)
+        kept = keep_Tk[:, 0] & (experts_Tk[:, 0] >= first) & (experts_Tk[:, 0] < first + n)
+        assert torch.equal(back[kept], x_TD[kept]) and not back[~kept].any()
+    counts = torch.tensor([3, 0, 2, 0])
+    for dim in (16, 10):  # 16: grouped_mm; 10 (40-byte rows): the per-expert loop
+        x, w = (
+            torch.randn(5, dim, requires_grad=True),
+            torch.randn(4, 6 if dim == 10 else 8, dim, requires_grad=True),
+        )
+        y = grouped_linear(x, w, counts)
+        want = torch.cat([x[:3] @ w[0].T, x[3:5] @ w[2].T])
+        torch.testing.assert_close(y, want)
+        y.sum().backward()
+        assert w.grad[1].abs().max() == 0 and w.grad[3].abs().max() == 0
+    empty = grouped_linear(torch.randn(0, 16), torch.randn(4, 8, 16), torch.zeros(4, dtype=torch.long))
+    assert empty.shape == (0, 8)
+
+
+# ---- checkpoints, Hugging Face checkpoints, refusals ----------------------------------------------------
+
+
+def test_checkpoint_written_under_ep_resumes_on_other_layouts(workers, tmp_path):
+    """Save under ep 2 x ZeRO-3 (edp 2) with the balancing bias on; resume on one device, under ep 4 with
+    allgather, and under tp 2 with whole experts per tp rank (etp 1): each continues as the
+    uninterrupted single-device run does (the bias comes back too)."""
+    base = [*TINY, *EP_MOE, "--training.steps=6", "--training.micro_batch=2"]
+    straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
+    first = [*base, *EP2, "--checkpoint.every=3", "--checkpoint.keep=1", "--training.steps=3"]
+    workers(4).run(train_rows, [*first, f"--run.dir={tmp_path / 'first'}"])
+    for name, world, layout in [
+        ("single", 1, []),
+        ("ep4", 4, [*EP4, "--parallel.ep_dispatch=allgather"]),
+        ("tp2_etp1", 4, ["--parallel.tp=2", "--parallel.etp=1"]),
+    ]:
+        resumed_dir = tmp_path / name
+        resumed = [
+            *base,
+            *layout,
+            "--checkpoint.resume=true",
+            f"--checkpoint.dir={tmp_path / 'first' / 'checkpoints'}",
+        ]
+        rows = workers(world).run(train_rows, [*resumed, f"--run.dir={resumed_dir}"])[0]
+        assert [r["step"] for r in rows] == [4, 5, 6]
+        assert_losses_match(rows, straight[3:])
+
+
+def hf_moe_logits(path: str, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Hugging Face MoE checkpoint loaded, its experts spread over every rank, run on this rank's own
+    tokens: (tokens, logits)."""
+    from meshtron import hf
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = hf.load(path)
+    mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
+    cfg = load_config(
+        None,
+        [
+            f"--model.n_experts={model.cfg.n_experts}",
+            f"--parallel.ep={world}",
+            f"--parallel.ep_dispatch={dispatch}",
+        ],
+    )
+    apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        logits = model(ids)
+    mesh.close()
+    return ids, logits
+
+
+HF_MOE_CASES = {
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_shared_gate": (
+        "Qwen2MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=36,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=12,
+            moe_intermediate_size=20,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
+@pytest.mark.parametrize("case", list(HF_MOE_CASES))
+def test_hugging_face_moe_checkpoints_under_expert_parallel(workers, tmp_path, case, dispatch):
+    transformers = pytest.importorskip("transformers")
+    from meshtron.testing.tiny import perturb
+
+    config_name, extra = HF_MOE_CASES[case]
+    config = getattr(transformers, config_name)(
+        hidden_size=48,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=60,
+        vocab_size=97,
+        **extra,
+    )
+    torch.manual_seed(0)
+    reference_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    perturb(reference_model, 0)
+    reference_model.save_pretrained(tmp_path)
+    for ids, logits in workers(2).run(hf_moe_logits, str(tmp_path), dispatch):
+        with torch.no_grad():
+            expected = reference_model(input_ids=ids).logits
+        assert (logits - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ([*MOE, "--model.n_experts=6", "--parallel.ep=4"], 4, "use ep in [1, 2, 3, 6]"),
+        (
+            [*MOE, "--parallel.ep=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+            4,
+            "must divide dp_shard*cp=2",
+        ),
+        (["--parallel.ep=2"], 2, "needs an MoE model"),
+        ([*MOE, "--parallel.tp=2", "--parallel.etp=3"], 2, "parallel.etp=3 must be 1"),
+        ([*MOE, "--parallel.ep=2", "--parallel.tp=4", "--parallel.etp=1"], 8, "ep*tp (etp=1 spreads experts"),
+        ([*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=alltoal"], 2, "did you mean 'alltoall'"),
+        ([*MOE, "--model.n_expert_groups=3"], 1, "not divisible by model.n_expert_groups=3"),
+        ([*MOE, "--model.n_expert_groups=4", "--model.topk_expert_groups=1"], 1, "leave at least top_k=2"),
+    ],
+)
+def test_invalid_ep_layouts_are_refused_with_the_fix(overrides, world, message):
+    with pytest.raises(
+        ConfigError, match=message.replace("(", r"\(").replace("[", r"\[").replace("*", r"\*")
+    ):
+        check(load_config(None, [*TINY, *overrides]), world)
+
+
+@pytest.mark.parametrize(
+    "config, overrides, world",
+    [
+        ("configs/mixtral-8x7b.toml", [], 64),
+        ("configs/mixtral-8x7b.toml", ["--parallel.ep=2", "--parallel.etp=1"], 64),
+        (
+            "configs/mixtral-8x7b.toml",
+            ["--parallel.ep_dispatch=allgather", "--parallel.pp=2", "--parallel.dp_shard=8"],
+            64,
+        ),
+        ("configs/deepseek-moe.toml", [], 64),
+        ("configs/deepseek-moe.toml", ["--parallel.cp=2", "--parallel.dp_shard=16"], 64),
+    ],
+)
+def test_moe_presets_validate_for_cluster_layouts(config, overrides, world):
+    cfg = check(load_config(config, overrides), world)
+    assert cfg.parallel.ep > 1 and cfg.model.n_experts % cfg.parallel.ep == 0
