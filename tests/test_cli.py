@@ -187,3 +187,27 @@ def test_train_nproc_agrees_with_one_process(tmp_path, layout, one_process_run):
         assert (tmp_path / "many" / "pipeline-timeline.png").exists()
         assert "% measured" in many.stdout
         assert all(0 < row["pp_bubble"] < 1 for row in rows)
+
+
+def test_train_nproc_with_expert_parallel_reports_expert_load(tmp_path):
+    """The README's MoE command under ep 2: the console and metrics.jsonl carry each layer's expert load,
+    and the run ends with the heat map of it."""
+    out = meshtron(
+        "train",
+        "--config",
+        "configs/tiny-moe.toml",
+        "--training.steps=3",
+        "--model.n_layers=2",
+        "--training.seq_len=32",
+        "--training.micro_batch=4",
+        "--parallel.ep=2",
+        "--model.router_bias_rate=0.01",
+        f"--run.dir={tmp_path}",
+        "--nproc=2",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "MoE imbalance" in out.stdout and "ep2 x edp1" in out.stdout
+    rows = read_metrics(tmp_path)
+    assert sorted(rows[-1]["moe"]) == ["layers.0", "layers.1"]
+    assert all(layer["imbalance"] >= 1 for layer in rows[-1]["moe"].values())
+    assert (tmp_path / "expert-load.png").stat().st_size > 1000

@@ -20,6 +20,7 @@ from meshtron.testing.parity import (
     assert_parity,
     merged,
     reference,
+    relative,
     run_layout,
     train_rows,
 )
@@ -98,12 +99,25 @@ def test_parity_with_single_device(workers, case):
     for other in results[1:]:
         assert [r["loss"] for r in other["rows"]] == [r["loss"] for r in results[0]["rows"]]
     rows, want = results[0]["rows"], ref["rows"]
+    # Clipping's norm counts every expert once (not ep times, nor once per edp shard).
+    assert all(relative(r["grad_norm"], w["grad_norm"]) <= 1e-4 for r, w in zip(rows, want, strict=True))
     # The routing statistics (and so the bias updates) are the global batch's, as on one device; a
     # recomputed forward does not count its tokens twice.
     assert [r["moe"] for r in rows] == [r["moe"] for r in want]
     cfg = load_config(None, [*TINY, *EP_MOE, *model])
     tokens = cfg.training.global_batch * cfg.training.seq_len * cfg.model.top_k
     assert all(sum(layer["load"]) == tokens for layer in rows[-1]["moe"].values())
+
+
+def test_bf16_runs_match_the_single_device_bf16_run(workers, tmp_path):
+    """Under bf16 autocast (tokens travel in bf16, gates combine in fp32) both dispatchers train as the
+    ep = 1 run does, to bf16's precision: with FSDP's bf16 parameters and with ZeRO-1's fp32 ones."""
+    base = [*TINY, *EP_MOE, "--training.dtype=bf16", "--training.steps=3", "--training.micro_batch=4"]
+    want = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'single'}"])[0]
+    for dispatch, zero in [("alltoall", 3), ("allgather", 1)]:
+        layout = [*EP2, f"--parallel.ep_dispatch={dispatch}", f"--parallel.zero={zero}"]
+        rows = workers(2).run(train_rows, [*base, *layout, f"--run.dir={tmp_path / dispatch}"])[0]
+        assert_losses_match(rows, want, rtol=1e-2)
 
 
 # ---- the dispatch at module level ---------------------------------------------------------------------

@@ -407,6 +407,8 @@ def test_unexpected_tensor(tmp_path: Path) -> None:
     ("change", "message"),
     (
         (dict(router="sigmoid"), "sigmoid"),
+        (dict(router_bias_rate=0.001), "DeepSeek-V3's routing"),
+        (dict(n_expert_groups=2, topk_expert_groups=1), "DeepSeek-V3's routing"),
         (dict(n_shared_experts=1), "shared experts without shared_expert_gate"),
         (dict(router_norm_topk=False), "Mixtral always renormalises"),
         (dict(qk_norm=True, qkv_bias=True), "qk_norm with qkv_bias"),

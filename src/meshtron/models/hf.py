@@ -21,7 +21,8 @@ Weight names (per layer i, HF side under `model.layers.{i}.`):
     moe.shared_experts.{w1,w3,w2}           mlp.shared_expert.{gate,up,down}_proj
     moe.shared_gate                         mlp.shared_expert_gate
 
-What `save` refuses (no supported HF architecture computes it): a sigmoid router, shared experts
+What `save` refuses (no supported HF architecture computes it): a sigmoid router, DeepSeek-V3's routing
+(scaled gates, expert groups, a balancing bias), shared experts
 without a sigmoid gate, q/k norms together with q/k/v biases (Qwen3's `attention_bias` also biases
 o_proj), shared experts with q/k norms, and a Mixtral-shaped MoE (no shared experts, no q/k norms)
 that does not renormalise its top-k weights, has dense layers, or has q/k/v biases. What it writes

@@ -261,6 +261,11 @@ def _hf_model_type(cfg: ModelConfig) -> str:
     if cfg.is_moe:
         if cfg.router != "softmax":
             problems.append(f"router={cfg.router!r}: the supported HF MoE architectures use a softmax router")
+        if cfg.router_scale != 1 or cfg.n_expert_groups > 1 or cfg.router_bias_rate > 0:
+            problems.append(
+                "router_scale, group-limited routing (n_expert_groups) or a balancing bias (router_bias_rate): "
+                "DeepSeek-V3's routing, which no supported HF architecture computes"
+            )
         if cfg.n_shared_experts and not cfg.shared_expert_gate:
             problems.append(
                 "shared experts without shared_expert_gate (Qwen2-MoE's shared experts are gated)"
