@@ -12,6 +12,7 @@ from pathlib import Path
 from meshtron.config import ConfigError, PipelineSchedule, check, load_config
 from meshtron.data import DataError
 from meshtron.train.checkpoint import CheckpointError
+from meshtron.train.nonfinite import TrainingDiverged
 
 
 def _under_launcher() -> bool:
@@ -209,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # User errors (configs, layouts, data) get a message, not a traceback.
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2
+    except TrainingDiverged as err:
+        print(f"meshtron: error: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -191,6 +191,8 @@ class TrainingConfig:
     seed: int = 0
     dtype: DType = "fp32"
     grad_clip: float = non_negative(1.0)  # 0: no clipping
+    # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
+    max_skipped_steps: int = non_negative(5)
     recompute: Recompute = "none"
 
 

@@ -42,6 +42,7 @@ from meshtron.parallel.data_parallel import uses_torch_fsdp
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import ShardedShape
 from meshtron.parallel.tensor import TensorParallelPlan
+from meshtron.train.checkpoint_integrity import write_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -213,14 +214,21 @@ def save_checkpoint(
     keep: int,
     tp_blocks: ShardBlocks | None = None,
 ) -> Path:
-    """Collective: every rank must call it. Returns the final directory."""
+    """Collective: every rank must call it. Returns the final directory. Refuses (on every rank) to write
+    parameters or optimizer state holding inf or NaN."""
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
+    state = _state(engine, optimizer, train_state, tp_blocks)
+    bad = sorted({n for part in comm.all_gather_object(_non_finite(state), world) for n in part})
+    if bad:
+        raise CheckpointError(f"refusing to write checkpoint {final}: non-finite values in {', '.join(bad)}")
     if world.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save of this step
     comm.barrier(world)
-    dcp.save(_state(engine, optimizer, train_state, tp_blocks), checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp))
+    comm.barrier(world)
+    write_manifest(tmp, comm, world)
     comm.barrier(world)
     if world.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -229,6 +237,27 @@ def save_checkpoint(
             shutil.rmtree(old.path, ignore_errors=True)
     comm.barrier(world)
     return final
+
+
+def _non_finite(state: dict[str, Any]) -> list[str]:
+    """Names of this rank's model and optimizer tensors holding inf or NaN."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, ShardedTensor):
+            return (
+                torch.cat([s.tensor.flatten() for s in t.local_shards()])
+                if t.local_shards()
+                else t.new_zeros(0)
+            )
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    tensors = [(n, t) for n, t in state["model"].items()]
+    tensors += [(f"{n} ({k})", t) for n, s in state["optimizer"].items() for k, t in s.items() if k != "step"]
+    return [
+        name
+        for name, t in tensors
+        if local(t).is_floating_point() and not bool(torch.isfinite(local(t)).all())
+    ]
 
 
 def load_checkpoint(

@@ -39,9 +39,9 @@ class ExpertLoads:
         }
         self.comm, self.data, self.pp = comm, data, pp
 
-    def after_step(self) -> dict[str, Any]:
-        """Collective over the data-parallel and pipeline groups: the global batch's loads, the bias step,
-        and the metrics (complete on rank 0 of each pipeline)."""
+    def after_step(self, update_bias: bool = True) -> dict[str, Any]:
+        """Collective over the data-parallel and pipeline groups: the global batch's loads, the bias step
+        (not after a skipped step), and the metrics (complete on rank 0 of each pipeline)."""
         if not self.is_moe:
             return {}
         per_layer = {}
@@ -49,7 +49,7 @@ class ExpertLoads:
             loads_L2E = torch.stack([moe.take_loads() for moe in self.layers.values()])
             self.comm.all_reduce_(loads_L2E, self.data)
             for moe, loads_2E in zip(self.layers.values(), loads_L2E, strict=True):
-                if moe.router.expert_bias is not None:
+                if moe.router.expert_bias is not None and update_bias:
                     moe.router.update_bias(loads_2E[0])
             per_layer = {
                 name: _layer_metrics(loads) for name, loads in zip(self.layers, loads_L2E, strict=True)

@@ -162,6 +162,7 @@ class MetricsLogger:
             + (f" | bubble {100 * row['pp_bubble']:.0f}%" if "pp_bubble" in row else "")
             + (f" | MoE imbalance {row['moe_imbalance']:.2f}x" if "moe_imbalance" in row else "")
             + (f", dropped {100 * row['moe_dropped']:.1f}%" if row.get("moe_dropped") else "")
+            + (f" | SKIPPED, {row['reason']}" if row.get("skipped") else "")
         )
 
     def close(self) -> None:

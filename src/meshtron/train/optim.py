@@ -50,7 +50,7 @@ def clip_grad_norm_(
     if pp is not None:  # pipeline stages hold disjoint parameters
         comm.all_reduce_(parts, pp)
     norm = parts.sum().sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and torch.isfinite(norm):  # a non-finite step is skipped: its gradients left as they are
         engine.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 

@@ -34,13 +34,16 @@ from meshtron.parallel.parallelize import parallelize
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.train.checkpoint import (
     CheckpointError,
+    CheckpointInfo,
     ShardBlocks,
     complete_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
 from meshtron.train.expert_load import ExpertLoads, draw_expert_load
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
+from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
 from meshtron.train.optim import build_optimizer, clip_grad_norm_, lr_at
 
 
@@ -110,6 +113,12 @@ class Trainer:
         """`mesh`: reuse the process groups of an earlier job with the same layout in this process."""
         rank, world_size, device = init_distributed(cfg)
         check(cfg, world_size)
+        for directory in [Path(cfg.run.dir)] + ([checkpoint_root(cfg)] if cfg.checkpoint.every else []):
+            why = unwritable(directory, rank)
+            if why:  # found before any work, not at the first checkpoint
+                raise CheckpointError(
+                    f"{why}; set run.dir (or checkpoint.dir) to a directory this job can write"
+                )
         self.dims = ParallelDims.from_config(cfg.parallel, world_size)
         if mesh is not None and mesh.dims != self.dims:
             raise ValueError(
@@ -145,6 +154,7 @@ class Trainer:
             self.tp_blocks = ShardBlocks(self.tp_plan, mesh.grid("dp_shard_cp", "tp"), self.dims.ep, experts)
         self.start_step = self.resume_if_asked()
         self.dp, self.dp_cp = mesh.group("dp"), mesh.group(mesh.with_cp("dp"))
+        self.skips = SkipGuard(t.max_skipped_steps)
         self.expert_loads = ExpertLoads(self.model, comm, self.dp_cp, mesh.group("pp"), cfg.model.is_moe)
         self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
@@ -163,12 +173,30 @@ class Trainer:
             return 0
         if not existing:
             return 0
+        newest = self.intact_checkpoint(existing)
         state = {"sampler": self.sampler.state_dict()}
-        train_state = load_checkpoint(existing[-1].path, self.engine, self.optimizer, state, self.tp_blocks)
+        train_state = load_checkpoint(newest.path, self.engine, self.optimizer, state, self.tp_blocks)
         self.sampler.load_state_dict(train_state["sampler"])  # its next step is the step to resume at
         if self.place.rank == 0:
-            print(f"meshtron: resumed from {existing[-1].path} at step {self.sampler.step}", flush=True)
+            print(f"meshtron: resumed from {newest.path} at step {self.sampler.step}", flush=True)
         return self.sampler.step
+
+    def intact_checkpoint(self, existing: list[CheckpointInfo]) -> CheckpointInfo:
+        """The newest of `existing` whose files match their manifest; each corrupt one skipped with a
+        warning that names its files."""
+        for info in reversed(existing):
+            problems = corrupt_files(info.path, self.comm, self.place.world)
+            if not problems:
+                return info
+            if self.place.rank == 0:
+                print(
+                    f"meshtron: warning: checkpoint {info.path} is corrupt ({'; '.join(problems)}); "
+                    "falling back to the previous complete checkpoint",
+                    flush=True,
+                )
+        raise CheckpointError(
+            f"every checkpoint in {existing[-1].path.parent} is corrupt; start a new run.dir, or restore one"
+        )
 
     def compute_gradients(self) -> torch.Tensor:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
@@ -205,16 +233,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.compute_gradients()
+        self.comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
         grad_norm = clip_grad_norm_(
             self.engine, t.grad_clip, self.comm, self.tp_plan, pp, self.parallel.counted_elsewhere()
         )
-        self.optimizer.step()
-        self.engine.after_step()
+        finite = bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))  # the same on every rank
+        first_bad = None
+        if finite:
+            self.optimizer.step()
+            self.engine.after_step()
+        else:  # skipped: nothing changes (nonfinite.py)
+            first_bad = first_nonfinite_gradient(self.engine, self.comm, self.place.world)
+        skipped = self.skips.check(step + 1, float(loss_sum), float(grad_norm), first_bad)
         self.engine.zero_grad()
-        self.comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
 
         comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
-        extra = self.expert_loads.after_step()  # MoE loads: the balancing bias step and the metrics
+        extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
         self.comm.stats.reset()
         elapsed = time.perf_counter() - start
         tokens_per_sec = self.loss.global_tokens / elapsed
@@ -234,6 +268,7 @@ class Trainer:
             "step_time_s": elapsed,
             "comm_bytes_by_group": comm_by_group,
             **extra,
+            **skipped,
         }
 
     def close(self) -> None:
@@ -286,7 +321,7 @@ class Trainer:
         for step in range(self.start_step, cfg.training.steps):
             row = self.step(step)
             logger.log(row)
-            if rank == 0 and (step % cfg.run.log_every == 0 or step == last):
+            if rank == 0 and (step % cfg.run.log_every == 0 or step == last or row.get("skipped")):
                 print(MetricsLogger.console_line(row), flush=True)
             if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
                 self.save(step + 1)

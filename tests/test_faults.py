@@ -1,0 +1,131 @@
+"""Runs that survive faults: non-finite steps skipped without changing anything, a diverging run stopped
+with a message and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from meshtron.testing.parity import trainer_for
+from meshtron.testing.tiny import MOE, TINY
+from meshtron.train.checkpoint import CheckpointError
+
+POISONED = "layers.1.attention.wq.weight"
+
+
+def skip_one_step(overrides: list[str]) -> dict:
+    """On every rank: step 1 normal; step 2 with a NaN gradient on the last rank only (a hook on one
+    weight); step 3 normal again. Returns the rows and whether step 2 changed any optimizer tensor."""
+    trainer = trainer_for(overrides)
+    rows = [trainer.step(0)]
+    params = {id(p): p.detach().clone() for p in trainer.engine.optimizer_params()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
+    last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    weight = dict(trainer.model.named_parameters())[POISONED]
+    hook = weight.register_hook(lambda g: torch.full_like(g, float("nan")) if last else g)
+    rows.append(trainer.step(1))
+    hook.remove()
+    unchanged = all(torch.equal(p, params[id(p)]) for p in trainer.engine.optimizer_params()) and all(
+        torch.equal(v, state[id(p)][k]) for p, s in trainer.optimizer.state.items() for k, v in s.items()
+    )
+    rows.append(trainer.step(2))
+    return {"rows": rows, "unchanged": unchanged}
+
+
+def test_a_non_finite_step_is_skipped_and_changes_nothing(workers):
+    """Under ZeRO-3 over 2 ranks with MoE, a NaN gradient on one rank's shard: every rank skips the step
+    (no parameter or AdamW change), the row names the parameter, and the next step trains normally."""
+    for result in workers(2).run(skip_one_step, [*TINY, *MOE, "--training.micro_batch=4"]):
+        first, skipped, after = result["rows"]
+        assert result["unchanged"]
+        assert skipped["skipped"] and skipped["nonfinite"] == "grad norm"
+        assert skipped["first_nonfinite_grad"] == POISONED
+        assert "skipped" not in first and "skipped" not in after
+        assert torch.isfinite(torch.tensor(after["grad_norm"]))
+
+
+def test_a_diverging_run_stops_with_a_message(tmp_path):
+    """lr = 1e30: the second step's gradients overflow; after training.max_skipped_steps skips in a row
+    the run stops with exit status 3 and says what to change."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.cli",
+            "train",
+            "--config",
+            "configs/demo.toml",
+            *TINY,
+            "--training.steps=10",
+            "--training.lr=1e30",
+            "--training.warmup_steps=1",
+            "--training.max_skipped_steps=2",
+            f"--run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 3, out.stderr
+    assert "3 non-finite steps in a row (training.max_skipped_steps=2)" in out.stderr
+    assert "lower training.lr" in out.stderr
+    assert out.stdout.count("SKIPPED") == 2
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.cli", "train", "--config", "configs/demo.toml", *TINY, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_corrupt_checkpoint_is_named_and_resume_falls_back(tmp_path):
+    """Truncate one file of the newest checkpoint: resuming says which file is corrupt, falls back to the
+    previous checkpoint, and the run still ends as the uninterrupted one does."""
+    straight = run_cli(["--training.steps=6", f"--run.dir={tmp_path / 'straight'}"])
+    assert straight.returncode == 0, straight.stderr
+    saving = ["--checkpoint.every=2", "--checkpoint.keep=2", f"--run.dir={tmp_path / 'run'}"]
+    first = run_cli([*saving, "--training.steps=4"])
+    assert first.returncode == 0, first.stderr
+    newest = tmp_path / "run" / "checkpoints" / "step-00000004"
+    victim = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    resumed = run_cli([*saving, "--training.steps=6", "--checkpoint.resume=true"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"checkpoint {newest} is corrupt ({victim.name} has" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
+    assert losses(tmp_path / "run")[-2:] == losses(tmp_path / "straight")[-2:]
+
+
+def test_an_unwritable_run_directory_is_reported_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = run_cli(["--training.steps=2", f"--run.dir={blocker / 'run'}"])
+    assert out.returncode == 2 and "is not writable" in out.stderr and "set run.dir" in out.stderr
+    assert "step " not in out.stdout
+
+
+def save_poisoned(overrides: list[str], root: str) -> str:
+    trainer = trainer_for([*overrides, f"--checkpoint.dir={root}"])
+    with torch.no_grad():
+        dict(trainer.model.named_parameters())["norm.weight"].fill_(float("nan"))
+    try:
+        trainer.save(1)
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_a_checkpoint_never_holds_non_finite_values(workers, tmp_path):
+    for message in workers(2).run(save_poisoned, [*TINY, "--parallel.zero=1", "--training.micro_batch=4"], str(tmp_path / "ckpt")):
+        assert "non-finite values in norm.weight" in message
+    assert not any((tmp_path / "ckpt").glob("step-*"))
