@@ -4,6 +4,7 @@ with a message and a non-zero exit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -126,6 +127,41 @@ def save_poisoned(overrides: list[str], root: str) -> str:
 
 
 def test_a_checkpoint_never_holds_non_finite_values(workers, tmp_path):
-    for message in workers(2).run(save_poisoned, [*TINY, "--parallel.zero=1", "--training.micro_batch=4"], str(tmp_path / "ckpt")):
+    for message in workers(2).run(
+        save_poisoned, [*TINY, "--parallel.zero=1", "--training.micro_batch=4"], str(tmp_path / "ckpt")
+    ):
         assert "non-finite values in norm.weight" in message
     assert not any((tmp_path / "ckpt").glob("step-*"))
+
+
+def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
+    """Two ranks with checkpoints every 2 steps; rank 1 dies right after step 5. The launcher restarts
+    both, they resume from step 4, and the run ends with one metrics row per step and the losses of an
+    uninterrupted run, exactly."""
+    common = ["--nproc=2", "--training.steps=7", "--training.micro_batch=4", "--checkpoint.every=2"]
+    straight = run_cli([*common, f"--run.dir={tmp_path / 'straight'}"])
+    assert straight.returncode == 0, straight.stderr
+    env = {**os.environ, "MESHTRON_KILL_AT": "1:5"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.cli",
+            "train",
+            "--config",
+            "configs/demo.toml",
+            *TINY,
+            *common,
+            "--max-restarts=1",
+            f"--run.dir={tmp_path / 'killed'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "resumed from" in out.stdout and "step-00000004 at step 4" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert [r["loss"] for r in rows] == losses(tmp_path / "straight")

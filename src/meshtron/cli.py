@@ -19,25 +19,38 @@ def _under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _launch(nproc: int, argv: Sequence[str]) -> int:
-    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs)."""
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+
+
+def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
+    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
+    when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
+    newest complete checkpoint (Trainer.resume_if_asked)."""
     from torch.distributed.run import get_args_parser, run
 
-    # Drop --nproc (as "--nproc=N" or "--nproc N") so the ranks do not launch again.
+    # Drop the launcher's own flags (as "--flag=N" or "--flag N") so the ranks do not launch again.
     cleaned: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg == "--nproc":
+        if arg in LAUNCHER_FLAGS:
             skip = True
             continue
-        if arg.startswith("--nproc="):
+        if arg.split("=", 1)[0] in LAUNCHER_FLAGS:
             continue
         cleaned.append(arg)
     launcher_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", "meshtron.cli", *cleaned]
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
+            "--module",
+            "meshtron.cli",
+            *cleaned,
+        ]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
@@ -53,7 +66,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     check(cfg, world_size)  # every problem reported before any process starts
     if args.nproc and args.nproc > 1 and not _under_launcher():
-        return _launch(args.nproc, argv)
+        return _launch(args.nproc, args.max_restarts, argv)
     from meshtron.train.trainer import train
 
     train(cfg)
@@ -150,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="TOML config file (see configs/)")
     train.add_argument(
         "--nproc", type=int, default=0, help="launch this many local ranks (gloo on CPU, NCCL on GPU)"
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: restart every rank up to this many times when one dies; they resume from the "
+        "newest complete checkpoint (set checkpoint.every)",
     )
 
     mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")

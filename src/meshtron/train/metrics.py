@@ -124,7 +124,11 @@ def _human(n: float) -> str:
 class MetricsLogger:
     """Writes one row per optimizer step to metrics.jsonl (and TensorBoard when installed); rank 0 only."""
 
-    def __init__(self, run_dir: Path, enabled: bool, append: bool = False, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: Path, enabled: bool, append: bool = False, tensorboard: bool = True, last_step: int = 0
+    ):
+        """`append`: continue a resumed run's file, dropping any rows after `last_step` (the steps a crash
+        lost since the checkpoint, which the resumed run computes and logs again)."""
         self.run_dir = run_dir
         self.enabled = enabled
         self.rows: list[dict[str, Any]] = []
@@ -133,7 +137,11 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("a" if append else "w")
+        path = run_dir / "metrics.jsonl"
+        if append and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._file = path.open("a" if append else "w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -59,6 +59,16 @@ class RankPlace:
     world: CommGroup
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's store (what env:// would connect to under torchrun), with keys prefixed by the
+    restart attempt: the launcher keeps one store across restarts, and without the prefix a restarted
+    rank can read the address a dead rank published in the previous attempt and fail to connect."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"meshtron/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """Join the job torchrun (or our own launcher) started, or make a one-rank job: the same code path
     then runs on one device and on many, with every group of size 1 costing nothing."""
@@ -72,7 +82,15 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         backend = "nccl" if want_cuda else "gloo"
         timeout = datetime.timedelta(seconds=cfg.run.comm_timeout_s)
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(
+                backend,
+                store=_attempt_store(timeout),
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+        elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -160,11 +178,13 @@ class Trainer:
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
     def resume_if_asked(self) -> int:
-        """The step to start from: the newest complete checkpoint's with checkpoint.resume, else 0. Starting
-        afresh over existing checkpoints is refused so that they are never overwritten by accident."""
+        """The step to start from: the newest intact checkpoint's with checkpoint.resume or after the
+        launcher restarted the ranks (a rank died), else 0. Starting afresh over existing checkpoints is
+        refused so that they are never overwritten by accident."""
         root = checkpoint_root(self.cfg)
         existing = complete_checkpoints(root)
-        if not self.cfg.checkpoint.resume:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if not (self.cfg.checkpoint.resume or restarted):
             if existing:
                 raise CheckpointError(
                     f"{root} already holds checkpoints (newest: step {existing[-1].step}); set "
@@ -310,7 +330,9 @@ class Trainer:
         """All steps from the start (or resume) step; returns the metric rows (on rank 0; [] elsewhere)."""
         cfg, rank = self.cfg, self.place.rank
         run_dir = Path(cfg.run.dir)
-        logger = MetricsLogger(run_dir, enabled=rank == 0, append=self.start_step > 0)
+        logger = MetricsLogger(
+            run_dir, enabled=rank == 0, append=self.start_step > 0, last_step=self.start_step
+        )
         if rank == 0:
             print(
                 f"meshtron: {self.n_params:,} parameters, world {self.place.world_size} ({self.device.type}), "
@@ -325,6 +347,7 @@ class Trainer:
                 print(MetricsLogger.console_line(row), flush=True)
             if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
                 self.save(step + 1)
+            kill_if_asked(rank, step + 1)
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
             plot_loss(logger.rows, run_dir / "loss.png", title)
@@ -333,6 +356,14 @@ class Trainer:
             self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
         logger.close()
         return logger.rows
+
+
+def kill_if_asked(rank: int, step: int) -> None:
+    """Fault injection for restart tests and drills: MESHTRON_KILL_AT="RANK:STEP" ends rank RANK's process
+    abruptly after step STEP (and its checkpoint, if one is due), on the first attempt only."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and os.environ.get("MESHTRON_KILL_AT") == f"{rank}:{step}":
+        os._exit(17)
 
 
 def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]:
