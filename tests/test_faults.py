@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
+from meshtron.comm import CollectiveTimeout, Comm, CommGroup
 from meshtron.testing.parity import trainer_for
 from meshtron.testing.tiny import MOE, TINY
+from meshtron.testing.workers import WorkerPool, close_pools
 from meshtron.train.checkpoint import CheckpointError
 
 POISONED = "layers.1.attention.wq.weight"
@@ -165,3 +168,37 @@ def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 8))
     assert [r["loss"] for r in rows] == losses(tmp_path / "straight")
+
+
+def skip_a_collective(timeout_s: float) -> str:
+    """Two all-reduces on a fresh group; the last rank skips the second. Returns the error (or "skipped")."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    comm = Comm(timeout_s=timeout_s)
+    group = CommGroup("hang_test", tuple(range(world)), torch.distributed.new_group(list(range(world))))
+    comm.all_reduce_(torch.ones(4), group)
+    if rank == world - 1:
+        return "skipped"
+    try:
+        comm.all_reduce_(torch.ones(4), group)
+    except CollectiveTimeout as err:
+        return str(err)
+    return "completed"
+
+
+def test_a_hang_names_the_rank_that_fell_behind():
+    """One rank skips a collective: within the timeout every waiting rank's error says which collective it
+    waited in and that the skipping rank fell behind on that group."""
+    pool = WorkerPool(3, timeout_s=60)
+    try:
+        start = time.monotonic()
+        messages = pool.run(skip_a_collective, 3.0)
+        elapsed = time.monotonic() - start
+    finally:
+        close_pools([pool])
+    assert messages[2] == "skipped"
+    for rank, message in enumerate(messages[:2]):
+        assert f"rank {rank}: all_reduce #2 on group 'hang_test'" in message
+        assert "rank 2: not waiting in any collective; 1 collectives issued on 'hang_test'" in message
+        assert "rank(s) [2] fell behind on 'hang_test': they never issued all_reduce #2" in message
+        assert "rank 0: waiting in all_reduce #2" in message and "rank 1: waiting in all_reduce #2" in message
+    assert elapsed < 30

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtron.comm_record import recorder
+
 # Recent torch releases name the single-tensor collectives *_single and deprecate the older names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -70,6 +72,7 @@ class CommStats:
     def record(self, group: str, op: str, nbytes: float) -> None:
         self.bytes[(group, op)] += nbytes
         self.calls[(group, op)] += 1
+        recorder().note(group, op, nbytes)
 
     def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
         return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))
@@ -138,19 +141,27 @@ class Comm:
     # -- raw (non-differentiable) collectives; each records its volume and waits with a deadline --
 
     def wait(self, work: Any, op: str, group: CommGroup) -> None:
+        flight = recorder()
+        flight.waiting = (op, group.name, flight.issued[group.name])
         try:
             completed = work.wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._timeout_error(op, group, err) from err
+        finally:
+            flight.waiting = None
         if completed is False:
             raise self._timeout_error(op, group, None)
 
     def _timeout_error(self, op: str, group: CommGroup, cause: Exception | None) -> CollectiveTimeout:
         detail = f" ({cause})" if cause else ""
+        flight = recorder()
+        flight.waiting = (op, group.name, flight.issued[group.name])
+        report = flight.report(op, group.name, group.ranks)
         return CollectiveTimeout(
-            f"rank {dist.get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) did not complete "
-            f"within {self.timeout.total_seconds():.0f}s{detail}; another rank of that group is probably stuck "
-            f"or crashed (raise run.comm_timeout_s if it is just slow)"
+            f"rank {dist.get_rank()}: {op} #{flight.issued[group.name]} on group '{group.name}' (ranks "
+            f"{list(group.ranks)}) did not complete within {self.timeout.total_seconds():.0f}s{detail}; "
+            "another rank of that group is probably stuck or crashed (raise run.comm_timeout_s if it is just "
+            "slow)" + (f"\n{report}" if report else "")
         )
 
     def all_reduce_(self, x: torch.Tensor, group: CommGroup, op: str = "sum") -> torch.Tensor:

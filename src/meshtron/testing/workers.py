@@ -40,6 +40,9 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
     )
+    from meshtron.comm_record import recorder
+
+    recorder().attach(store, rank)
     while True:
         task = tasks.get()
         if task is None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.comm import Comm, CommGroup
+from meshtron.comm_record import recorder
 from meshtron.config import Config, ConfigError, DType, check
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
@@ -83,13 +84,11 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         backend = "nccl" if want_cuda else "gloo"
         timeout = datetime.timedelta(seconds=cfg.run.comm_timeout_s)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store, rank = _attempt_store(timeout), int(os.environ["RANK"])
             dist.init_process_group(
-                backend,
-                store=_attempt_store(timeout),
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timeout,
+                backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
             )
+            recorder().attach(store, rank)  # what each rank was doing, should a collective hang
         elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

@@ -1,0 +1,116 @@
+"""Flight recorder: what every rank was last doing on each group, for the message of a hang.
+
+Every collective the comm layer issues bumps its group's sequence number on this rank (point-to-point
+sends and receives are remembered as the last operation but not numbered: pipeline stages do different
+numbers of them). A daemon thread publishes this rank's counters, its last operation per group and the
+collective it is waiting in, if any, to the job's key-value store (the one the process group was built
+on) whenever they change, at most once per `interval`. When a wait times out, the rank publishes its
+own state at once, gives the others a moment to publish theirs, and reads every member of the group:
+
+  - a rank waiting in the same collective number is in step with it;
+  - a rank that issued fewer collectives on the group fell behind: it skipped that collective or has not
+    reached it (still computing, stuck elsewhere, or dead);
+  - a rank with no state never communicated (or its process is gone).
+
+This is PyTorch's flight recorder idea (a ring of recent collectives per rank) reduced to what names the
+culprit, and put in the error message rather than in dump files.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+POINT_TO_POINT = ("send", "recv")
+_KEY = "meshtron/flight/{rank}"
+
+
+class FlightRecorder:
+    """This process's record; one per process, shared by every Comm (see `recorder`)."""
+
+    def __init__(self) -> None:
+        self.store: Any = None
+        self.rank = 0
+        self.interval = 1.0
+        self.issued: dict[str, int] = defaultdict(int)
+        self.last: dict[str, tuple[str, float]] = {}
+        self.waiting: tuple[str, str, int] | None = None
+        self._published: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def attach(self, store: Any, rank: int) -> None:
+        """Publish to `store` (the job's store) from now on, as `rank`."""
+        self.store, self.rank = store, rank
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._publish_forever, daemon=True, name="meshtron-flight")
+            self._thread.start()
+
+    def note(self, group: str, op: str, nbytes: float) -> None:
+        if op not in POINT_TO_POINT:
+            self.issued[group] += 1
+        self.last[group] = (op, nbytes)
+
+    def state(self) -> str:
+        return json.dumps({"issued": self.issued, "last": self.last, "waiting": self.waiting}, sort_keys=True)
+
+    def publish(self) -> None:
+        state = self.state()
+        if self.store is not None and state != self._published:
+            self.store.set(_KEY.format(rank=self.rank), state)
+            self._published = state
+
+    def _publish_forever(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.publish()
+            except Exception:  # noqa: BLE001 - the store is gone with its job: nothing left to record
+                self._published = None
+
+    def report(self, op: str, group: str, ranks: tuple[int, ...]) -> str:
+        """What every rank of `group` was doing, and which fell behind (called on a timed-out wait)."""
+        if self.store is None:
+            return ""
+        self.publish()
+        time.sleep(2 * self.interval + 0.2)  # the others' threads publish what changed meanwhile
+        seq = self.issued[group]
+        lines, behind = [f"what each rank of '{group}' was doing (as of the last {self.interval:.0f}s):"], []
+        for rank in ranks:
+            state = self._read(rank)
+            if state is None:
+                lines.append(f"  rank {rank}: no record (it never communicated, or its process is gone)")
+                behind.append(rank)
+                continue
+            issued = state["issued"].get(group, 0)
+            last = state["last"].get(group)
+            waiting = state["waiting"]
+            doing = "not waiting in any collective"
+            if waiting is not None:
+                doing = f"waiting in {waiting[0]} #{waiting[2]} on '{waiting[1]}'"
+            tail = f"; last on '{group}': {last[0]} moving {last[1]:.0f} B" if last else ""
+            lines.append(f"  rank {rank}: {doing}; {issued} collectives issued on '{group}'{tail}")
+            if issued < seq:
+                behind.append(rank)
+        if behind:
+            lines.append(
+                f"rank(s) {behind} fell behind on '{group}': they never issued {op} #{seq} there (skipped "
+                "it, still computing, stuck elsewhere, or dead)"
+            )
+        return "\n".join(lines)
+
+    def _read(self, rank: int) -> dict[str, Any] | None:
+        key = _KEY.format(rank=rank)
+        try:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - an unreachable store is reported as "no record"
+            return None
+
+
+_RECORDER = FlightRecorder()
+
+
+def recorder() -> FlightRecorder:
+    return _RECORDER
