@@ -6,6 +6,12 @@ gradient reduction, clipping, AdamW) on the same batches with the same ZeRO stag
 data-parallel ranks; the layouts differ only in where the experts live and how tokens reach them. Before
 anything is timed, the check steps' losses must agree and so must every gradient after them (at its
 shape before expert parallel: the ep ranks' experts stacked), which catches a gradient scaled by ep.
+After the check steps the weights are frozen (AdamW still runs, at learning rate 0), and the losses of
+every later step, on new batches, must agree too. Training on would make them drift apart: top-k routing
+is discontinuous, and the layouts sum an expert's gradient in different orders (one grouped matmul over
+the ep group's tokens vs per-rank partial sums reduced over dp), so after a dozen steps one near-tied
+assignment flips and the runs part at the 1e-3 level (seen here: within 1.4e-7 up to step 13, the first
+flipped assignment at step 14, 1.5e-3 apart by step 26).
 Reported: step time, the expert weights each rank holds and its whole training state, the dispatch
 traffic over the ep group (counted by `Comm`) against the formula of docs/expert-parallel.md under
 balanced routing (every rank's tokens spread evenly over the experts, forced for one untimed step after
@@ -93,7 +99,8 @@ class TeeStats(CommStats):
         self.main = main
 
     def record(self, group: str, op: str, nbytes: float) -> None:
-        super().record(group, op, nbytes)
+        self.bytes[(group, op)] += nbytes  # here without any side effects of the main accounting's record
+        self.calls[(group, op)] += 1
         self.main.record(group, op, nbytes)
 
 
@@ -176,6 +183,19 @@ class TrainerStep(Runner):
 
         engine.zero_grad = zero_grad_after_looking
 
+    def freeze(self) -> None:
+        """From now on every step runs in full (AdamW included) at learning rate 0, so the weights stay
+        those after the check steps (see the module docstring for why)."""
+        optimizer = self.trainer.optimizer
+        update = optimizer.step
+
+        def step_at_zero_lr(*args: Any, **kwargs: Any) -> Any:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+            return update(*args, **kwargs)
+
+        optimizer.step = step_at_zero_lr
+
     def step(self, batch: Any, clock: Clock) -> float:
         self.clock = clock
         start = time.perf_counter()
@@ -187,6 +207,7 @@ class TrainerStep(Runner):
             dispatch_s=seconds,
             dispatch_bytes=nbytes,
             dispatch_calls=calls,
+            comm=row["comm_bytes_by_group"],
         )
         self.step_index += 1
         return row["loss"]
@@ -211,28 +232,34 @@ def exchanges_alone(runner: TrainerStep, repeats: int = 3) -> float:
     tokens = t.micro_batch * t.seq_len
     rows = tokens * m.top_k // n  # to each rank, from each rank
     calls = len(runner.moes) * t.global_batch // (t.micro_batch * WORLD)
-    x_TD, gathered = torch.randn(tokens, m.dim), torch.randn(n * tokens, m.dim)
+    x_TD, gathered, rows_MD = (
+        torch.randn(tokens, m.dim),
+        torch.randn(n * tokens, m.dim),
+        torch.randn(n * rows, m.dim),
+    )
+    counts = torch.zeros(m.n_experts, dtype=torch.int64)
+    gates, ids, keep = (
+        torch.randn(tokens, m.top_k),
+        torch.zeros(tokens, m.top_k, dtype=torch.int64),
+        torch.zeros(tokens, m.top_k, dtype=torch.uint8),
+    )
+    gates_gathered = torch.randn(n * tokens, m.top_k)
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(calls):
             if cfg.parallel.ep_dispatch == "alltoall":
-                comm.all_gather_tensor(torch.zeros(m.n_experts, dtype=torch.int64), ep)
+                comm.all_gather_tensor(counts, ep)
                 for _ in range(4):  # dispatch and combine, forward and backward
-                    comm.all_to_all_single(torch.randn(n * rows, m.dim), ep, [rows] * n, [rows] * n)
+                    comm.all_to_all_single(rows_MD, ep, [rows] * n, [rows] * n)
             else:
-                for x in (
-                    x_TD,
-                    torch.randn(tokens, m.top_k),
-                    torch.zeros(tokens, m.top_k, dtype=torch.int64),
-                ):
+                for x in (x_TD, gates, ids, keep):
                     comm.all_gather_tensor(x, ep)
-                comm.all_gather_tensor(torch.zeros(tokens, m.top_k, dtype=torch.uint8), ep)
                 comm.reduce_scatter_tensor(gathered, ep)  # the outputs
                 comm.all_gather_tensor(x_TD, ep)  # their gradient
                 comm.reduce_scatter_tensor(gathered, ep)  # the tokens' gradient
-                comm.reduce_scatter_tensor(torch.randn(n * tokens, m.top_k), ep)  # the gate weights'
+                comm.reduce_scatter_tensor(gates_gathered, ep)  # the gate weights'
         times.append(time.perf_counter() - start)
     comm.take()
     return statistics.median(times)
@@ -259,7 +286,8 @@ def torch_token_exchange_error() -> str:
     except Exception as err:  # noqa: BLE001 - whatever it raises is the finding
         messages = []
         while err is not None:
-            messages.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0]}")
+            first = str(err).strip().splitlines()[0]
+            messages.append(f"{type(err).__name__}: {first.split('. ')[0]}")
             err = err.__context__
         return " <- ".join(reversed(messages))
     return ""
@@ -273,10 +301,11 @@ def bench_rank(names: Sequence[str], warmup: int, steps: int, check_steps: int) 
         r.keep_grads = True
     pairs = [p for p in PAIRS if {p.ours, p.peer} <= set(names)]
 
-    def batch_of(i: int) -> None:  # each trainer draws its own batches; no gradients kept after the checks
+    def batch_of(i: int) -> None:  # each trainer draws its own batches; after the checks: frozen weights
         if i == check_steps:
             for r in runners:
                 r.keep_grads, r.kept = False, None
+                r.freeze()
 
     result = harness.run_rounds(runners, batch_of, pairs, warmup, steps, check_steps=check_steps)
     result.extra["alone_s"] = {r.name: exchanges_alone(r) for r in runners if r.timed}
@@ -333,6 +362,12 @@ def dispatch_columns(s: reporting.Samples, extra: dict) -> list[str]:
     ]
 
 
+def traffic(s: reporting.Samples) -> str:
+    """Rank 0's counted bytes of the measured step, all groups: total (each group)."""
+    comm = {g: b for g, b in s.measured[0].notes["comm"].items() if b}
+    return f"{mib(sum(comm.values()))} ({', '.join(f'{g} {mib(b)}' for g, b in sorted(comm.items()))})"
+
+
 def tables(names: Sequence[str], samples: dict[str, reporting.Samples], extra: dict) -> list[list[str]]:
     single = samples[REPLICATED]
     rows = []
@@ -347,12 +382,14 @@ def tables(names: Sequence[str], samples: dict[str, reporting.Samples], extra: d
                 mib(experts),
                 s.state,
                 mib(s.alloc_peak),
+                traffic(s),
                 *dispatch_columns(s, extra),
             ]
         )
     layouts = table(
         "layout | median step ms | p10 ms | p90 ms | speed vs ep=1 | expert weights held MiB per rank "
         "| training state MiB per rank: total (params / grads / optimizer) | peak step allocations MiB "
+        "| all traffic MiB per rank per step: total (by group) "
         "| dispatch MiB per rank per step, balanced routing: measured / formula "
         "| dispatch MiB, learned routing (mean over ranks) | dispatch exchanges ms per step: in the step / alone "
         "| share of the step in dispatch exchanges",
@@ -415,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "for the dense parameters in every layout and for the experts at ep=1 (at ep=4 each rank's experts "
         "have edp = 1 rank: plain, unsharded)",
         f"{args.steps} timed steps per layout after {args.check_steps} check steps and {args.warmup} warmup, "
-        "plus one measured step and one balanced-routing step",
+        "plus one measured step and one balanced-routing step; the weights are frozen after the check steps "
+        "(AdamW at learning rate 0), so every later loss is checked too",
         "PyTorch's token exchange (`torch.ops.symm_mem.all_to_all_vdev`) on this CPU: "
         + (f"fails, `{torch_ep}`" if torch_ep else "runs (not yet compared here)"),
     ]

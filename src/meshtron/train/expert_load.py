@@ -106,8 +106,8 @@ def draw_expert_load(rows: list[dict[str, Any]], out_path: Path, title: str) -> 
         ax.set_title(f"{name}: worst {max(r['moe'][name]['imbalance'] for r in rows):.2f}x mean", fontsize=8)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("expert", fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02).set_label("load / mean", fontsize=7)
     for ax in list(axes.flat)[len(layers) :]:
         ax.axis("off")
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="load / mean")
     fig.suptitle(title, fontsize=9)
     return save_figure(fig, out_path)
