@@ -73,6 +73,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     return 0
 
 
+def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    check(cfg, args.nproc)  # the layout as given must be valid before it is shrunk
+    from meshtron.verify import verify
+
+    return verify(cfg, args.nproc, args.steps, args.tolerance)
+
+
 def cmd_mesh(args: argparse.Namespace) -> int:
     from meshtron.mesh import ParallelDims, draw_mesh
 
@@ -164,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc", type=int, default=0, help="launch this many local ranks (gloo on CPU, NCCL on GPU)"
     )
+    verify = sub.add_parser(
+        "verify",
+        help="before a big job: run its layout and one device on a shrunk copy of the model and compare",
+        epilog="example: meshtron verify --config configs/mixtral-8x7b.toml --nproc 8 --parallel.tp=2 "
+        "--parallel.dp_shard=4 --parallel.ep=4",
+    )
+    verify.add_argument("--config", required=True, help="TOML config file (see configs/)")
+    verify.add_argument("--nproc", type=int, required=True, help="local ranks to run the layout on")
+    verify.add_argument("--steps", type=int, default=5, help="steps of each run (default 5)")
+    verify.add_argument("--tolerance", type=float, default=1e-5, help="relative loss / gradient tolerance")
     train.add_argument(
         "--max-restarts",
         type=int,
@@ -217,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, unknown, argv)
+        if args.command == "verify":
+            return cmd_verify(args, unknown)
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command == "mesh":

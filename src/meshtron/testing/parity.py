@@ -39,15 +39,15 @@ def trainer_for(overrides: list[str]) -> Trainer:
     return Trainer(cfg, _MESHES.get(dims))
 
 
-def run_layout(overrides: list[str]) -> dict[str, Any]:
-    """On every rank: the step-1 gradients (whole, logical shapes) and 10 steps of metrics."""
+def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
+    """On every rank: the step-1 gradients (whole, logical shapes) and `steps` steps of metrics."""
     probe = trainer_for(overrides)
     probe.compute_gradients()
     grads = probe.engine.full_gradients(probe.comm)
     if probe.tp_plan is not None:
         grads = probe.tp_plan.gather_full(grads, probe.comm)
     trainer = trainer_for(overrides)
-    rows = [trainer.step(step) for step in range(STEPS)]
+    rows = [trainer.step(step) for step in range(steps)]
     return {
         "grads": grads,
         "rows": rows,

@@ -1,0 +1,208 @@
+"""`meshtron verify`: run a layout and the single-device reference on a shrunk copy of the model, before
+a big job, and say whether they compute the same thing.
+
+The model keeps its architecture and every option (heads and key/value heads, so tensor and context
+parallel cut it the same way; experts, top-k, router and balancing options; tied embeddings, norms,
+biases, windows) and is narrowed: head_dim 8, dim = n_heads·8, FFN widths 2·dim (experts' dim), a
+512-entry vocabulary on the default corpus with the byte tokenizer, the fewest layers the pipeline
+split allows, short sequences and one sequence per micro-batch per data-parallel rank. Both runs take
+`steps` steps in fp32 from the same seed and data; the report prints each step's loss difference, the
+worst step-1 gradient difference per parameter group, and each group's counted communication of
+step 2 next to its formula (docs/theory.md#communication-volume). The exit status is non-zero when a
+loss or gradient differs by more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+from typing import Any
+
+import torch
+
+from meshtron.config import Config, check
+from meshtron.parallel.expert import expert_parameter_names
+from meshtron.testing.parity import run_layout, trainer_for
+from meshtron.testing.workers import WorkerPool, close_pools
+
+HEAD_DIM = 8
+GROUPS = (
+    ("embedding and head", r"tok_embeddings|output"),
+    ("experts", r"moe\.experts\."),
+    ("router", r"moe\.(router|shared_gate)"),
+    ("attention", r"attention\.(wq|wk|wv|wo)"),
+    ("feed-forward", r"feed_forward|shared_experts"),
+    ("norms", r"norm"),
+)
+
+
+def shrink(cfg: Config, world: int) -> Config:
+    """A copy of `cfg` small enough for this machine, with the same architecture and layout."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    dim = m.n_heads * HEAD_DIM
+    width = 2 * dim * max(p.tp, 1)
+    chunks = p.pp * p.vpp
+    model = dataclasses.replace(
+        m, name="", dim=dim, head_dim=HEAD_DIM, ffn_dim=width, vocab_size=512,
+        n_layers=max(chunks, 2) if m.n_layers >= max(chunks, 2) else m.n_layers,
+        moe_ffn_dim=width if m.is_moe else 0, shared_ffn_dim=width if m.n_shared_experts else 0,
+        dense_layers=[i for i in m.dense_layers if i < max(chunks, 2)],
+        rope_original_max_position=min(m.rope_original_max_position, 256),
+    )  # fmt: skip
+    dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // (p.pp * p.dp_replicate * p.cp * p.tp))
+    micro_batches = max(chunks, 2)
+    seq_len = 16 * p.cp * p.tp
+    training = dataclasses.replace(
+        t, steps=5, micro_batch=1, global_batch=dp * micro_batches, seq_len=seq_len, dtype="fp32",
+        warmup_steps=1, lr=3e-3,
+    )  # fmt: skip
+    parallel = dataclasses.replace(p, pp_layers=[])
+    data = dataclasses.replace(cfg.data, path="default", tokenizer="byte")
+    checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume=False)
+    run = dataclasses.replace(cfg.run, plot=False, dir=tempfile.mkdtemp(prefix="meshtron-verify-"))
+    return dataclasses.replace(
+        cfg, model=model, training=training, parallel=parallel, data=data, checkpoint=checkpoint, run=run
+    )
+
+
+def to_overrides(cfg: Config) -> list[str]:
+    """`--section.key=value` for every field of `cfg` (what the worker processes rebuild it from)."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            text = str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
+            out.append(f"--{section.name}.{f.name}={text}")
+    return out
+
+
+def group_of(name: str) -> str:
+    return next((group for group, pattern in GROUPS if re.search(pattern, name)), "other")
+
+
+def worst_gradients(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> dict[str, tuple[float, str]]:
+    """Per parameter group: the largest relative L2 difference of a parameter's gradient, and which."""
+    worst: dict[str, tuple[float, str]] = {}
+    for name, ref in want.items():
+        err = float((got[name] - ref).norm() / ref.norm().clamp_min(1e-30))
+        group = group_of(name)
+        if err >= worst.get(group, (-1.0, ""))[0]:
+            worst[group] = (err, name)
+    return worst
+
+
+def report(result: dict[str, Any], ref: dict[str, Any], tolerance: float) -> tuple[list[str], bool]:
+    """The printed lines, and whether everything is within `tolerance`."""
+    lines, ok = ["step   loss (layout)   loss (1 device)   relative difference"], True
+    for got, want in zip(result["rows"], ref["rows"], strict=True):
+        diff = abs(got["loss"] - want["loss"]) / max(abs(want["loss"]), 1e-30)
+        ok &= diff <= tolerance
+        lines.append(f"{got['step']:>4}   {got['loss']:>13.6f}   {want['loss']:>15.6f}   {diff:>19.2e}")
+    lines.append("worst step-1 gradient difference (relative L2) per parameter group:")
+    for group, (err, name) in sorted(worst_gradients(result["grads"], ref["grads"]).items()):
+        ok &= err <= tolerance
+        lines.append(f"  {group:<20} {err:.2e}  ({name})")
+    return lines, ok
+
+
+def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5) -> int:
+    """Run the shrunk layout on `nproc` local ranks and on one; print the report; 0 when they agree."""
+    small = shrink(cfg, nproc)
+    small = dataclasses.replace(small, training=dataclasses.replace(small.training, steps=steps))
+    check(small, nproc)
+    layout = to_overrides(small)
+    single = dataclasses.replace(small, parallel=type(small.parallel)())
+    print(f"meshtron verify: {nproc} ranks vs 1, shrunk model: {shape_of(small)}; {steps} steps, fp32")
+    pools = [WorkerPool(nproc, timeout_s=600), WorkerPool(1, timeout_s=600)]
+    try:
+        results = pools[0].run(verify_layout, layout, steps)
+        ref = pools[1].run(run_layout, to_overrides(single), steps)[0]
+    finally:
+        close_pools(pools)
+    result = {**results[-1], "grads": {k: v for r in results for k, v in r["grads"].items()}}
+    lines, ok = report(result, ref, tolerance)
+    lines += communication_lines(results[0]["rows"][min(1, steps - 1)], results[0]["formulas"])
+    print("\n".join(lines))
+    print(f"meshtron verify: {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})")
+    return 0 if ok else 1
+
+
+def shape_of(cfg: Config) -> str:
+    m, t = cfg.model, cfg.training
+    experts = f", {m.n_experts} experts top-{m.top_k}" if m.is_moe else ""
+    return (
+        f"dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.kv_heads} kv{experts}; "
+        f"batch {t.global_batch} x {t.seq_len} tokens, micro-batch {t.micro_batch}"
+    )
+
+
+def verify_layout(overrides: list[str], steps: int) -> dict[str, Any]:
+    """On every rank: run_layout's result, with the formula bytes per group of this rank's step."""
+    result = run_layout(overrides, steps)
+    return {**result, "formulas": formula_bytes(trainer_for(overrides))}
+
+
+def _sharded(psi: float, shard: int, replicate: int, cfg: Config, micro_batches: int) -> tuple[float, float]:
+    """(shard group, replicate group) bytes per step of a data-parallel engine over psi gradient bytes:
+    DDP 2ψ(n−1)/n once; ZeRO-1 a reduce-scatter and an all-gather once; ZeRO-2 a reduce-scatter per
+    micro-batch and one all-gather; ZeRO-3 per micro-batch an all-gather in forward, another in backward
+    (when it reshards after forward) and a reduce-scatter; the replicas all-reduce the 1/shard each holds."""
+    if shard == 1:
+        return 0.0, 2 * psi * (replicate - 1) / replicate
+    zero, regather = cfg.parallel.zero, cfg.parallel.reshard_after_forward
+    passes = {1: 2, 2: micro_batches + 1, 3: micro_batches * (3 if regather else 2)}[zero]
+    return passes * psi * (shard - 1) / shard, 2 * (psi / shard) * (replicate - 1) / replicate
+
+
+def formula_bytes(trainer: Any) -> dict[str, float]:
+    """Per group, the leading terms of a step's traffic on this rank (docs/theory.md): data parallel of
+    the parameters it holds, tensor parallel's activation all-reduces, expert dispatch under balanced
+    routing. Small terms (loss, norms, padding) and pp / cp exchanges are left out."""
+    cfg, mesh, out = trainer.cfg, trainer.place.mesh, {}
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    names = expert_parameter_names(trainer.model) if mesh.size("ep") > 1 else frozenset()
+    params = dict(trainer.model.named_parameters())
+    psi_dense = sum(4 * v.numel() for n, v in params.items() if n not in names)
+    psi_experts = sum(4 * v.numel() for n, v in params.items() if n in names)
+    micro_batches = t.global_batch // (t.micro_batch * mesh.size("dp"))
+    shard, replicate = _sharded(
+        psi_dense, mesh.size("dp_shard_cp"), mesh.size("dp_replicate"), cfg, micro_batches
+    )
+    out[mesh.with_cp("dp_shard" if mesh.size("dp_shard_cp") > 1 else "dp")] = shard or replicate
+    if mesh.size("dp_shard_cp") > 1:
+        out["dp_replicate"] = replicate
+    if names:
+        shard, replicate = _sharded(
+            psi_experts, mesh.size("edp"), mesh.size("dp_replicate"), cfg, micro_batches
+        )
+        out["edp"] = shard
+        out["dp_replicate"] = out.get("dp_replicate", 0.0) + replicate
+    tokens = t.micro_batch * t.seq_len // p.cp  # this rank's tokens of a micro-batch
+    layers = len(trainer.model.layers)
+    tp = mesh.size("tp")
+    if tp > 1:
+        activation = 2 * tokens * m.dim * 4 * (tp - 1) / tp  # one all-reduce of a [tokens, dim] activation
+        per_layer = 6 if t.recompute == "full" else 4  # full recompute reruns the forward's two
+        out["tp"] = micro_batches * (per_layer * layers + 2) * activation
+    moe_layers = sum(block.moe is not None for block in trainer.model.layers.values())
+    ep = mesh.size("ep")
+    if ep > 1 and p.ep_dispatch == "alltoall":
+        out["ep"] = micro_batches * moe_layers * 4 * tokens * m.top_k * m.dim * 4 * (ep - 1) / ep
+    return {group: value for group, value in out.items() if value}
+
+
+def communication_lines(row: dict[str, Any], formulas: dict[str, float]) -> list[str]:
+    """Rank 0's counted bytes per group in one step, next to the formulas' leading terms."""
+    lines = [
+        f"communication of step {row['step']} on rank 0 per group (bytes as comm.py counts them; formula: "
+        "leading terms, balanced routing; docs/theory.md):",
+        f"  {'group':<14} {'counted':>14} {'formula':>14}  counted/formula",
+    ]
+    for group in sorted(set(row["comm_bytes_by_group"]) | set(formulas)):
+        counted, formula = row["comm_bytes_by_group"].get(group, 0.0), formulas.get(group)
+        ratio = f"{counted / formula:.3f}" if formula else "-"
+        lines.append(f"  {group:<14} {counted:>14,.0f} {formula or 0:>14,.0f}  {ratio}")
+    return lines
