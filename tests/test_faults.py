@@ -202,3 +202,33 @@ def test_a_hang_names_the_rank_that_fell_behind():
         assert "rank(s) [2] fell behind on 'hang_test': they never issued all_reduce #2" in message
         assert "rank 0: waiting in all_reduce #2" in message and "rank 1: waiting in all_reduce #2" in message
     assert elapsed < 30
+
+
+class _Payload:
+    """Unpickling this runs code: it touches the marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path):
+    """Replace a checkpoint's .metadata with a pickle that runs code (and fix up its manifest, as an
+    attacker could): resuming refuses it, naming what it would have built, and the code never runs."""
+    import hashlib
+    import pickle
+
+    run = ["--training.steps=2", "--checkpoint.every=2", f"--run.dir={tmp_path}"]
+    assert run_cli(run).returncode == 0
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    marker = tmp_path / "pwned"
+    metadata = pickle.dumps(_Payload(str(marker)))
+    (checkpoint / ".metadata").write_bytes(metadata)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest[".metadata"] = {"bytes": len(metadata), "sha256": hashlib.sha256(metadata).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    out = run_cli([*run, "--training.steps=3", "--checkpoint.resume=true"])
+    assert out.returncode == 2 and "is not a meshtron checkpoint" in out.stderr
+    assert "names io.open" in out.stderr and not marker.exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -400,6 +401,48 @@ def test_unexpected_tensor(tmp_path: Path) -> None:
 
     rewrite_weights(tmp_path, edit)
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra\.weight"):
+        hf.load(tmp_path)
+
+
+class WritesWhenUnpickled:
+    """A pickle payload like a malicious checkpoint's: unpickling it runs code (here: writes a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.marker.write_text, ("unpickled",))
+
+
+def test_pickle_only_checkpoint_is_refused_unread(tmp_path: Path) -> None:
+    """A directory with pytorch_model.bin and no safetensors is refused with the reason, and the pickle is
+    never opened: its payload would have run."""
+    make_hf_model("llama").config.save_pretrained(tmp_path)
+    marker = tmp_path / "ran.txt"
+    blob = pickle.dumps({"model.embed_tokens.weight": WritesWhenUnpickled(marker)})
+    pickle.loads(blob)  # the payload is live: unpickling runs it
+    assert marker.read_text() == "unpickled"
+    marker.unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(blob)
+    with pytest.raises(
+        ValueError, match=r"only pickled PyTorch weights \(pytorch_model\.bin\).*refuses to unpickle"
+    ):
+        hf.load(tmp_path)
+    assert not marker.exists()
+
+
+def test_index_naming_other_than_safetensors_shards_is_refused(tmp_path: Path) -> None:
+    make_hf_model("llama").config.save_pretrained(tmp_path)
+    weight_map = {
+        "a": "pytorch_model-00001-of-00002.bin",
+        "b": "../elsewhere.safetensors",
+        "c": "ok.safetensors",
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(
+        ValueError,
+        match=r"not \.safetensors files in .*: \.\./elsewhere\.safetensors, pytorch_model-00001-of-00002\.bin;",
+    ):
         hf.load(tmp_path)
 
 

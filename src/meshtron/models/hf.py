@@ -1,7 +1,8 @@
 """Hugging Face checkpoints <-> meshtron models: weight renaming and strict loading (configs: hf_config.py).
 
 `load` reads a directory as `transformers` writes it (config.json + model.safetensors, or shards with
-model.safetensors.index.json) for llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe;
+model.safetensors.index.json) for llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe, and
+never pickled weights (pytorch_model.bin: unpickling can run code; such a directory is refused);
 `save` writes one that `transformers.AutoModelForCausalLM.from_pretrained` loads with no missing or
 unexpected keys. The mapping follows what transformers 5 computes, not only what its configs name:
 e.g. Qwen2 always has q/k/v biases, Qwen3 defaults head_dim to 128, Mixtral always renormalises its
@@ -82,18 +83,41 @@ MIXTRAL_EXPERT_NAMES = (("w1", "w1"), ("w3", "w3"), ("w2", "w2"))
 IGNORED_KEY_PATTERN = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
+# Weight files that are Python pickles (and the index of sharded ones): loading a pickle can run any code
+# it carries, so they are never read, only named when a directory has nothing else.
+PICKLE_WEIGHT_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt")
+
+
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded safetensors checkpoint, by name."""
+    """Every tensor of a single-file or sharded safetensors checkpoint, by name. Only safetensors are
+    read (a header of JSON and raw tensor bytes, no code); a directory with pickled weights and no
+    safetensors is refused, and so is an index that points at anything but .safetensors files beside it."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
         files = [single]
     elif index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
+        if outside:
+            raise ValueError(
+                f"{index} lists shard(s) that are not .safetensors files in {path}: {', '.join(outside)}; "
+                "only safetensors shards beside the index are read"
+            )
+        files = [path / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(absent)}")
     else:
+        pickled = sorted({f.name for pattern in PICKLE_WEIGHT_PATTERNS for f in path.glob(pattern)})
+        if pickled:
+            raise ValueError(
+                f"{path} holds only pickled PyTorch weights ({', '.join(pickled)}) and no safetensors; "
+                "meshtron refuses to unpickle them, because loading a pickle can run any code it "
+                "contains. Use the model's safetensors files (most Hugging Face repositories have them), "
+                "or convert the checkpoint where you trust it, e.g. "
+                "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)"
+            )
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:

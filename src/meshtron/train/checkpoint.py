@@ -20,6 +20,7 @@ is all an exact resume needs
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import ShardedShape
 from meshtron.parallel.tensor import TensorParallelPlan
 from meshtron.train.checkpoint_integrity import write_manifest
+from meshtron.train.safe_checkpoint_reader import SafeFileSystemReader
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -200,7 +202,9 @@ def _state(
         }
     # Auxiliary-loss-free balancing biases: the same on every rank holding their layer (saved once).
     model_sd.update({n: b for n, b in engine.model.named_buffers() if n.endswith("expert_bias")})
-    return {"model": model_sd, "optimizer": optim_sd, "train": train_state}
+    # Plain numbers as tensors: DCP stores other values with pickle (safe_checkpoint_reader.py).
+    train = {k: {n: torch.tensor(v) for n, v in part.items()} for k, part in train_state.items()}
+    return {"model": model_sd, "optimizer": optim_sd, "train": train}
 
 
 def save_checkpoint(
@@ -270,7 +274,11 @@ def load_checkpoint(
     """Load `path` (written by any layout) into this layout in place; returns the saved train state."""
     state = _state(engine, optimizer, train_state, tp_blocks)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        # Read first on its own: inside dcp.load a refused metadata file is taken for a missing one.
+        SafeFileSystemReader(str(path)).read_metadata()
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint {path} is not a meshtron checkpoint: {err}") from None
     except (CheckpointException, RuntimeError, ValueError) as err:
         # DCP wraps per-rank failures (in a BaseException); keep the line that names the tensor.
         lines = [line for line in str(err).splitlines() if "Error" in line or "mismatch" in line.lower()]

@@ -60,13 +60,25 @@ class RankPlace:
     world: CommGroup
 
 
-def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
-    """The launcher's store (what env:// would connect to under torchrun), with keys prefixed by the
-    restart attempt: the launcher keeps one store across restarts, and without the prefix a restarted
-    rank can read the address a dead rank published in the previous attempt and fail to connect."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
+def _job_store(timeout: datetime.timedelta) -> dist.Store:
+    """The store torchrun (or env://) gives the job. Under torchrun's shared agent store, keys are prefixed
+    by the restart attempt: the store outlives restarts, and without the prefix a restarted rank could
+    read the address a dead rank published in the previous attempt. The attempt number is each node's
+    own, so multi-node restarts need a fresh store per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    docs/launching.md): refused otherwise, before any rank connects."""
+    addr, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # what env:// builds
+        return dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ConfigError(
+            [
+                f"restarts of a {nodes}-node job over torchrun's shared store cannot agree on the attempt; "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (examples/slurm.sh does)"
+            ]
+        )
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"meshtron/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -83,14 +95,12 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         backend = "nccl" if want_cuda else "gloo"
         timeout = datetime.timedelta(seconds=cfg.run.comm_timeout_s)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            store, rank = _attempt_store(timeout), int(os.environ["RANK"])
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            store, rank = _job_store(timeout), int(os.environ["RANK"])
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
             )
             recorder().attach(store, rank)  # what each rank was doing, should a collective hang
-        elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
@@ -182,7 +192,9 @@ class Trainer:
         refused so that they are never overwritten by accident."""
         root = checkpoint_root(self.cfg)
         existing = complete_checkpoints(root)
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        # A node whose own ranks did not fail keeps its restart count: ask every rank.
+        restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
+        restarted = int(self.comm.all_reduce_(restarts, self.place.world, op="max")) > 0
         if not (self.cfg.checkpoint.resume or restarted):
             if existing:
                 raise CheckpointError(
