@@ -8,14 +8,16 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from meshtron.comm import CollectiveTimeout, Comm, CommGroup
-from meshtron.testing.parity import trainer_for
+from meshtron.testing.parity import train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 from meshtron.testing.workers import WorkerPool, close_pools
 from meshtron.train.checkpoint import CheckpointError
+from meshtron.train.checkpoint_integrity import corrupt_files
 
 POISONED = "layers.1.attention.wq.weight"
 
@@ -51,27 +53,28 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(workers):
         assert torch.isfinite(torch.tensor(after["grad_norm"]))
 
 
+def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`meshtron train` on the demo config shrunk to the tiny model, in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.cli", "train", "--config", "configs/demo.toml", *TINY, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
 def test_a_diverging_run_stops_with_a_message(tmp_path):
     """lr = 1e30: the second step's gradients overflow; after training.max_skipped_steps skips in a row
     the run stops with exit status 3 and says what to change."""
-    out = subprocess.run(
+    out = run_cli(
         [
-            sys.executable,
-            "-m",
-            "meshtron.cli",
-            "train",
-            "--config",
-            "configs/demo.toml",
-            *TINY,
             "--training.steps=10",
             "--training.lr=1e30",
             "--training.warmup_steps=1",
             "--training.max_skipped_steps=2",
             f"--run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
     assert out.returncode == 3, out.stderr
     assert "3 non-finite steps in a row (training.max_skipped_steps=2)" in out.stderr
@@ -79,35 +82,34 @@ def test_a_diverging_run_stops_with_a_message(tmp_path):
     assert out.stdout.count("SKIPPED") == 2
 
 
-def run_cli(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshtron.cli", "train", "--config", "configs/demo.toml", *TINY, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_corrupt_checkpoint_is_named_and_resume_falls_back(tmp_path):
-    """Truncate one file of the newest checkpoint: resuming says which file is corrupt, falls back to the
-    previous checkpoint, and the run still ends as the uninterrupted one does."""
-    straight = run_cli(["--training.steps=6", f"--run.dir={tmp_path / 'straight'}"])
-    assert straight.returncode == 0, straight.stderr
-    saving = ["--checkpoint.every=2", "--checkpoint.keep=2", f"--run.dir={tmp_path / 'run'}"]
-    first = run_cli([*saving, "--training.steps=4"])
-    assert first.returncode == 0, first.stderr
+def corrupt(path: str) -> list[str]:
+    return corrupt_files(Path(path), Comm(), CommGroup("world", (0,), None))
+
+
+def test_a_corrupt_checkpoint_is_named_and_resume_falls_back(workers, tmp_path):
+    """Truncate one file of the newest checkpoint: it is reported corrupt by name, resuming falls back
+    to the previous checkpoint, and the run still ends as the uninterrupted one does."""
+    base = [*TINY, "--training.micro_batch=8", "--checkpoint.keep=2"]
+    straight = workers(1).run(
+        train_rows, [*base, "--training.steps=6", f"--run.dir={tmp_path / 'straight'}"]
+    )[0]
+    saving = [*base, "--checkpoint.every=2", f"--run.dir={tmp_path / 'run'}"]
+    workers(1).run(train_rows, [*saving, "--training.steps=4"])
     newest = tmp_path / "run" / "checkpoints" / "step-00000004"
     victim = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    resumed = run_cli([*saving, "--training.steps=6", "--checkpoint.resume=true"])
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"checkpoint {newest} is corrupt ({victim.name} has" in resumed.stdout
-    assert "resumed from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
-    assert losses(tmp_path / "run")[-2:] == losses(tmp_path / "straight")[-2:]
+    size = victim.stat().st_size
+    victim.write_bytes(victim.read_bytes()[: size // 2])
+    assert workers(1).run(corrupt, str(newest)) == [
+        [f"{victim.name} has {size // 2} bytes, {size} were written"]
+    ]
+    assert workers(1).run(corrupt, str(newest.parent / "step-00000002")) == [[]]
+    resumed = workers(1).run(train_rows, [*saving, "--training.steps=6", "--checkpoint.resume=true"])[0]
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2: the corrupt step 4 was skipped
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
 
 
 def test_an_unwritable_run_directory_is_reported_before_training(tmp_path):
@@ -144,25 +146,8 @@ def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
     common = ["--nproc=2", "--training.steps=7", "--training.micro_batch=4", "--checkpoint.every=2"]
     straight = run_cli([*common, f"--run.dir={tmp_path / 'straight'}"])
     assert straight.returncode == 0, straight.stderr
-    env = {**os.environ, "MESHTRON_KILL_AT": "1:5"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshtron.cli",
-            "train",
-            "--config",
-            "configs/demo.toml",
-            *TINY,
-            *common,
-            "--max-restarts=1",
-            f"--run.dir={tmp_path / 'killed'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    killed = ["--max-restarts=1", f"--run.dir={tmp_path / 'killed'}"]
+    out = run_cli([*common, *killed], env={**os.environ, "MESHTRON_KILL_AT": "1:5"})
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout and "step-00000004 at step 4" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from meshtron.config import check, load_config
-from meshtron.verify import shrink, to_overrides
+from meshtron.verify import report, shrink, to_overrides, verify
 
 
 @pytest.mark.parametrize(
@@ -48,12 +49,28 @@ def verify_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_verify_passes_a_correct_layout_and_fails_beyond_tolerance():
-    layout = ["--config", "configs/tiny-moe.toml", "--nproc", "4", "--steps", "3"]
-    layout += ["--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.ep=2"]
-    out = verify_cli(*layout)
-    assert out.returncode == 0, out.stderr
-    assert "meshtron verify: OK" in out.stdout and "experts" in out.stdout and "router" in out.stdout
-    assert "counted/formula" in out.stdout and " ep " in out.stdout and " tp " in out.stdout
-    strict = verify_cli(*layout, "--tolerance", "0")  # fp32 rounding differs between layouts
-    assert strict.returncode == 1 and "MISMATCH" in strict.stdout
+def test_verify_passes_a_correct_layout(workers, capsys):
+    layout = ["--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.ep=2"]
+    assert verify(load_config("configs/tiny-moe.toml", layout), 4, steps=3, pools=workers) == 0
+    out = capsys.readouterr().out
+    assert "meshtron verify: OK" in out and "experts" in out and "router" in out
+    assert "counted/formula" in out and " ep " in out and " tp " in out
+
+
+def test_verify_command_refuses_an_invalid_layout_before_running():
+    out = verify_cli("--config", "configs/tiny-moe.toml", "--nproc", "4", "--parallel.ep=3")
+    assert out.returncode == 2 and "use ep in [1, 2, 4]" in out.stderr
+
+
+def test_report_fails_beyond_tolerance_naming_the_worst_parameter():
+    grads = {"layers.0.attention.wq.weight": torch.ones(4), "layers.0.moe.experts.w1": torch.ones(4)}
+    ref = {"rows": [{"step": 1, "loss": 2.0}], "grads": grads}
+    off = {
+        "rows": [{"step": 1, "loss": 2.0}],
+        "grads": {**grads, "layers.0.moe.experts.w1": 1.001 * torch.ones(4)},
+    }
+    lines, ok = report(off, ref, tolerance=1e-5)
+    assert not ok and any(line.strip().startswith("experts") and "1.00e-03" in line for line in lines)
+    assert report(off, ref, tolerance=1e-2)[1]
+    lossy = {**ref, "rows": [{"step": 1, "loss": 2.001}]}
+    assert not report(lossy, ref, tolerance=1e-5)[1]

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, check
-from meshtron.parallel.expert import expert_parameter_names
-from meshtron.testing.parity import run_layout, trainer_for
+from meshtron.plan.comm import step_bytes
+from meshtron.testing.parity import run_layout
 from meshtron.testing.workers import WorkerPool, close_pools
 
 HEAD_DIM = 8
@@ -108,23 +108,28 @@ def report(result: dict[str, Any], ref: dict[str, Any], tolerance: float) -> tup
     return lines, ok
 
 
-def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5) -> int:
-    """Run the shrunk layout on `nproc` local ranks and on one; print the report; 0 when they agree."""
+def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5, pools: Any = None) -> int:
+    """Run the shrunk layout on `nproc` local ranks and on one; print the report; 0 when they agree.
+    `pools(n)`: worker pools to run on (started here, and closed after, when not given)."""
     small = shrink(cfg, nproc)
     small = dataclasses.replace(small, training=dataclasses.replace(small.training, steps=steps))
     check(small, nproc)
     layout = to_overrides(small)
     single = dataclasses.replace(small, parallel=type(small.parallel)())
     print(f"meshtron verify: {nproc} ranks vs 1, shrunk model: {shape_of(small)}; {steps} steps, fp32")
-    pools = [WorkerPool(nproc, timeout_s=600), WorkerPool(1, timeout_s=600)]
+    own = {} if pools is None else None
+    if own is not None:
+        own.update({nproc: WorkerPool(nproc, timeout_s=600), 1: WorkerPool(1, timeout_s=600)})
+        pools = own.get
     try:
-        results = pools[0].run(verify_layout, layout, steps)
-        ref = pools[1].run(run_layout, to_overrides(single), steps)[0]
+        results = pools(nproc).run(run_layout, layout, steps)
+        ref = pools(1).run(run_layout, to_overrides(single), steps)[0]
     finally:
-        close_pools(pools)
+        if own is not None:
+            close_pools(list(own.values()))
     result = {**results[-1], "grads": {k: v for r in results for k, v in r["grads"].items()}}
     lines, ok = report(result, ref, tolerance)
-    lines += communication_lines(results[0]["rows"][min(1, steps - 1)], results[0]["formulas"])
+    lines += communication_lines(results[0]["rows"][min(1, steps - 1)], step_bytes(small, nproc))
     print("\n".join(lines))
     print(f"meshtron verify: {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})")
     return 0 if ok else 1
@@ -139,66 +144,11 @@ def shape_of(cfg: Config) -> str:
     )
 
 
-def verify_layout(overrides: list[str], steps: int) -> dict[str, Any]:
-    """On every rank: run_layout's result, with the formula bytes per group of this rank's step."""
-    result = run_layout(overrides, steps)
-    return {**result, "formulas": formula_bytes(trainer_for(overrides))}
-
-
-def _sharded(psi: float, shard: int, replicate: int, cfg: Config, micro_batches: int) -> tuple[float, float]:
-    """(shard group, replicate group) bytes per step of a data-parallel engine over psi gradient bytes:
-    DDP 2ψ(n−1)/n once; ZeRO-1 a reduce-scatter and an all-gather once; ZeRO-2 a reduce-scatter per
-    micro-batch and one all-gather; ZeRO-3 per micro-batch an all-gather in forward, another in backward
-    (when it reshards after forward) and a reduce-scatter; the replicas all-reduce the 1/shard each holds."""
-    if shard == 1:
-        return 0.0, 2 * psi * (replicate - 1) / replicate
-    zero, regather = cfg.parallel.zero, cfg.parallel.reshard_after_forward
-    passes = {1: 2, 2: micro_batches + 1, 3: micro_batches * (3 if regather else 2)}[zero]
-    return passes * psi * (shard - 1) / shard, 2 * (psi / shard) * (replicate - 1) / replicate
-
-
-def formula_bytes(trainer: Any) -> dict[str, float]:
-    """Per group, the leading terms of a step's traffic on this rank (docs/theory.md): data parallel of
-    the parameters it holds, tensor parallel's activation all-reduces, expert dispatch under balanced
-    routing. Small terms (loss, norms, padding) and pp / cp exchanges are left out."""
-    cfg, mesh, out = trainer.cfg, trainer.place.mesh, {}
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    names = expert_parameter_names(trainer.model) if mesh.size("ep") > 1 else frozenset()
-    params = dict(trainer.model.named_parameters())
-    psi_dense = sum(4 * v.numel() for n, v in params.items() if n not in names)
-    psi_experts = sum(4 * v.numel() for n, v in params.items() if n in names)
-    micro_batches = t.global_batch // (t.micro_batch * mesh.size("dp"))
-    shard, replicate = _sharded(
-        psi_dense, mesh.size("dp_shard_cp"), mesh.size("dp_replicate"), cfg, micro_batches
-    )
-    out[mesh.with_cp("dp_shard" if mesh.size("dp_shard_cp") > 1 else "dp")] = shard or replicate
-    if mesh.size("dp_shard_cp") > 1:
-        out["dp_replicate"] = replicate
-    if names:
-        shard, replicate = _sharded(
-            psi_experts, mesh.size("edp"), mesh.size("dp_replicate"), cfg, micro_batches
-        )
-        out["edp"] = shard
-        out["dp_replicate"] = out.get("dp_replicate", 0.0) + replicate
-    tokens = t.micro_batch * t.seq_len // p.cp  # this rank's tokens of a micro-batch
-    layers = len(trainer.model.layers)
-    tp = mesh.size("tp")
-    if tp > 1:
-        activation = 2 * tokens * m.dim * 4 * (tp - 1) / tp  # one all-reduce of a [tokens, dim] activation
-        per_layer = 6 if t.recompute == "full" else 4  # full recompute reruns the forward's two
-        out["tp"] = micro_batches * (per_layer * layers + 2) * activation
-    moe_layers = sum(block.moe is not None for block in trainer.model.layers.values())
-    ep = mesh.size("ep")
-    if ep > 1 and p.ep_dispatch == "alltoall":
-        out["ep"] = micro_batches * moe_layers * 4 * tokens * m.top_k * m.dim * 4 * (ep - 1) / ep
-    return {group: value for group, value in out.items() if value}
-
-
 def communication_lines(row: dict[str, Any], formulas: dict[str, float]) -> list[str]:
     """Rank 0's counted bytes per group in one step, next to the formulas' leading terms."""
     lines = [
         f"communication of step {row['step']} on rank 0 per group (bytes as comm.py counts them; formula: "
-        "leading terms, balanced routing; docs/theory.md):",
+        "plan/comm.py, exact for data parallel, leading terms for tp and ep at balanced routing):",
         f"  {'group':<14} {'counted':>14} {'formula':>14}  counted/formula",
     ]
     for group in sorted(set(row["comm_bytes_by_group"]) | set(formulas)):

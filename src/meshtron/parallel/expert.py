@@ -84,11 +84,16 @@ def expert_parameter_names(model: nn.Module) -> frozenset[str]:
     )
 
 
-class AllToAllDispatch:
-    """Tokens to the ep ranks holding their experts and back, with uneven all-to-alls."""
+class ExpertDispatch:
+    """What `MoE.dispatch` is called with: (moe, x [T,D], gate weights [T,k], expert ids [T,k], keep
+    mask [T,k]) -> this rank's tokens' combined expert outputs [T,D] in fp32, over the ep group."""
 
     def __init__(self, comm: Comm, ep: CommGroup):
         self.comm, self.ep = comm, ep
+
+
+class AllToAllDispatch(ExpertDispatch):
+    """Tokens to the ep ranks holding their experts and back, with uneven all-to-alls."""
 
     def __call__(
         self,
@@ -112,11 +117,8 @@ class AllToAllDispatch:
         return combine(y_ND, order, weights_Tk, x_TD.shape[0])
 
 
-class AllGatherDispatch:
+class AllGatherDispatch(ExpertDispatch):
     """Every rank's tokens gathered over ep; each rank's experts' weighted outputs reduce-scattered back."""
-
-    def __init__(self, comm: Comm, ep: CommGroup):
-        self.comm, self.ep = comm, ep
 
     def __call__(
         self,

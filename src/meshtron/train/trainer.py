@@ -192,9 +192,10 @@ class Trainer:
         refused so that they are never overwritten by accident."""
         root = checkpoint_root(self.cfg)
         existing = complete_checkpoints(root)
-        # A node whose own ranks did not fail keeps its restart count: ask every rank.
-        restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))])
-        restarted = int(self.comm.all_reduce_(restarts, self.place.world, op="max")) > 0
+        restarted = False
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # a node whose ranks did not fail keeps its count
+            restarts = torch.tensor([int(os.environ["TORCHELASTIC_RESTART_COUNT"])])
+            restarted = int(self.comm.all_reduce_(restarts, self.place.world, op="max")) > 0
         if not (self.cfg.checkpoint.resume or restarted):
             if existing:
                 raise CheckpointError(

@@ -1,0 +1,141 @@
+"""Bytes one rank moves per optimizer step, per mesh group, as comm.py counts them (ring volumes:
+an all-reduce of S bytes over n ranks 2·S·(n−1)/n, an all-gather or reduce-scatter of a full S
+S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/theory.md).
+
+  data parallel   per engine (plan/state.py), over its flat of 4-byte gradients, P elements (padded:
+                  ceil(d0/n) rows per parameter and rank):
+                    DDP      one all-reduce of P (dp group)
+                    ZeRO-1   one reduce-scatter + one all-gather of the padded flat
+                    ZeRO-2   a reduce-scatter per micro-batch + one all-gather
+                    ZeRO-3   per micro-batch an all-gather in forward, another in backward (when units
+                             reshard after forward) and a reduce-scatter
+                  replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
+                  and clipping's norm add an all-reduce of one and of two numbers
+  tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation (6 with full
+                  recompute), 2 more around the embedding and head; sp turns each into an all-gather
+                  and a reduce-scatter of the same volume; the vocab-parallel loss all-reduces 3 numbers
+                  per token
+  expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
+                  and micro-batch under balanced routing, plus the count table's all-gather
+  pipeline        per micro-batch and chunk boundary: the activation forward, its gradient backward
+
+Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups are exact (tests/test_plan.py
+checks them against the counted bytes of every engine); tp, ep and pp are leading terms (ep at balanced
+routing), and context parallel's exchanges are not modelled yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshtron.config import Config
+from meshtron.plan.state import rank_parameters
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _dp_bytes(
+    shapes: list[tuple[int, ...]], shard: int, replicate: int, cfg: Config, micro: int
+) -> tuple[float, float]:
+    """(shard-or-dp group, replicate group) bytes of one engine's gradient traffic per step."""
+    p = cfg.parallel
+    reduce = 2 if p.reduce_dtype == "bf16" else 4
+    full = sum(math.prod(s) for s in shapes)
+    if shard == 1:
+        return 0.0, 2 * reduce * full * _ring(replicate)
+    padded = sum(math.ceil(s[0] / shard) * shard * math.prod(s[1:]) for s in shapes)
+    if p.zero == 3:
+        gather = 2 if cfg.training.dtype == "bf16" else 4
+        per_micro = gather * (2 if p.reshard_after_forward else 1) + reduce
+        volume = micro * per_micro * padded
+    else:
+        volume = ((micro if p.zero == 2 else 1) * reduce + 4) * padded
+    return volume * _ring(shard), 2 * reduce * (padded / shard) * _ring(replicate)
+
+
+def _tp_bytes(cfg: Config, params: list, tokens: int, micro: int, ends: int, head: bool) -> float:
+    """Tensor parallel per step: the activations' reductions, the loss's, and the gradient sums of the
+    weights every tp rank holds whole but feeds only part of the work (plan/state.py's shapes)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
+    per_layer = 6 if t.recompute == "full" else 4
+    activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
+    loss = 3 * 2 * tokens * 4 * _ring(p.tp) if head else 0.0
+    summed = ("router.weight", "shared_gate.weight", "q_norm.weight", "k_norm.weight")
+    if p.sp:
+        summed += ("attention_norm.weight", "ffn_norm.weight", "norm.weight")
+    replicated_kv = m.kv_heads % p.tp != 0
+    elements = sum(
+        math.prod(x.shape)
+        for x in params
+        if x.name.endswith(summed)
+        or (replicated_kv and any(f"attention.{w}." in x.name for w in ("wk", "wv")))
+    )
+    return micro * ((per_layer * layers + ends) * activation + loss + 2 * 4 * elements * _ring(p.tp))
+
+
+def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes per group name (as the trainer's metrics name them) of one step on rank 0 of stage pp_rank."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // (p.pp * p.dp_replicate * p.cp * p.tp)
+    shard, dp = dp_shard * p.cp, p.dp_replicate * dp_shard
+    micro = t.global_batch // (t.micro_batch * dp)
+    params = rank_parameters(cfg, pp_rank)
+    out: dict[str, float] = {}
+
+    def add(group: str, nbytes: float) -> None:
+        if nbytes:
+            out[group] = out.get(group, 0.0) + nbytes
+
+    cp = "_cp" if p.cp > 1 else ""
+    dense = [x.shape for x in params if not x.expert or p.ep == 1]
+    on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
+    if shard > 1:
+        add(f"dp_shard{cp}", on_shard + 2 * 8 * _ring(shard))  # + clipping's two partial sums
+        add("dp_replicate", on_replicas)
+    else:
+        add(f"dp{cp}", on_replicas)
+    add(f"dp{cp}", 2 * 4 * _ring(dp * p.cp))  # the loss
+    if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
+        add("pp", 2 * 4 * _ring(p.pp) + 2 * 8 * _ring(p.pp))
+    if m.tie_embeddings and p.pp > 1 and pp_rank in (0, p.pp - 1):  # the two copies' gradients summed
+        rows = math.ceil(m.vocab_size / p.tp)
+        owned = rows if shard == 1 else math.ceil(rows / shard)
+        owned = owned if p.zero == 3 or shard == 1 else min(owned, rows)
+        add("pp_ends", 2 * 4 * owned * m.dim * _ring(2))
+    if p.ep > 1:
+        on_edp, on_replicas = _dp_bytes(
+            [x.shape for x in params if x.expert], shard // p.ep, p.dp_replicate, cfg, micro
+        )
+        add("edp", on_edp)
+        add("dp_replicate", on_replicas)
+    tokens = t.micro_batch * t.seq_len // p.cp
+    layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
+    moe_layers = sum(1 for x in params if x.name.endswith("experts.w1"))
+    if p.tp > 1:
+        per_layer = 6 if t.recompute == "full" else 4
+        activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
+        ends = (pp_rank == 0) + (pp_rank == p.pp - 1)
+        add(
+            "tp",
+            micro
+            * (
+                (per_layer * layers + ends) * activation
+                + (3 * 2 * tokens * 4 * _ring(p.tp) if pp_rank == p.pp - 1 else 0)
+            ),
+        )
+    if p.ep > 1 and p.ep_dispatch == "alltoall":
+        add(
+            "ep",
+            micro
+            * moe_layers
+            * (4 * tokens * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
+        )
+    if p.pp > 1:
+        seq_shards = p.tp if p.sp else 1
+        message = t.micro_batch * t.seq_len // p.cp // seq_shards * m.dim * 4
+        boundaries = 2 * p.vpp - (pp_rank == 0) - (pp_rank == p.pp - 1)  # chunk edges this rank sends across
+        add("pp", micro * 2 * 2 * boundaries * message)  # forward and backward; sends and receives counted
+    return out  # fmt: skip

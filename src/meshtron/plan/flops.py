@@ -1,0 +1,165 @@
+"""Model FLOPs of meshtron's decoder, per token and per layer, from the model's shapes alone.
+
+A matrix multiply of n rows by an [a, b] weight costs 2·n·a·b FLOPs forward and twice that backward
+(the input gradient and the weight gradient), so training costs 3 forward passes (Kaplan et al. 2020;
+Narayanan et al. 2021a). Per token, forward, with h = dim, q = n_heads·head_size, k = kv_heads·head_size,
+f the dense FFN width, f_e an expert's, f_s the shared experts' (together), E experts, K = top_k,
+V the vocabulary and n the keys each query attends to on average:
+
+  part                     forward FLOPs per token (per layer unless said)
+  attention projections    2·(h·q + 2·h·k + q·h)          wq, wk, wv (grouped-query: k ≤ q), wo
+  attention core           2·2·q·n                        QKᵀ and softmax·V over n keys, all query heads
+  FFN, dense layer         2·3·h·f                        SwiGLU: gate, up, down
+  FFN, MoE layer           2·3·h·(K·f_e + f_s)            top_k routed experts and the shared experts
+  router, MoE layer        2·h·E (+ 2·h)                  scores over E experts (+ a shared-expert gate)
+  head                     2·h·V, once                    the output projection, tied or not
+  embedding                0                              a lookup
+  training                 3 × the sum                    forward + backward (2×)
+
+Which layers are MoE follows `ModelConfig.is_moe_layer`. Norms, biases, rotary embedding, softmax and the
+loss are elementwise work and not counted (as in every published MFU). A dropping MoE (capacity_factor
+> 0) still counts K experts per token: model FLOPs are the model's, not what the kernel skipped.
+
+Keys per query (`keys_per_query`), for sequence length s and sliding window w (0: none):
+
+  causal   the area of the causal triangle per query: s/2; with a window w < s, the band of width w under
+           the diagonal, (s·w − w²/2)/s = w − w²/(2s) (s/2 again at w = s). This is the issue's MFU
+           convention and Megatron-LM's/PaLM's causal half. The exact count of a discrete mask is
+           (s + 1)/2, resp. w − w·(w − 1)/(2s): at most half a key more per query.
+  full     twice the causal count: every key within the window on both sides, s per query without one.
+           Megatron-LM's published TFLOP/s count the dense s×s score matrix this way.
+
+Recompute (`recompute_flops_per_token`) runs part of the forward again in backward; it is not model FLOPs
+(MFU leaves it out, Chowdhery et al. 2022) but the GPUs execute it:
+
+  full        every layer's forward again (projections, core, FFN, router); the head is not recomputed
+  selective   the attention core only (QKᵀ and softmax·V; `Attention.core` in models/llama.py)
+
+Check: a GPT block (MHA, FFN of 4h, i.e. f = 8h/3 with SwiGLU), full attention and full recompute gives
+per step of B sequences 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)), Narayanan et al. (2021a)'s count.
+Megatron-Core's own throughput counter (`num_floating_point_operations` in the Megatron-LM repository,
+megatron/training/training.py, 2024), the one its training logs report TFLOP/s/GPU with, counts 3
+passes, full attention, GQA and SwiGLU, no recompute and no router: 12·B·s·L·h²·(1 + g/a + (3/2)·f/h + s/h +
+V/(2·L·h)) for g key/value groups of a heads, i.e. `training_flops_per_token(cfg, s, "full")` for a
+dense model with head_size = h/a.
+
+Against `train/metrics.py`'s `flops_per_token` (what the trainer's MFU uses): `training_flops_per_token`
+with the causal count equals it for every model without a sliding window shorter than the sequence and
+without a shared-expert gate. The trainer's count ignores the window (it counts s/2 keys per query
+whatever w is: too high when w < s) and leaves out the h×1 shared-expert gate (6·h FLOPs per token and
+MoE layer, under 1e-4 of any real model's total). tests/test_plan_flops_hardware.py checks both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from meshtron.config import ModelConfig, Recompute
+
+AttentionCount = Literal["causal", "full"]
+TRAINING_PASSES = 3  # forward + backward (input and weight gradients)
+
+
+def keys_per_query(seq_len: int, window: int = 0, attention: AttentionCount = "causal") -> float:
+    """Keys a query attends to, averaged over the s queries of a sequence (see the module docstring)."""
+    s = float(seq_len)
+    w = float(window) if 0 < window < seq_len else s
+    causal = w - w * w / (2 * s)
+    return causal if attention == "causal" else 2 * causal
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward FLOPs per token, by part (of one layer, some layers, or the whole model)."""
+
+    attention_projections: float = 0.0
+    attention_core: float = 0.0
+    ffn: float = 0.0  # dense SwiGLU, or routed + shared experts
+    router: float = 0.0
+    head: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Forward FLOPs per token."""
+        return self.attention_projections + self.attention_core + self.ffn + self.router + self.head
+
+    @property
+    def training(self) -> float:
+        """Training (model) FLOPs per token: forward and backward, no recompute."""
+        return TRAINING_PASSES * self.total
+
+    def __add__(self, other: ModelFlops) -> ModelFlops:
+        return ModelFlops(
+            self.attention_projections + other.attention_projections,
+            self.attention_core + other.attention_core,
+            self.ffn + other.ffn,
+            self.router + other.router,
+            self.head + other.head,
+        )
+
+
+def layer_flops(
+    cfg: ModelConfig, layer: int, seq_len: int, attention: AttentionCount = "causal"
+) -> ModelFlops:
+    """Forward FLOPs per token of transformer layer `layer` (dense or MoE per `cfg.is_moe_layer`)."""
+    h = cfg.dim
+    q = cfg.n_heads * cfg.head_size
+    k = cfg.kv_heads * cfg.head_size
+    projections = 2.0 * (h * q + 2 * h * k + q * h)
+    core = 2.0 * 2 * q * keys_per_query(seq_len, cfg.sliding_window, attention)
+    if not cfg.is_moe_layer(layer):
+        return ModelFlops(projections, core, 2.0 * 3 * h * cfg.ffn_dim)
+    experts = 2.0 * 3 * h * (cfg.top_k * cfg.expert_ffn_dim + cfg.shared_expert_ffn_dim)
+    router = 2.0 * h * (cfg.n_experts + (1 if cfg.shared_expert_gate else 0))
+    return ModelFlops(projections, core, experts, router)
+
+
+def head_flops(cfg: ModelConfig) -> ModelFlops:
+    """Forward FLOPs per token of the output head (the embedding lookup has none)."""
+    return ModelFlops(head=2.0 * cfg.dim * cfg.vocab_size)
+
+
+def model_flops(
+    cfg: ModelConfig,
+    seq_len: int,
+    attention: AttentionCount = "causal",
+    layers: Iterable[int] | None = None,
+    head: bool = True,
+) -> ModelFlops:
+    """Forward FLOPs per token of `layers` (all by default) plus the head if `head`: the whole model, or
+    one pipeline stage's share of it."""
+    total = head_flops(cfg) if head else ModelFlops()
+    for layer in range(cfg.n_layers) if layers is None else layers:
+        total = total + layer_flops(cfg, layer, seq_len, attention)
+    return total
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention: AttentionCount = "causal") -> float:
+    """Model FLOPs per trained token (the MFU numerator): 3 forward passes of the whole model."""
+    return model_flops(cfg, seq_len, attention).training
+
+
+def recompute_flops_per_token(
+    cfg: ModelConfig,
+    seq_len: int,
+    recompute: Recompute,
+    attention: AttentionCount = "causal",
+    layers: Iterable[int] | None = None,
+) -> float:
+    """Extra forward FLOPs per token that activation recompute runs in backward, over `layers` (all by
+    default): a whole block's forward with "full", the attention core with "selective", none with "none"."""
+    if recompute == "none":
+        return 0.0
+    blocks = model_flops(cfg, seq_len, attention, layers, head=False)
+    return blocks.total if recompute == "full" else blocks.attention_core
+
+
+def executed_flops_per_token(
+    cfg: ModelConfig, seq_len: int, recompute: Recompute, attention: AttentionCount = "causal"
+) -> float:
+    """FLOPs the GPUs run per token: the model's training FLOPs plus recompute (hardware FLOPs)."""
+    return training_flops_per_token(cfg, seq_len, attention) + recompute_flops_per_token(
+        cfg, seq_len, recompute, attention
+    )

@@ -1,0 +1,139 @@
+"""Parameters, gradients and optimizer state per rank, for any layout, without building anything.
+
+`rank_parameters` lists the parameters one pipeline stage holds, each at the shape tensor and expert
+parallel leave on a rank (the same cuts as parallel/tensor.py and parallel/expert.py: column / row
+splits over tp, key/value heads replicated when fewer than tp, the vocabulary padded to a multiple of
+tp, experts split over ep, and over tp too with etp = 1). `state_bytes` then applies the data-parallel
+engine the layout gets (parallel/data_parallel.py), dense and expert parameters each over their own
+group, with the engines' exact storage (shard.py's dim-0 row blocks of ceil(d0/n) rows, zero-padded):
+
+  engine (group of n)   parameters            gradients                      AdamW state (fp32 m, v)
+  DDP                   4·P                   4·P (bucket buffers)           8·P
+  ZeRO-1                4·P                   4·P (full .grad, rows reduced) 8·owned rows
+  ZeRO-2                4·P                   4·padded shard                 8·owned rows
+  ZeRO-3 (FSDP)         4·padded shard        4·padded shard                 8·padded shard
+                        (gathered in the compute dtype only while a unit runs)
+
+P counts elements, owned rows are this rank's unpadded rows of each parameter and a padded shard is
+sum over parameters of ceil(d0/n)·(row size). Parameters are fp32 masters in every mode (bf16 is an
+autocast). The most loaded rank is rank 0 of each group, which holds full blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtron.config import Config, ModelConfig
+from meshtron.pipeline.split import split_layers
+
+
+@dataclass(frozen=True)
+class RankParameter:
+    name: str
+    shape: tuple[int, ...]
+    expert: bool = False
+
+
+def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp: bool) -> list[RankParameter]:
+    d, hd, t = cfg.dim, cfg.head_size, tp
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    kv_local = kv // t if cfg.kv_heads % t == 0 else kv  # fewer kv heads than tp: all kept
+    p = f"layers.{layer}."
+    out = [
+        RankParameter(p + "attention_norm.weight", (d,)),
+        RankParameter(p + "ffn_norm.weight", (d,)),
+        RankParameter(p + "attention.wq.weight", (q // t, d)),
+        RankParameter(p + "attention.wk.weight", (kv_local, d)),
+        RankParameter(p + "attention.wv.weight", (kv_local, d)),
+        RankParameter(p + "attention.wo.weight", (d, q // t)),
+    ]
+    if cfg.qkv_bias:
+        out += [
+            RankParameter(p + f"attention.{w}.bias", (n,))
+            for w, n in (("wq", q // t), ("wk", kv_local), ("wv", kv_local))
+        ]
+    if cfg.qk_norm:
+        out += [
+            RankParameter(p + "attention.q_norm.weight", (hd,)),
+            RankParameter(p + "attention.k_norm.weight", (hd,)),
+        ]
+    if not cfg.is_moe_layer(layer):
+        f = cfg.ffn_dim // t
+        return out + [
+            RankParameter(p + "feed_forward.w1.weight", (f, d)),
+            RankParameter(p + "feed_forward.w3.weight", (f, d)),
+            RankParameter(p + "feed_forward.w2.weight", (d, f)),
+        ]
+    experts, width = cfg.n_experts // ep, cfg.expert_ffn_dim
+    if expert_tp:
+        width //= t
+    else:
+        experts //= t
+    out += [RankParameter(p + "moe.router.weight", (cfg.n_experts, d))]
+    out += [
+        RankParameter(p + f"moe.experts.{w}", s, expert=True)
+        for w, s in (("w1", (experts, width, d)), ("w3", (experts, width, d)), ("w2", (experts, d, width)))
+    ]
+    if cfg.n_shared_experts:
+        s = cfg.shared_expert_ffn_dim // t
+        out += [
+            RankParameter(p + "moe.shared_experts.w1.weight", (s, d)),
+            RankParameter(p + "moe.shared_experts.w3.weight", (s, d)),
+            RankParameter(p + "moe.shared_experts.w2.weight", (d, s)),
+        ]
+        if cfg.shared_expert_gate:
+            out.append(RankParameter(p + "moe.shared_gate.weight", (1, d)))
+    return out  # fmt: skip
+
+
+def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
+    """The parameters pipeline stage `pp_rank` holds, at their per-rank shapes (tp and ep applied)."""
+    m, p = cfg.model, cfg.parallel
+    expert_tp = p.etp in (0, p.tp)
+    chunks = split_layers(
+        m.n_layers, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
+    )
+    layers = [layer for c in range(p.vpp) for layer in chunks[c * p.pp + pp_rank]]
+    vocab_rows = math.ceil(m.vocab_size / p.tp)
+    out = []
+    if pp_rank == 0:
+        out.append(RankParameter("tok_embeddings.weight", (vocab_rows, m.dim)))
+    for layer in layers:
+        out += _block_parameters(m, layer, p.tp, p.ep, expert_tp)
+    if pp_rank == p.pp - 1:
+        out.append(RankParameter("norm.weight", (m.dim,)))
+        if not m.tie_embeddings or p.pp > 1:  # tied: one tensor, unless the last stage keeps a copy
+            out.append(RankParameter("output.weight", (vocab_rows, m.dim)))
+    return out  # fmt: skip
+
+
+def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:
+    """Elements of rank 0's dim-0 block of `shape` over n ranks (padded: its full ceil(d0/n) rows)."""
+    rows = math.ceil(shape[0] / n)
+    return (rows if padded else min(rows, shape[0])) * math.prod(shape[1:])
+
+
+def engine_state_bytes(shapes: list[tuple[int, ...]], shard: int, zero: int) -> dict[str, int]:
+    """Rank 0's bytes of parameters, gradients and AdamW state under the engine of a group of `shard`."""
+    full = sum(math.prod(s) for s in shapes)
+    padded = sum(_rows(s, shard, True) for s in shapes)
+    owned = sum(_rows(s, shard, False) for s in shapes)
+    if shard == 1:
+        return {"params": 4 * full, "grads": 4 * full, "optimizer": 8 * full}
+    if zero == 3:
+        return {"params": 4 * padded, "grads": 4 * padded, "optimizer": 8 * padded}
+    return {"params": 4 * full, "grads": 4 * (full if zero == 1 else padded), "optimizer": 8 * owned}
+
+
+def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int]:
+    """Rank 0 of pipeline stage `pp_rank`: bytes of parameters, gradients and optimizer state."""
+    p = cfg.parallel
+    params = rank_parameters(cfg, pp_rank)
+    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // (p.pp * p.dp_replicate * p.cp * p.tp)
+    shard = dp_shard * p.cp
+    dense = engine_state_bytes([x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero)
+    if p.ep == 1:
+        return dense
+    experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero)
+    return {key: dense[key] + experts[key] for key in dense}
