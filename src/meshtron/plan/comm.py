@@ -21,7 +21,8 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups are exact (tests/test_plan.py
 checks them against the counted bytes of every engine); tp, ep and pp are leading terms (ep at balanced
-routing), and context parallel's exchanges are not modelled yet.
+routing); context parallel's ring, all-gather and all-to-all exchanges are exact for dense models
+(hybrid is not modelled yet).
 """
 
 from __future__ import annotations
@@ -76,6 +77,30 @@ def _tp_bytes(cfg: Config, params: list, tokens: int, micro: int, ends: int, hea
     return micro * ((per_layer * layers + ends) * activation + loss + 2 * 4 * elements * _ring(p.tp))
 
 
+def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
+    """Context parallel per step (docs/context-parallel.md#communication), b sequences of s tokens per
+    micro-batch, k and q the key/value and query widths in bytes per token (k after the tp cut):
+      ring       K and V sent and received around the ring forward and again backward, 2·2·b·s·k·(cp−1)/cp
+                 each way, plus the fp32 dK/dV accumulators' cp hops of 2·b·(s/cp)·k each way
+      allgather  K and V all-gathered forward and backward, their gradients reduce-scattered
+      alltoall   q, k, v, o and their gradients, 2·b·(s/cp)·(2q + 2k')·(cp−1)/cp, k' with the key/value
+                 heads replicated up to cp"""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    cp, b, s, hd = p.cp, t.micro_batch, t.seq_len, m.head_size
+    k = m.kv_heads_per_rank(p.tp) * hd * 4
+    q = m.n_heads // p.tp * hd * 4
+    if p.cp_impl == "ring":
+        per_layer = 2 * (2 * 2 * b * s * k * _ring(cp) + cp * 2 * b * (s // cp) * k)
+    elif p.cp_impl == "allgather":
+        per_layer = 3 * 2 * b * s * k * _ring(cp)
+    elif p.cp_impl == "alltoall":
+        k_rep = max(k, hd * 4 * cp)
+        per_layer = 2 * b * (s // cp) * (2 * q + 2 * k_rep) * _ring(cp)
+    else:
+        return 0.0  # hybrid: not modelled yet
+    return micro * layers * per_layer
+
+
 def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes per group name (as the trainer's metrics name them) of one step on rank 0 of stage pp_rank."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
@@ -126,6 +151,9 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
                 + (3 * 2 * tokens * 4 * _ring(p.tp) if pp_rank == p.pp - 1 else 0)
             ),
         )
+    if p.cp > 1 and not m.is_moe:  # (an MoE layer adds its routing statistics' all-reduce)
+        layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
+        add("cp", _cp_bytes(cfg, layers, micro))
     if p.ep > 1 and p.ep_dispatch == "alltoall":
         add(
             "ep",
