@@ -2,21 +2,37 @@
 of meshtron.plan.memory (Korthikanti et al.'s accounting applied to this block, fp32; docs/theory.md):
 exactly, for no parallelism, tp, tp + sp and each recompute mode, so that a recompute mode that saves
 nothing (selective keeps all but the attention's log-sum-exp) fails. The paper's own 16-bit GPT figure
-is printed too."""
+is printed too. MoE layers on one device, under tp + sp, etp = 1 and ep (both dispatches), with the
+routing the tiny router really chose plugged into the formula; the embedding, rotary tables, head and
+loss, and with them the whole model's total."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 
 from meshtron.comm import Comm
-from meshtron.config import load_config
+from meshtron.config import ModelConfig, load_config
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
+from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
+from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
-from meshtron.parallel.tensor import apply_tensor_parallel
-from meshtron.plan.memory import korthikanti_bytes, layer_activation_bytes
+from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.plan.memory import (
+    balanced_assignments,
+    embedding_activation_elements,
+    head_activation_bytes,
+    korthikanti_bytes,
+    layer_activation_bytes,
+    layer_activation_elements,
+    moe_layer_activation_elements,
+    rotary_table_elements,
+)
+from meshtron.testing.tiny import MOE
 
 BATCH, SEQ = 2, 64
 MODEL = ["--model.name=tiny", "--model.n_layers=2", "--model.vocab_size=512"]
@@ -133,3 +149,169 @@ def test_parallelism_and_recompute_reduce_memory_as_the_paper_says():
     assert f(recompute="full") < f(recompute="selective") < f()
     assert f(tp=2, sp=True, recompute="full") == f(recompute="full") // 2
     assert f(cp=4) == f() // 4 and f(cp=2, tp=2, sp=True) < f(tp=2, sp=True)
+
+
+def saved_bytes_by_part(
+    overrides: list[str], tp: int = 1, sp: bool = False, recompute: str = "none", ep: int = 1, etp: int = 0
+) -> dict:
+    """One forward and loss on this rank: bytes of the storages (not parameters, nor the batch's tokens
+    and targets) saved by the embedding, by block 1 and not block 0, by the head and loss, by all of it;
+    and each MoE layer's routing: `kept` (this rank's assignments it sorts and combines) and
+    `assignments` (the rows its experts process)."""
+    cfg = load_config(
+        None, [*overrides, f"--training.seq_len={SEQ}", f"--parallel.tp={tp}", f"--parallel.ep={ep}"]
+    )
+    model = build_model(cfg.model, seed=0)
+    mesh = ParallelMesh(ParallelDims(tp=tp, dp_shard=ep, ep=ep), "cpu") if tp * ep > 1 else None
+    plan = apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp, etp in (0, tp)) if tp > 1 else None
+    if ep > 1:
+        apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg)
+    apply_recompute(model, recompute)
+    rank = torch.distributed.get_rank() if mesh is not None else 0
+    generator = torch.Generator().manual_seed(rank // tp)  # the ep ranks route different tokens
+    tokens, targets = torch.randint(0, cfg.model.vocab_size, (2, BATCH, SEQ), generator=generator)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), tokens, targets)}
+    saved: dict[str, dict[int, int]] = {}
+    part = {"now": "embedding"}
+    alive = []  # a storage freed early (a discarded branch) must not lend its address to a later one
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved.setdefault(part["now"], {})[storage.data_ptr()] = storage.nbytes()
+            alive.append(t)
+        return t
+
+    rows: list[int] = []
+    for index, block in model.layers.items():
+        block.register_forward_pre_hook(lambda *_a, i=index: part.update(now=i))
+        block.register_forward_hook(lambda *_a: part.update(now="head"))
+        if block.moe is not None:
+            block.moe.experts.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits, aux = model(tokens, return_aux=True)  # the MoE losses are back-propagated too
+        ce = (
+            cross_entropy_per_token
+            if plan is None
+            else partial(vocab_parallel_cross_entropy, plan=plan, comm=Comm())
+        )
+        ce(logits, targets).sum() + aux
+    if mesh is not None:
+        mesh.close()
+    every = {ptr: n for storages in saved.values() for ptr, n in storages.items()}
+    moe = [block.moe for block in model.layers.values() if block.moe is not None]
+    return {
+        "embedding": sum(saved.get("embedding", {}).values()),
+        "layer": sum(n for ptr, n in saved["1"].items() if ptr not in saved["0"]),
+        "head": sum(saved["head"].values()),
+        "total": sum(every.values()),
+        "assignments": rows,
+        "kept": rows if ep == 1 else [int(m.loads_2E[1].sum()) for m in moe],
+    }
+
+
+def run_on_ranks(workers, world: int, *args, **kwargs) -> list[dict]:
+    return (
+        workers(world).run(saved_bytes_by_part, *args, **kwargs)
+        if world > 1
+        else [saved_bytes_by_part(*args, **kwargs)]
+    )
+
+
+def model_bytes(cfg: ModelConfig, measured: dict, tp: int, sp: bool, **layer_kwargs) -> tuple[int, int, int]:
+    """(embedding, head, whole model) bytes by the formulas, each MoE layer with its measured routing."""
+    embedding = embedding_activation_elements(cfg, BATCH, SEQ, tp=tp).bytes()
+    head = head_activation_bytes(cfg, BATCH, SEQ, tp=tp, sp=sp)
+    layers = 0
+    for layer in range(cfg.n_layers):
+        routing = {}
+        if cfg.is_moe_layer(layer):
+            moe_index = sum(cfg.is_moe_layer(i) for i in range(layer))
+            routing = dict(kept=measured["kept"][moe_index], assignments=measured["assignments"][moe_index])
+        layers += layer_activation_bytes(
+            cfg, BATCH, SEQ, tp=tp, sp=sp, layer=layer, **layer_kwargs, **routing
+        )
+    rotary = 4 * rotary_table_elements(cfg, BATCH, SEQ)  # fp32
+    return embedding, head, embedding + rotary + layers + head
+
+
+# Mixed routing options: sigmoid scores without renormalised top-k, per-sequence balance, no shared expert,
+# capacity 1 (the tiny router's uneven choices drop assignments).
+MOE_VARIANT = [
+    "--model.router=sigmoid",
+    "--model.router_norm_topk=false",
+    "--model.balance_loss=sequence",
+    "--model.n_shared_experts=0",
+    "--model.capacity_factor=1.0",
+]
+MOE_CASES = [
+    # tp, sp, ep, dispatch, etp, recompute, model overrides
+    (1, False, 1, "alltoall", 0, "none", []),
+    (1, False, 1, "alltoall", 0, "selective", []),
+    (1, False, 1, "alltoall", 0, "full", []),
+    (1, False, 1, "alltoall", 0, "none", MOE_VARIANT),
+    (2, True, 1, "alltoall", 0, "none", []),
+    (2, True, 1, "alltoall", 0, "selective", []),
+    (2, True, 1, "alltoall", 0, "full", []),
+    (2, False, 1, "alltoall", 1, "none", []),
+    (1, False, 2, "alltoall", 0, "none", []),
+    (1, False, 2, "alltoall", 0, "selective", []),
+    (1, False, 2, "alltoall", 0, "full", []),
+    (1, False, 2, "alltoall", 0, "none", MOE_VARIANT),
+    (1, False, 2, "allgather", 0, "none", []),
+]
+
+
+@pytest.mark.parametrize("tp, sp, ep, dispatch, etp, recompute, extra", MOE_CASES)
+def test_moe_layer_matches_the_formula_given_its_routing(
+    workers, tp, sp, ep, dispatch, etp, recompute, extra
+):
+    """An MoE block, and the whole model with its two ends, on every rank: exactly the formula's bytes once
+    the measured routing (assignments kept and processed per rank) replaces the balanced default."""
+    overrides = [*MOE, *extra, f"--parallel.ep_dispatch={dispatch}"]
+    measured = run_on_ranks(workers, tp * ep, overrides, tp, sp, recompute, ep, etp)
+    cfg = load_config(None, overrides).model
+    kw = dict(recompute=recompute, ep=ep, ep_dispatch=dispatch, expert_tp=etp in (0, tp))
+    for rank in measured:
+        routing = dict(kept=rank["kept"][1], assignments=rank["assignments"][1])
+        layer = layer_activation_bytes(cfg, BATCH, SEQ, tp=tp, sp=sp, layer=1, **kw, **routing)
+        _, head, total = model_bytes(cfg, rank, tp, sp, **kw)
+        print(
+            f"tp={tp} sp={sp} ep={ep} {dispatch} etp={etp} {recompute}: layer {rank['layer']} B "
+            f"(formula {layer}), model {rank['total']} B (formula {total}); routing {routing}"
+        )
+        assert (rank["layer"], rank["total"]) == (layer, total)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
+def test_model_ends_match_the_formula(workers, tp, sp):
+    """The embedding (nothing but the token ids on one device), the final norm, head and loss (the fp32
+    log-probabilities or, vocab-parallel, this rank's softmax), and the whole dense model."""
+    measured = run_on_ranks(workers, tp, MODEL, tp, sp)
+    cfg = load_config(None, MODEL).model
+    for rank in measured:
+        embedding, head, total = model_bytes(cfg, rank, tp, sp)
+        print(
+            f"tp={tp} sp={sp}: embedding {rank['embedding']} B, head {rank['head']} B, all {rank['total']} B"
+        )
+        assert (rank["embedding"], rank["head"], rank["total"]) == (embedding, head, total)
+
+
+def test_balanced_routing_is_the_default():
+    """Without measured counts an MoE layer assumes every expert gets T·k/E assignments (capped by the
+    capacity), and under ep each rank processes what it sends."""
+    cfg = load_config(None, MOE).model
+    tokens = BATCH * SEQ
+    f = lambda **kw: moe_layer_activation_elements(cfg, BATCH, SEQ, **kw)  # noqa: E731
+    assert f() == f(kept=tokens * cfg.top_k, assignments=tokens * cfg.top_k)
+    assert f(ep=2) == f(ep=2, kept=tokens * cfg.top_k, assignments=tokens * cfg.top_k)
+    assert f(tp=2, expert_tp=False) == f(tp=2, expert_tp=False, kept=tokens * cfg.top_k // 2)
+    assert layer_activation_elements(cfg, BATCH, SEQ) == f().elements
+    capped = load_config(None, [*MOE, "--model.capacity_factor=0.5"]).model
+    assert balanced_assignments(capped, tokens) == tokens * cfg.top_k // 2
+    # A dense layer of an MoE model (DeepSeek's first ones) counts as a dense model's layer.
+    first_dense = load_config(None, [*MOE, "--model.dense_layers=[0]"]).model
+    dense = load_config(None, [*MOE, "--model.n_experts=0"]).model
+    assert layer_activation_elements(first_dense, BATCH, SEQ, layer=0) == layer_activation_elements(
+        dense, BATCH, SEQ
+    )

@@ -1,4 +1,4 @@
-"""`meshtron` command line: train, mesh, schedule, prepare-data."""
+"""`meshtron` command line: train, verify, plan, mesh, schedule, context, prepare-data."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshtron.config import ConfigError, PipelineSchedule, check, load_config
+from meshtron.config import ConfigError, PipelineSchedule, check, load_config, refuse
 from meshtron.data import DataError
 from meshtron.train.checkpoint import CheckpointError
 from meshtron.train.nonfinite import TrainingDiverged
@@ -148,6 +148,63 @@ def cmd_context(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
+    """The model (config + --model.* flags), the cluster (--gpu, links) and the held layout keys."""
+    import dataclasses
+
+    from meshtron.models.llama import model_problems
+    from meshtron.models.moe import moe_problems
+    from meshtron.plan.estimate import Cluster
+    from meshtron.plan.hardware import accelerator, with_links
+    from meshtron.plan.layout import parse_layout
+
+    problems = [
+        f"{o}: meshtron plan takes --model.KEY=VALUE overrides only"
+        for o in overrides
+        if not o.startswith("--model.")
+    ]
+    if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
+        problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
+    if args.dtype not in ("bf16", "fp8"):
+        problems.append(f"--dtype={args.dtype} must be bf16 or fp8")
+    if problems:
+        raise ConfigError(problems)
+    cfg = load_config(args.config, overrides)
+    if args.gpu.strip().lower() == "cpu":
+        from meshtron.hardware_probe import measure_cpu
+
+        gpu, dtype = measure_cpu(min(args.gpus, os.cpu_count() or 1)), "fp32"
+    else:
+        gpu, dtype = accelerator(args.gpu), "bf16"
+    gpu = with_links(gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+    training = dataclasses.replace(
+        cfg.training, seq_len=args.seq_len, global_batch=args.global_batch, dtype=dtype
+    )
+    cfg = dataclasses.replace(cfg, training=training)
+    refuse(model_problems(cfg.model) + moe_problems(cfg.model))
+    return cfg, Cluster(gpu, args.gpus, "fp32" if dtype == "fp32" else args.dtype), parse_layout(args.layout)
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshtron.plan.report import fits_nowhere, plan_json, plan_table
+    from meshtron.plan.search import search
+
+    cfg, cluster, fixed = _plan_inputs(args, overrides)
+    plan = search(cfg, cluster, fixed, args.top)
+    if args.json:
+        print(plan_json(plan))
+    else:
+        print(
+            f"{cfg.model.name or 'model'} on {cluster.describe()}, seq {cfg.training.seq_len}, "
+            f"global batch {cfg.training.global_batch}"
+        )
+        print(plan_table(plan, cluster.gpu.memory_bytes))
+    if not plan.ranked:
+        print(f"meshtron: {fits_nowhere(plan, cluster.gpu.memory_bytes)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     from meshtron.data.dataset import prepare_data
 
@@ -214,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctx.add_argument("--ring", type=int, required=True, help="ring ranks (cp, or cp / cp_ulysses for hybrid)")
     ctx.add_argument("--out", help="write a PNG of the chunk assignment and ring steps here")
 
+    _add_plan_parser(sub)
     prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
     prep.add_argument(
         "inputs", nargs="+", help="files or directories (.txt, .py, .md, .jsonl with a 'text' key)"
@@ -228,6 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="choose the layout for a model on a cluster: step time, MFU and memory per GPU",
+        epilog="example: meshtron plan --model.name=llama3-70b --gpus 64 --gpu h100 --seq-len 8192 "
+        "--global-batch 256; extra --model.key=value flags override the model",
+    )
+    plan.add_argument("--config", help="TOML config whose model is planned (default: --model.* flags)")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    plan.add_argument("--gpu", required=True, help="a100-40gb, a100-80gb, h100, h800, h200, b200, or cpu")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per NVLink domain (default: the GPU's, 8)")
+    plan.add_argument("--intra-node-gbps", type=float, help="NVLink Gb/s per GPU per direction")
+    plan.add_argument("--inter-node-gbps", type=float, help="network Gb/s per GPU per direction")
+    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--dtype", default="bf16", help="bf16 or fp8 (the matmul peak used)")
+    plan.add_argument("--layout", default="", help='keys to hold, e.g. "tp=8,pp=2,recompute=selective"')
+    plan.add_argument("--top", type=int, default=5, help="layouts listed (default 5)")
+    plan.add_argument("--json", action="store_true", help="print a JSON list of the ranked layouts")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -237,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(args, unknown, argv)
         if args.command == "verify":
             return cmd_verify(args, unknown)
+        if args.command == "plan":
+            return cmd_plan(args, unknown)
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command == "mesh":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from meshtron.config import PipelineSchedule, suggest
@@ -288,8 +288,41 @@ def _check_order(rank: int, a: Action, done: Mapping[tuple[Kind, int, int], floa
         raise ValueError(f"rank {rank}: {a} runs before its input-gradient backward")
 
 
+_LIVE = {Kind.F: 1, Kind.B: -1, Kind.W: 0}  # a forward keeps activations alive until its backward
+
+
+@dataclass(frozen=True)
+class CheckedSchedule:
+    """Action lists whose sends and receives match, with what the simulator does for each action
+    (whether it deadlocks or runs a backward early is checked when it is first simulated). Simulating
+    one many times with different costs (the planner does) skips the list walks."""
+
+    schedule: list[list[Action]]
+    steps: list[list[tuple[str, tuple[Kind, int, int]]]]
+    split: bool  # has W actions
+
+
+def _step(a: Action) -> tuple[str, tuple[Kind, int, int]]:
+    """What the simulator does with an action, and the key it records or waits on."""
+    if a.kind.is_recv:
+        return "recv", (a.kind.carries, a.source_chunk, a.mb)
+    if a.kind.is_send:
+        return "send", (a.kind.carries, a.chunk, a.mb)
+    return "compute", (a.kind, a.chunk, a.mb)
+
+
+def checked_schedule(schedule: list[list[Action]]) -> CheckedSchedule:
+    """`schedule` with its send/receive matching checked and its deadlock and order checked by a run at
+    unit costs; raises ValueError naming the problem."""
+    _check_matching(schedule)
+    steps = [[_step(a) for a in actions] for actions in schedule]
+    checked = CheckedSchedule(schedule, steps, any(a.kind == Kind.W for actions in schedule for a in actions))
+    _run(checked, lambda kind, chunk: 1.0, verify=True)
+    return checked
+
+
 def simulate(
-    schedule: list[list[Action]],
+    schedule: list[list[Action]] | CheckedSchedule,
     cost_f: float = 1.0,
     cost_b: float = 2.0,
     cost_w: float = 0.0,
@@ -302,10 +335,19 @@ def simulate(
 
     For schedules without W actions, cost_b is the whole backward; with them, B costs cost_b - cost_w.
     `chunk_costs[(kind, chunk)]`, when given, is every action's own cost instead (e.g. measured ones)."""
-    pp = len(schedule)
-    _check_matching(schedule)
-    split = any(a.kind == Kind.W for actions in schedule for a in actions)
-    costs = {Kind.F: cost_f / vpp, Kind.B: (cost_b - (cost_w if split else 0.0)) / vpp, Kind.W: cost_w / vpp}
+    checked = schedule if isinstance(schedule, CheckedSchedule) else checked_schedule(schedule)
+    costs = {
+        Kind.F: cost_f / vpp,
+        Kind.B: (cost_b - (cost_w if checked.split else 0.0)) / vpp,
+        Kind.W: cost_w / vpp,
+    }
+    if chunk_costs is not None:
+        return _run(checked, lambda kind, chunk: chunk_costs[kind, chunk], verify=False)
+    return _run(checked, lambda kind, chunk: costs[kind], verify=False)
+
+
+def _run(checked: CheckedSchedule, cost: Callable[[Kind, int], float], verify: bool) -> Simulation:
+    schedule, steps, pp = checked.schedule, checked.steps, len(checked.schedule)
     position, clock = [0] * pp, [0.0] * pp
     sent: dict[tuple[Kind, int, int], float] = {}
     done: dict[tuple[Kind, int, int], float] = {}
@@ -316,20 +358,22 @@ def simulate(
         progressed = False
         for r in range(pp):
             while position[r] < len(schedule[r]):
-                a = schedule[r][position[r]]
-                if a.kind.is_recv:
-                    if (a.kind.carries, a.source_chunk, a.mb) not in sent:
+                what, key = steps[r][position[r]]
+                if what == "recv":
+                    if key not in sent:
                         break
-                    clock[r] = max(clock[r], sent[a.kind.carries, a.source_chunk, a.mb])
-                elif a.kind.is_send:
-                    sent[(a.kind.carries, a.chunk, a.mb)] = clock[r]
+                    clock[r] = max(clock[r], sent[key])
+                elif what == "send":
+                    sent[key] = clock[r]
                 else:
-                    _check_order(r, a, done)
-                    cost = chunk_costs[a.kind, a.chunk] if chunk_costs is not None else costs[a.kind]
-                    timeline[r].append((a, clock[r], clock[r] + cost))
-                    clock[r] += cost
-                    done[(a.kind, a.chunk, a.mb)] = clock[r]
-                    alive[r] += {Kind.F: 1, Kind.B: -1, Kind.W: 0}[a.kind]
+                    a = schedule[r][position[r]]
+                    if verify:
+                        _check_order(r, a, done)
+                    seconds = cost(key[0], key[1])
+                    timeline[r].append((a, clock[r], clock[r] + seconds))
+                    clock[r] += seconds
+                    done[key] = clock[r]
+                    alive[r] += _LIVE[key[0]]
                     peak[r] = max(peak[r], alive[r])
                 position[r] += 1
                 remaining -= 1

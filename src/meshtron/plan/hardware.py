@@ -82,7 +82,7 @@ TERA = 1e12
 GB_PER_S = 1e9  # bytes/s
 GBIT_PER_S = 1e9 / 8  # bytes/s of one Gb/s
 
-PeakDType = Literal["bf16", "fp8"]
+PeakDType = Literal["bf16", "fp8", "fp32"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ class Accelerator:
     inter_node_bytes_per_s: float  # network, per GPU, per direction
     gpus_per_node: int = 8
     sources: str = ""
+    # Only for a measured machine (`meshtron plan --gpu cpu`): the fp32 matmul rate, what it trains in.
+    fp32_flops_per_s: float | None = None
 
 
 _A100 = (
@@ -205,6 +207,10 @@ def peak_flops_per_s(acc: Accelerator, dtype: PeakDType = "bf16") -> float:
     """The dense matmul peak for the compute dtype; fp8 on a GPU without fp8 tensor cores is refused."""
     if dtype == "bf16":
         return acc.bf16_flops_per_s
+    if dtype == "fp32":
+        if acc.fp32_flops_per_s is None:
+            raise ConfigError([f"the planner has no fp32 matmul rate for {acc.name}; use --dtype bf16"])
+        return acc.fp32_flops_per_s
     if acc.fp8_flops_per_s is None:
         raise ConfigError([f"{acc.name} has no fp8 tensor cores; use --dtype bf16"])
     return acc.fp8_flops_per_s

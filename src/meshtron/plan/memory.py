@@ -31,11 +31,105 @@ The 5·a·s² score term is absent: the fused kernel never materialises the scor
 all-gathered input of the column-parallel projections is kept whole under sequence parallel rather than
 gathered again in backward, so tp + sp keeps 2·s·b·h·(1 − 1/t) elements per layer more than a fully
 sequence-sharded count would.
+
+An MoE layer keeps the same norms and attention; its feed-forward depends on the routing. With T = s·b
+the tokens every tp rank routes (all-gathered under sp), E experts, k = top_k, e the expert FFN width
+per rank (e/t: split over tp like the dense FFN), N the assignments of this rank's tokens that it sorts
+and combines and M those its experts process. Balanced routing (each expert chosen T·k/E times; under
+capacity C = ceil(factor·T·k/E), min(T·k/E, C) kept) gives N = M = T·k dropless, N = M = min(T·k, E·C)
+with capacity, on one device and on every ep rank alike (each receives what it sends); with etp = 1
+(whole experts, E/t per tp rank) 1/t of that. `kept` and `assignments` take measured counts instead.
+Indices are int64, the grouped matmuls' offsets int32, the combine fp32:
+
+  router            its scores T·E, the chosen experts' ids T·k (int64); the chosen scores and their
+                    sum T·k + T when renormalised; the sigmoid scores' sum T; with the z-loss the
+                    logits and their log-sum-exp T·E + T; the balance statistics 4·G·E + G + 2
+                    (G = b for the per-sequence loss, else 1)
+  routed experts    the gathered token rows M·h, their SwiGLU 4·M·e, each grouped matmul's offsets
+                    3·E/ep (int32; 3·E/(ep·t) with etp = 1); the row ids of the gather N and of the
+                    combine 2·N (int64), and under the all-to-all dispatch the regrouping by local
+                    expert and back 2·M (int64)
+  combine           the gathered gate values N, the expert outputs and the weighted outputs 2·N·h in
+                    fp32 (index_add keeps the latter only for its shape)
+  shared experts    SwiGLU 4·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
+  full recompute    the block input only, as dense
+
+The all-gather dispatch sorts and combines every ep rank's rows for its own experts: N = M there.
+
+The pipeline's ends, beside the batch's own token ids and targets (which the embedding and the loss keep):
+
+  embedding         nothing on one device; vocab-parallel, the ids shifted into this rank's range
+                    (int64) and the mask of those it holds (bool): s·b each
+  rotary tables     cos and sin, 2·s·b·d (d = head_dim), once per model chunk (each pipeline chunk forms
+                    its own), kept by its blocks whatever the recompute
+  head              the final norm as in a block (its output is the output projection's input); the
+                    logits themselves are not kept, the loss's fp32 log-probabilities are: s·b·V (and
+                    a 0-d total weight); vocab-parallel, this rank's softmax s·b·ceil(V/t) in fp32 with
+                    its clamped target ids (int64) and in-range mask (bool)
+
+Every count is exact in fp32 (tests/test_activation_memory.py). Under bf16 autocast the norms and the
+residual stream stay fp32 and every projection keeps bf16 copies of its input and weight, which
+`dtype_bytes` does not model.
 """
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig, Recompute
+import math
+from dataclasses import dataclass
+
+from meshtron.config import DType, EpDispatch, ModelConfig, Recompute
+
+
+@dataclass(frozen=True)
+class SavedElements:
+    """Elements kept for backward, by what decides their size: `floats` in the activation dtype, `fp32`
+    in fp32 whatever it is (the combine's weighted expert outputs, the loss's probabilities), `int64`
+    indices, `int32` grouped-matmul offsets, `bools` masks."""
+
+    floats: int = 0
+    fp32: int = 0
+    int64: int = 0
+    int32: int = 0
+    bools: int = 0
+
+    def __add__(self, other: SavedElements) -> SavedElements:
+        return SavedElements(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
+    def astuple(self) -> tuple[int, int, int, int, int]:
+        return self.floats, self.fp32, self.int64, self.int32, self.bools
+
+    @property
+    def elements(self) -> int:
+        return sum(self.astuple())
+
+    def bytes(self, dtype_bytes: int = 4) -> int:
+        return self.floats * dtype_bytes + 4 * self.fp32 + 8 * self.int64 + 4 * self.int32 + self.bools
+
+
+def _norm_elements(sb: int, h: int, tp: int, sp: bool) -> int:
+    """One RMSNorm entering a tensor-parallel region, on `sb` tokens."""
+    return (2 * sb * h) // tp + sb // tp + sb * h if sp else 3 * sb * h + sb
+
+
+def _attention_and_norms(
+    cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, recompute: Recompute, ulysses: int
+) -> int:
+    """Both norms and the attention of a block (not fully recomputed), `seq` tokens per sequence."""
+    sb, h, a = seq * batch, cfg.dim, cfg.n_heads
+    q = cfg.n_heads * cfg.head_size
+    kv_heads = cfg.kv_heads_per_rank(tp)
+    attention = sb * (2 * q // tp + 2 * kv_heads * cfg.head_size) + batch * (a // tp) * seq
+    if ulysses > 1 and recompute == "none":  # (selective recompute keeps the inputs, before the exchange)
+        # Ulysses keeps k and v with the key/value heads it had to replicate, and its output twice:
+        # head-split for its own backward, sequence-split for the output projection's.
+        attention += sb * (2 * (max(kv_heads, ulysses) - kv_heads) * cfg.head_size + q // tp)
+    if recompute == "selective":
+        attention -= batch * (a // tp) * seq
+    return 2 * _norm_elements(sb, h, tp, sp) + attention
+
+
+def _is_moe(cfg: ModelConfig, layer: int | None) -> bool:
+    return cfg.is_moe if layer is None else cfg.is_moe_layer(layer)
 
 
 def layer_activation_elements(
@@ -47,28 +141,128 @@ def layer_activation_elements(
     recompute: Recompute = "none",
     cp: int = 1,
     ulysses: int = 1,
+    layer: int | None = None,
+    ep: int = 1,
 ) -> int:
-    """Elements one dense transformer layer keeps for backward on one rank of tp x cp (`ulysses`: the
-    all-to-all degree of context parallel, cp for cp_impl="alltoall")."""
-    if cfg.is_moe:
-        raise ValueError("the activation formula covers dense layers; MoE layers depend on the routing")
+    """Elements one transformer layer keeps for backward on one rank of tp x cp (`ulysses`: the
+    all-to-all degree of context parallel, cp for cp_impl="alltoall"). `layer`: which layer (None: an
+    MoE layer if the model has any); an MoE layer counts its balanced routing over `ep` ranks, in
+    elements of mixed dtypes (`moe_layer_activation_elements` has them by dtype, for bytes)."""
+    if _is_moe(cfg, layer):
+        return moe_layer_activation_elements(cfg, batch, seq, tp, sp, recompute, cp, ulysses, ep).elements
     seq //= cp
-    sb, h, a = seq * batch, cfg.dim, cfg.n_heads
-    q = cfg.n_heads * cfg.head_size
-    kv_heads = cfg.kv_heads_per_rank(tp)
     if recompute == "full":
-        return sb * h // tp if sp else sb * h
-    norm = (2 * sb * h) // tp + sb // tp + sb * h if sp else 3 * sb * h + sb
-    attention = sb * (2 * q // tp + 2 * kv_heads * cfg.head_size) + batch * (a // tp) * seq
-    if ulysses > 1 and recompute == "none":  # (selective recompute keeps the inputs, before the exchange)
-        # Ulysses keeps k and v with the key/value heads it had to replicate, and its output twice:
-        # head-split for its own backward, sequence-split for the output projection's.
-        attention += sb * (2 * (max(kv_heads, ulysses) - kv_heads) * cfg.head_size + q // tp)
-    swiglu = 4 * sb * cfg.ffn_dim // tp
-    total = 2 * norm + attention + swiglu
-    if recompute == "selective":
-        total -= batch * (a // tp) * seq
-    return total
+        return seq * batch * cfg.dim // tp if sp else seq * batch * cfg.dim
+    swiglu = 4 * seq * batch * cfg.ffn_dim // tp
+    return _attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses) + swiglu
+
+
+def balanced_assignments(cfg: ModelConfig, tokens: int) -> int:
+    """(token, expert) assignments the router keeps of `tokens` when every expert is chosen T·k/E times:
+    all T·k dropless, at most the capacity C = ceil(factor·T·k/E) of each expert otherwise."""
+    routed = tokens * cfg.top_k
+    if cfg.capacity_factor <= 0:
+        return routed
+    return min(routed, cfg.n_experts * math.ceil(cfg.capacity_factor * routed / cfg.n_experts))
+
+
+def moe_layer_activation_elements(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: Recompute = "none",
+    cp: int = 1,
+    ulysses: int = 1,
+    ep: int = 1,
+    ep_dispatch: EpDispatch = "alltoall",
+    expert_tp: bool = True,
+    kept: int | None = None,
+    assignments: int | None = None,
+) -> SavedElements:
+    """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
+    given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
+    etp = 1 (`expert_tp` False) those to its tp rank's experts); `assignments`, those its experts
+    process (`kept` again when balanced: each ep rank receives what it sends)."""
+    seq //= cp
+    tokens = batch * seq  # every tp rank routes all of them (gathered under sp)
+    if recompute == "full":
+        return SavedElements(floats=tokens * cfg.dim // tp if sp else tokens * cfg.dim)
+    owners = 1 if expert_tp else tp  # the tp ranks that split the experts between them
+    kept = balanced_assignments(cfg, tokens) // owners if kept is None else kept
+    assignments = kept if assignments is None else assignments
+    if ep > 1 and ep_dispatch == "allgather":
+        kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
+    ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp
+    # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
+    # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
+    # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
+    # outputs (saved by index_add though only its shape is needed), both in fp32.
+    routed = SavedElements(
+        floats=assignments * (cfg.dim + 4 * ffn) + kept,
+        fp32=2 * kept * cfg.dim,
+        int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
+        int32=3 * cfg.n_experts // (ep * owners),
+    )
+    attention = SavedElements(floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses))
+    return (
+        attention + _router_elements(cfg, batch, tokens) + routed + _shared_expert_elements(cfg, tokens, tp)
+    )
+
+
+def _router_elements(cfg: ModelConfig, batch: int, tokens: int) -> SavedElements:
+    """The router and its losses on `tokens` tokens of `batch` sequences."""
+    t, e, k = tokens, cfg.n_experts, cfg.top_k
+    floats = t * e  # softmax / sigmoid scores
+    if cfg.router_norm_topk:
+        floats += t * k + t  # the chosen scores and their sum
+    if cfg.router == "sigmoid":
+        floats += t  # the scores' sum that makes them probabilities for the balance loss
+    if cfg.z_loss_coef:
+        floats += t * e + t  # logits and their log-sum-exp
+    groups = batch if cfg.balance_loss == "sequence" else 1
+    floats += 4 * groups * e + groups + 2  # the statistics vector, two [G, E] quotients, token count
+    return SavedElements(floats=floats, int64=t * k)  # int64: the chosen experts (the gather's index)
+
+
+def _shared_expert_elements(cfg: ModelConfig, tokens: int, tp: int) -> SavedElements:
+    """The shared experts' SwiGLU (its input is the norm's output) and the optional sigmoid gate."""
+    if not cfg.n_shared_experts:
+        return SavedElements()
+    floats = 4 * tokens * cfg.shared_expert_ffn_dim // tp
+    if cfg.shared_expert_gate:
+        floats += tokens + tokens * cfg.dim  # sigmoid(gate) and the (partial) shared output it scales
+    return SavedElements(floats=floats)
+
+
+def embedding_activation_elements(
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, cp: int = 1
+) -> SavedElements:
+    """What the token embedding keeps besides the batch's own token ids (its index on one device): under
+    tp, the ids shifted into this rank's vocabulary range and the mask of those it holds."""
+    tokens = batch * seq // cp
+    return SavedElements(int64=tokens, bools=tokens) if tp > 1 else SavedElements()
+
+
+def rotary_table_elements(cfg: ModelConfig, batch: int, seq: int, cp: int = 1) -> int:
+    """cos and sin [B, S, Dh], formed once per model chunk (each pipeline chunk its own) and kept by its
+    blocks, recomputed or not."""
+    return 2 * batch * (seq // cp) * cfg.head_size
+
+
+def head_activation_elements(
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, cp: int = 1
+) -> SavedElements:
+    """The final norm, the output projection and the cross-entropy, besides the batch's targets. The
+    logits are not kept; the loss keeps their fp32 log-probabilities (softmax under tp: this rank's
+    ceil(V/t) of the padded vocabulary, with its own clamped target ids and their in-range mask)."""
+    tokens = batch * seq // cp
+    norm = _norm_elements(tokens, cfg.dim, tp, sp)  # its output is the projection's input
+    if tp == 1:
+        return SavedElements(floats=norm, fp32=tokens * cfg.vocab_size + 1)  # + nll's total weight
+    vocab = math.ceil(cfg.vocab_size / tp)
+    return SavedElements(floats=norm, fp32=tokens * vocab, int64=tokens, bools=tokens)
 
 
 def korthikanti_bytes(
@@ -86,5 +280,20 @@ def korthikanti_bytes(
     return sbh * (10 + 24 / t + attention_scores) if t > 1 else sbh * (34 + 5 * a * s / h)
 
 
-def layer_activation_bytes(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int = 4, **kwargs) -> int:
-    return layer_activation_elements(cfg, batch, seq, **kwargs) * dtype_bytes
+def layer_activation_bytes(
+    cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int = 4, layer: int | None = None, **kwargs
+) -> int:
+    """Bytes one layer keeps (`kwargs` as `layer_activation_elements`, or for an MoE layer as
+    `moe_layer_activation_elements`: the routing counts too); exact in fp32 (`dtype_bytes` 4)."""
+    if _is_moe(cfg, layer):
+        return moe_layer_activation_elements(cfg, batch, seq, **kwargs).bytes(dtype_bytes)
+    for moe_only in ("ep_dispatch", "expert_tp", "kept", "assignments"):  # a dense layer of an MoE model
+        kwargs.pop(moe_only, None)
+    return layer_activation_elements(cfg, batch, seq, layer=layer, **kwargs) * dtype_bytes
+
+
+def head_activation_bytes(
+    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, cp: int = 1, dtype: DType = "fp32"
+) -> int:
+    """Bytes the final norm, head and loss keep (`head_activation_elements`); exact in fp32."""
+    return head_activation_elements(cfg, batch, seq, tp, sp, cp).bytes(2 if dtype == "bf16" else 4)

@@ -89,23 +89,51 @@ def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp:
 
 def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
     """The parameters pipeline stage `pp_rank` holds, at their per-rank shapes (tp and ep applied)."""
-    m, p = cfg.model, cfg.parallel
-    expert_tp = p.etp in (0, p.tp)
-    chunks = split_layers(
-        m.n_layers, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
-    )
-    layers = [layer for c in range(p.vpp) for layer in chunks[c * p.pp + pp_rank]]
-    vocab_rows = math.ceil(m.vocab_size / p.tp)
+    key = stage_key(cfg, pp_rank)
+    if key not in _STAGES:  # the planner asks for the same stages many times
+        if len(_STAGES) > 4096:
+            _STAGES.clear()
+        _STAGES[key] = _stage_parameters(cfg.model, *key[1:])
+    return list(_STAGES[key])
+
+
+def stage_key(cfg: Config, pp_rank: int) -> tuple:
+    """What decides a stage's parameters: the model (by its repr: the model config is not hashable)
+    and the tp / ep / pp cuts. The planner caches per-stage sums on it."""
+    p = cfg.parallel
+    return (repr(cfg.model), p.tp, p.ep, p.etp, p.pp, p.vpp, tuple(p.pp_layers), p.pp_embedding_layers,
+            p.pp_head_layers, pp_rank)  # fmt: skip
+
+
+_STAGES: dict[tuple, tuple[RankParameter, ...]] = {}
+
+
+def _stage_parameters(
+    m: ModelConfig,
+    tp: int,
+    ep: int,
+    etp: int,
+    pp: int,
+    vpp: int,
+    pp_layers: tuple[int, ...],
+    embedding_weight: float,
+    head_weight: float,
+    pp_rank: int,
+) -> tuple[RankParameter, ...]:
+    """rank_parameters' work, for the fields it reads."""
+    chunks = split_layers(m.n_layers, pp * vpp, embedding_weight, head_weight, pp_layers or None)
+    layers = [layer for c in range(vpp) for layer in chunks[c * pp + pp_rank]]
+    vocab_rows = math.ceil(m.vocab_size / tp)
     out = []
     if pp_rank == 0:
         out.append(RankParameter("tok_embeddings.weight", (vocab_rows, m.dim)))
     for layer in layers:
-        out += _block_parameters(m, layer, p.tp, p.ep, expert_tp)
-    if pp_rank == p.pp - 1:
+        out += _block_parameters(m, layer, tp, ep, etp in (0, tp))
+    if pp_rank == pp - 1:
         out.append(RankParameter("norm.weight", (m.dim,)))
-        if not m.tie_embeddings or p.pp > 1:  # tied: one tensor, unless the last stage keeps a copy
+        if not m.tie_embeddings or pp > 1:  # tied: one tensor, unless the last stage keeps a copy
             out.append(RankParameter("output.weight", (vocab_rows, m.dim)))
-    return out  # fmt: skip
+    return tuple(out)  # fmt: skip
 
 
 def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:
@@ -129,11 +157,19 @@ def engine_state_bytes(shapes: list[tuple[int, ...]], shard: int, zero: int) -> 
 def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int]:
     """Rank 0 of pipeline stage `pp_rank`: bytes of parameters, gradients and optimizer state."""
     p = cfg.parallel
-    params = rank_parameters(cfg, pp_rank)
     dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // (p.pp * p.dp_replicate * p.cp * p.tp)
     shard = dp_shard * p.cp
-    dense = engine_state_bytes([x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero)
-    if p.ep == 1:
-        return dense
-    experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero)
-    return {key: dense[key] + experts[key] for key in dense}
+    key = (stage_key(cfg, pp_rank), shard, p.zero)
+    if key not in _STATES:
+        if len(_STATES) > 4096:
+            _STATES.clear()
+        params = rank_parameters(cfg, pp_rank)
+        dense = engine_state_bytes([x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero)
+        if p.ep > 1:
+            experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero)
+            dense = {k: dense[k] + experts[k] for k in dense}
+        _STATES[key] = dense
+    return dict(_STATES[key])
+
+
+_STATES: dict[tuple, dict[str, int]] = {}

@@ -1,0 +1,145 @@
+"""Seconds one rank computes per micro-batch: each layer's forward (F), input-gradient backward (B) and
+weight-gradient backward (W), from the shapes and three rates.
+
+  work                   time                                                      per pass
+  a matmul [m,k]x[k,n]   max(2·m·k·n / (peak·matmul), 2·(m·k + k·n + m·n)·bytes / (hbm·hbm_eff))
+                         a roofline: thin matmuls (tp cuts n or k) are memory-bound  F, B and W each one
+  attention core         4·(q/tp)·keys·tokens / (peak·attention)                  F once, B twice
+  elementwise work       passes·(activation bytes the layer keeps) / (hbm·hbm_eff):  F a third, B the rest
+                         norms, rotary, SwiGLU's product, residuals, the loss read
+                         and write about what the layer keeps for backward
+  recompute              full: the layer's F again in B; selective: the attention core's F again
+
+Rows m: the rank's tokens of the micro-batch, micro_batch·seq_len/cp (a tp rank computes on all of
+them: sequence parallel gathers before the column-parallel projections). Routed experts at balanced
+routing: each rank's E/ep experts receive top_k·m rows in all (ep ranks each send top_k·m/ep), so each
+local expert's matmul has top_k·m·ep/E rows. The head is [m, dim] x [dim, vocab/tp].
+
+The named rates (`ComputeEfficiency`) are the achievable shares of the datasheet peaks; docs/planner.md
+says how they were calibrated on published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.config import Config
+from meshtron.plan.flops import keys_per_query
+from meshtron.plan.gpu_memory import layer_bytes
+from meshtron.plan.memory import head_activation_bytes
+
+
+@dataclass(frozen=True)
+class ComputeEfficiency:
+    """Achievable shares of the peaks (calibrated: docs/planner.md#calibration)."""
+
+    matmul: float = 0.80  # of the dense tensor-core peak, by a large bf16 GEMM
+    attention: float = 0.55  # of the same peak, by a fused (flash) attention kernel, forward and backward
+    hbm: float = 0.80  # of the HBM bandwidth, by elementwise kernels and thin GEMMs
+    elementwise_passes: float = 4.0  # HBM trips per kept activation byte per step (1 F, 3 B)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU does per second: `peak` FLOP/s, `hbm` bytes/s, and the shares reached."""
+
+    peak: float
+    hbm: float
+    eff: ComputeEfficiency
+    dtype_bytes: int = 2  # the compute dtype's element size
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of one layer (or chunk) for one micro-batch: forward, input gradient, weight gradient."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+
+    def __add__(self, other: PassTimes) -> PassTimes:
+        return PassTimes(self.f + other.f, self.b + other.b, self.w + other.w)
+
+    def __mul__(self, k: float) -> PassTimes:
+        return PassTimes(self.f * k, self.b * k, self.w * k)
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+
+def matmul_time(m: float, k: float, n: float, rates: Rates) -> float:
+    """One pass of an [m, k] x [k, n] product on the roofline."""
+    flops = 2.0 * m * k * n / (rates.peak * rates.eff.matmul)
+    traffic = (m * k + k * n + m * n) * rates.dtype_bytes / (rates.hbm * rates.eff.hbm)
+    return max(flops, traffic)
+
+
+def _layer_matmuls(cfg: Config, layer: int, rows: int) -> list[tuple[float, float, float]]:
+    """(m, k, n) of every weight matmul of one layer on one tp rank (see the module docstring)."""
+    m, p = cfg.model, cfg.parallel
+    h, tp = m.dim, p.tp
+    q = m.n_heads * m.head_size // tp
+    kv = m.kv_heads_per_rank(tp) * m.head_size
+    out = [(rows, h, q), (rows, h, kv), (rows, h, kv), (rows, q, h)]
+    if not m.is_moe_layer(layer):
+        f = m.ffn_dim // tp
+        return out + [(rows, h, f), (rows, h, f), (rows, f, h)]
+    expert_tp = p.etp in (0, tp)
+    width = m.expert_ffn_dim // tp if expert_tp else m.expert_ffn_dim
+    local = m.n_experts // p.ep // (1 if expert_tp else tp)
+    per_expert = m.top_k * rows * p.ep / m.n_experts
+    out += [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
+    out.append((rows, h, m.n_experts))  # the router
+    if m.n_shared_experts:
+        s = m.shared_expert_ffn_dim // tp
+        out += [(rows, h, s), (rows, h, s), (rows, s, h)]
+    return out
+
+
+def layer_times(cfg: Config, layer: int, rates: Rates) -> PassTimes:
+    """F, B and W seconds of transformer layer `layer` for one micro-batch on one rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    rows = t.micro_batch * t.seq_len // p.cp
+    gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows))
+    q = m.n_heads * m.head_size // p.tp
+    keys = keys_per_query(t.seq_len, m.sliding_window)
+    core = 4.0 * q * keys * rows / (rates.peak * rates.eff.attention)
+    kept = layer_bytes(cfg, layer, "none")
+    elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
+    forward = gemm + core + elementwise / 4
+    recompute = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
+    return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute, w=gemm)
+
+
+def head_times(cfg: Config, rates: Rates) -> PassTimes:
+    """The final norm, output head and loss of one micro-batch (the last chunk's extra work)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    rows = t.micro_batch * t.seq_len // p.cp
+    vocab = -(-m.vocab_size // p.tp)
+    gemm = matmul_time(rows, m.dim, vocab, rates)
+    kept = head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
+    elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
+    return PassTimes(f=gemm + elementwise / 4, b=gemm + 3 * elementwise / 4, w=gemm)
+
+
+def embedding_times(cfg: Config, rates: Rates) -> PassTimes:
+    """The embedding lookup (a gather forward, a scatter-add backward): memory traffic only."""
+    t, p = cfg.training, cfg.parallel
+    nbytes = t.micro_batch * t.seq_len // p.cp * cfg.model.dim * 4
+    return PassTimes(f=nbytes / rates.hbm, w=2 * nbytes / rates.hbm)
+
+
+def chunk_times(cfg: Config, layers: list[int], first: bool, last: bool, rates: Rates) -> PassTimes:
+    """One pipeline chunk: its layers, plus the embedding on the first chunk and the head on the last."""
+    total = PassTimes()
+    moe = [layer for layer in layers if cfg.model.is_moe_layer(layer)]
+    dense = [layer for layer in layers if not cfg.model.is_moe_layer(layer)]
+    for kind in (moe, dense):  # the layers of a kind all cost the same
+        if kind:
+            total = total + layer_times(cfg, kind[0], rates) * len(kind)
+    if first:
+        total = total + embedding_times(cfg, rates)
+    if last:
+        total = total + head_times(cfg, rates)
+    return total

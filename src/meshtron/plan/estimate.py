@@ -1,0 +1,213 @@
+"""One layout on one cluster: step time (with its breakdown), throughput, MFU and memory per GPU.
+
+A step, on the slowest stage:
+
+  1. per micro-batch and chunk, F, B and W seconds: compute (plan/compute_time.py) plus the tp, cp and
+     ep communication compute does not hide (plan/comm_time.py)
+  2. the pipeline schedule run on those costs by the simulator (pipeline/schedules.py), with the real
+     layer split: its makespan includes the bubble, and it reports each stage's peak in-flight
+     micro-batches (the activations memory holds)
+  3. plus the data-parallel communication backward does not hide, and the optimizer step (AdamW reads
+     and writes about 32 bytes per owned element: parameter, gradient, m, v, and the writes back)
+
+  MFU = model FLOPs per token (plan/flops.py, causal attention counted as half, recompute not counted)
+        x tokens per step / (step time x GPUs x dense peak of the compute dtype)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from meshtron.config import Config
+from meshtron.pipeline.schedules import CheckedSchedule, Kind, build_schedule, checked_schedule, simulate
+from meshtron.plan.comm_time import Network, Overlap, dp_comm, layer_comm, pp_p2p
+from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
+from meshtron.plan.flops import keys_per_query, training_flops_per_token
+from meshtron.plan.gpu_memory import MemoryOverhead, layer_split, stage_memory
+from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
+from meshtron.plan.network import LinkEfficiency
+
+OPTIMIZER_BYTES_PER_ELEMENT = 32
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a plan is for, and the planner's constants for them."""
+
+    gpu: Accelerator
+    gpus: int
+    dtype: PeakDType = "bf16"
+    compute: ComputeEfficiency = field(default_factory=ComputeEfficiency)
+    links: LinkEfficiency = field(default_factory=LinkEfficiency)
+    overlap: Overlap = field(default_factory=Overlap)
+    memory: MemoryOverhead = field(default_factory=MemoryOverhead)
+
+    @property
+    def peak(self) -> float:
+        return peak_flops_per_s(self.gpu, self.dtype)
+
+    def describe(self) -> str:
+        g = self.gpu
+        return (
+            f"{self.gpus} x {g.name} ({self.dtype} peak {self.peak / 1e12:,.1f} TFLOP/s, "
+            f"{g.memory_bytes / 2**30:.0f} GiB, {g.gpus_per_node} per node, NVLink "
+            f"{g.intra_node_bytes_per_s / 1e9:,.0f} GB/s, network {g.inter_node_bytes_per_s / 1e9:,.1f} GB/s "
+            "per GPU per direction)"
+        )
+
+    def rates(self, training_dtype: str) -> Rates:
+        element = 4 if training_dtype == "fp32" else (1 if self.dtype == "fp8" else 2)
+        return Rates(self.peak, self.gpu.hbm_bytes_per_s, self.compute, element)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one config on one cluster (times in seconds, memory in bytes)."""
+
+    step_time_s: float
+    tokens_per_sec_per_gpu: float
+    mfu: float
+    memory_bytes_per_gpu: float
+    memory: dict[str, float]  # the most loaded rank's bytes by part (plan/gpu_memory.py)
+    time: dict[str, float]  # the slowest stage's step by part; the parts add up to step_time_s
+    bubble_fraction: float  # of the pipeline's makespan, from the simulator
+    memory_limit_bytes: float  # what one GPU has
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes_per_gpu <= self.memory_limit_bytes
+
+
+def _chunk_costs(cfg: Config, cluster: Cluster) -> tuple[list[PassTimes], list[dict[str, PassTimes]]]:
+    """Per global chunk: compute seconds, and the exposed communication by dim, per micro-batch."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    rates = cluster.rates(t.dtype)
+    net = Network(cluster.gpu, cluster.links, cluster.overlap)
+    split = layer_split(cfg)
+    rows = t.micro_batch * t.seq_len // p.cp
+    core = 4.0 * m.n_heads * m.head_size / p.tp * keys_per_query(t.seq_len, m.sliding_window) * rows
+    attention_time = core / (rates.peak * rates.eff.attention)
+    p2p = pp_p2p(cfg, net)
+    compute, comm = [], []
+    for c, layers in enumerate(split):
+        compute.append(chunk_times(cfg, layers, c == 0, c == len(split) - 1, rates))
+        dims: dict[str, PassTimes] = {}
+        for layer in layers:
+            for dim, times in layer_comm(cfg, layer, net, attention_time).items():
+                dims[dim] = dims.get(dim, PassTimes()) + times
+        if p2p:
+            dims["pp"] = PassTimes(f=p2p, b=p2p)
+        comm.append(dims)
+    return compute, comm
+
+
+@lru_cache(maxsize=256)
+def _schedule(pp: int, vpp: int, micro: int, schedule: str) -> CheckedSchedule:
+    return checked_schedule(build_schedule(pp, vpp, micro, schedule))
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(pp: int, vpp: int, micro: int, schedule: str, costs: tuple[tuple[float, float, float], ...]):
+    """(makespan, per-rank peak in-flight) of the schedule on these per-chunk (F, B, W) costs."""
+    split = schedule == "zero_bubble"
+    chunk_costs = {}
+    for c, (f, b, w) in enumerate(costs):
+        chunk_costs[(Kind.F, c)] = f
+        chunk_costs[(Kind.B, c)] = b if split else b + w
+        chunk_costs[(Kind.W, c)] = w
+    sim = simulate(_schedule(pp, vpp, micro, schedule), chunk_costs=chunk_costs)
+    return sim.makespan, tuple(sim.peak_in_flight), sim.bubble_fraction
+
+
+def _run_pipeline(cfg: Config, totals: list[PassTimes], micro: int, simulated: bool):
+    """(makespan, per-rank peak in-flight chunk-micro-batches, bubble fraction) of the step's pipeline."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return micro * totals[0].total, (1,), 0.0
+    if not simulated:
+        return _screen_pipeline(cfg, totals, micro)
+    scale = max(x.total for x in totals)
+    # Costs relative to the largest chunk, to 1%: the bubble's shape, shared by many layouts.
+    rounded = tuple((round(x.f / scale, 2), round(x.b / scale, 2), round(x.w / scale, 2)) for x in totals)
+    makespan, in_flight, bubble = _pipeline(p.pp, p.vpp, micro, p.pp_schedule, rounded)
+    return makespan * scale, in_flight, bubble
+
+
+def _screen_pipeline(cfg: Config, totals: list[PassTimes], micro: int):
+    """The published closed forms, for screening many layouts before the simulator times the best:
+    bubble (pp−1)·(F+B+W) of a chunk over vpp for GPipe, 1F1B and interleaved (Narayanan et al. 2021),
+    (pp−1)·(F+B−2W) for ZB-H1 (Qi et al. 2023); in flight pp−r (1F1B, ZB-H1), all m (GPipe), and
+    Megatron's interleaved warm-up 2·(pp−r−1) + (vpp−1)·pp, plus one."""
+    p = cfg.parallel
+    ranks = [sum((totals[v * p.pp + r] for v in range(p.vpp)), PassTimes()) for r in range(p.pp)]
+    stage = max(ranks, key=lambda x: x.total)
+    chunk = max(totals, key=lambda x: x.total)
+    if p.pp_schedule == "zero_bubble":
+        bubble = (p.pp - 1) * max(0.0, chunk.f + chunk.b - chunk.w)
+    else:
+        bubble = (p.pp - 1) * chunk.total
+    makespan = micro * stage.total + bubble
+    if p.pp_schedule == "gpipe":
+        in_flight = [micro] * p.pp
+    elif p.pp_schedule == "interleaved":
+        in_flight = [min(micro * p.vpp, 2 * (p.pp - r - 1) + (p.vpp - 1) * p.pp + 1) for r in range(p.pp)]
+    else:
+        in_flight = [min(micro, p.pp - r) for r in range(p.pp)]
+    return makespan, tuple(in_flight), bubble / makespan
+
+
+def least_memory(cfg: Config, cluster: Cluster) -> float:
+    """Bytes per GPU of the most loaded stage with one micro-batch in flight: a lower bound of
+    `estimate(...).memory_bytes_per_gpu`, cheap enough to drop layouts before timing them."""
+    return max(
+        sum(stage_memory(cfg, cluster.gpus, r, 1, cluster.memory).values()) for r in range(cfg.parallel.pp)
+    )
+
+
+def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
+    """Predict one step of `cfg` (its layout already in cfg.parallel, dp_shard resolved) on `cluster`;
+    `simulated=False` takes the pipeline's closed forms instead of the simulator (the search's screen)."""
+    p, t = cfg.parallel, cfg.training
+    world = cluster.gpus
+    micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    compute, comm = _chunk_costs(cfg, cluster)
+    totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
+    makespan, in_flight, bubble = _run_pipeline(cfg, totals, micro, simulated)
+    net = Network(cluster.gpu, cluster.links, cluster.overlap)
+    rates = cluster.rates(t.dtype)
+    worst: tuple[float, dict[str, float]] = (-1.0, {})
+    memory: dict[str, float] = {}
+    split = layer_split(cfg)
+    for r in range(p.pp):
+        chunks = [v * p.pp + r for v in range(p.vpp)]
+        mb = sum((totals[c] for c in chunks), PassTimes())
+        layers = sum(len(split[c]) for c in chunks)
+        stage = stage_memory(cfg, world, r, in_flight[r], cluster.memory)
+        if sum(stage.values()) > sum(memory.values()):
+            memory = stage
+        owned = stage["optimizer"] / 8
+        tail = dp_comm(cfg, r, net, micro, mb, layers)
+        tail["optimizer"] = OPTIMIZER_BYTES_PER_ELEMENT * owned / (rates.hbm * rates.eff.hbm)
+        parts = {"compute": micro * sum(compute[c].total for c in chunks)}
+        for c in chunks:
+            for dim, times in comm[c].items():
+                parts[dim] = parts.get(dim, 0.0) + micro * times.total
+        parts["pp_bubble"] = max(0.0, makespan - sum(parts.values()))
+        parts.update(tail)
+        total = makespan + sum(tail.values())
+        if total > worst[0]:
+            worst = (total, parts)
+    step = worst[0]
+    tokens = t.global_batch * t.seq_len
+    flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
+    return Estimate(
+        step_time_s=step,
+        tokens_per_sec_per_gpu=tokens / step / world,
+        mfu=flops / (step * world * cluster.peak),
+        memory_bytes_per_gpu=sum(memory.values()),
+        memory=memory,
+        time=worst[1],
+        bubble_fraction=bubble,
+        memory_limit_bytes=cluster.gpu.memory_bytes,
+    )

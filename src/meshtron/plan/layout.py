@@ -1,0 +1,135 @@
+"""A layout: the parallel degrees and per-step choices the planner searches over, as a flat record.
+
+`meshtron plan --layout "tp=8,pp=16,vpp=2,dp_shard=64,zero=1,micro_batch=1,recompute=selective"` fixes
+some keys; the search fills the rest. A layout plus a model and a batch is a full meshtron Config
+(`Layout.apply`), so the planner evaluates exactly what `meshtron train` would run, with the trainer's
+own rules (config.validate) deciding what is allowed.
+
+  key            meaning (config field)                         searched over
+  tp             tensor parallel (parallel.tp)                  1, 2, 4, ... up to the GPUs per node
+  sp             sequence parallel with tp (parallel.sp)        on whenever tp > 1
+  cp             context parallel (parallel.cp)                 powers of two while s/cp >= 4096
+  cp_impl        ring, allgather, alltoall (parallel.cp_impl)   ring and alltoall
+  pp             pipeline stages (parallel.pp)                  divisors of the GPUs left, <= layers
+  vpp            chunks per stage (parallel.vpp)                2 and 4 with the interleaved schedule
+  pp_schedule    gpipe, 1f1b, interleaved, zero_bubble          1f1b, interleaved, zero_bubble
+  ep             expert parallel (parallel.ep; MoE only)        divisors of the experts that fold in
+  dp_replicate   replicas (parallel.dp_replicate)               1, or the groups of an HSDP shard
+  dp_shard       sharded data parallel (parallel.dp_shard)      what the world size leaves
+  zero           1, 2, 3 (parallel.zero)                        each
+  micro_batch    sequences per micro-batch                      1, 2, 4, 8 (dividing the batch)
+  recompute      none, selective, full                          each
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from meshtron.config import Config, ConfigError, suggest
+
+INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
+TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
+KEYS = INT_KEYS + TEXT_KEYS
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate; `dp_shard` is resolved (never -1)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    pp_schedule: str = "1f1b"
+    cp_impl: str = "ring"
+    sp: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp_replicate * self.dp_shard
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def apply(self, cfg: Config) -> Config:
+        """`cfg` with this layout's parallel degrees, micro-batch and recompute mode."""
+        parallel = dataclasses.replace(
+            cfg.parallel,
+            tp=self.tp,
+            sp=self.sp,
+            cp=self.cp,
+            cp_impl=self.cp_impl,
+            pp=self.pp,
+            vpp=self.vpp,
+            pp_schedule=self.pp_schedule,
+            pp_layers=[],
+            ep=self.ep,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            zero=self.zero,
+        )
+        training = dataclasses.replace(cfg.training, micro_batch=self.micro_batch, recompute=self.recompute)
+        return dataclasses.replace(cfg, parallel=parallel, training=training)
+
+    def describe(self) -> str:
+        """The short form `--layout` takes (keys at their defaults left out, degrees always shown)."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        if self.pp > 1:
+            parts.append(f"pp_schedule={self.pp_schedule}")
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        if self.cp > 1:
+            parts += [f"cp={self.cp}", f"cp_impl={self.cp_impl}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate={self.dp_replicate}")
+        parts += [
+            f"dp_shard={self.dp_shard}",
+            f"zero={self.zero}",
+            f"micro_batch={self.micro_batch}",
+            f"recompute={self.recompute}",
+        ]
+        return ",".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """`"tp=8,pp=2,recompute=full"` -> {"tp": 8, "pp": 2, "recompute": "full"}; unknown keys and
+    malformed values are refused (the fix named). Enumerated values are checked by config.validate."""
+    fixed: dict[str, Any] = {}
+    problems = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not value:
+            problems.append(f"--layout item {item!r} must be KEY=VALUE")
+        elif key not in KEYS:
+            problems.append(
+                f"--layout key {key!r} is not one of {', '.join(KEYS)}{suggest(key, KEYS, False)}"
+            )
+        elif key in INT_KEYS:
+            if not value.isdigit() or int(value) < 1:
+                problems.append(f"--layout {key}={value} must be a positive integer")
+            else:
+                fixed[key] = int(value)
+        elif key == "sp":
+            if value.lower() not in ("true", "false"):
+                problems.append(f"--layout sp={value} must be true or false")
+            fixed[key] = value.lower() == "true"
+        else:
+            fixed[key] = value
+    if problems:
+        raise ConfigError(problems)
+    return fixed
