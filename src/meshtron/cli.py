@@ -170,19 +170,23 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     if problems:
         raise ConfigError(problems)
     cfg = load_config(args.config, overrides)
-    if args.gpu.strip().lower() == "cpu":
-        from meshtron.hardware_probe import measure_cpu
+    if args.gpu.strip().lower() == "cpu":  # this machine, measured: ranks are processes on its cores
+        from meshtron.hardware_probe import cpu_cluster
 
-        gpu, dtype = measure_cpu(min(args.gpus, os.cpu_count() or 1)), "fp32"
+        cluster = cpu_cluster(args.gpus)
     else:
-        gpu, dtype = accelerator(args.gpu), "bf16"
-    gpu = with_links(gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+        cluster = Cluster(accelerator(args.gpu), args.gpus, args.dtype)
+    gpu = with_links(cluster.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+    cluster = dataclasses.replace(cluster, gpu=gpu)
     training = dataclasses.replace(
-        cfg.training, seq_len=args.seq_len, global_batch=args.global_batch, dtype=dtype
+        cfg.training,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        dtype="fp32" if cluster.dtype == "fp32" else "bf16",
     )
     cfg = dataclasses.replace(cfg, training=training)
     refuse(model_problems(cfg.model) + moe_problems(cfg.model))
-    return cfg, Cluster(gpu, args.gpus, "fp32" if dtype == "fp32" else args.dtype), parse_layout(args.layout)
+    return cfg, cluster, parse_layout(args.layout)
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:

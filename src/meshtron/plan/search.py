@@ -160,7 +160,7 @@ def _simulated(cfg: Config, cluster: Cluster, screened: list[tuple[Layout, Estim
             plan.refused["memory: needs more than the GPU has"] += 1
             continue
         out.append((layout, result))
-    out.sort(key=lambda x: (x[1].step_time_s, x[1].memory_bytes_per_gpu))
+    out.sort(key=lambda x: (float(f"{x[1].step_time_s:.4g}"), x[1].memory_bytes_per_gpu))  # ties: less memory
     return out[:top]
 
 
