@@ -1,4 +1,4 @@
-"""The `meshtron` command as a user runs it: mesh, prepare-data, train (one process and --nproc)."""
+"""The `meshtron` command as a user runs it: mesh, prepare-data, train (one process, --nproc, --dry-run)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,17 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+
+from meshtron.cli import main
+from meshtron.config import build_config, load_config, tomllib
+from meshtron.dry_run import resolved, table_name
+from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.hardware import Accelerator, GiB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,3 +219,105 @@ def test_train_nproc_with_expert_parallel_reports_expert_load(tmp_path):
     assert sorted(rows[-1]["moe"]) == ["layers.0", "layers.1"]
     assert all(layer["imbalance"] >= 1 for layer in rows[-1]["moe"].values())
     assert (tmp_path / "expert-load.png").stat().st_size > 1000
+
+
+# `meshtron train --dry-run`, in process: the CPU probe is a fixed Cluster, so the numbers are exact.
+DEMO = str(ROOT / "configs" / "demo.toml")
+TP2_DP2 = ["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=2"]
+
+
+@pytest.fixture
+def fixed_cpu(monkeypatch):
+    """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
+    cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
+    probe = types.ModuleType("meshtron.hardware_probe")
+    probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
+    monkeypatch.setitem(sys.modules, "meshtron.hardware_probe", probe)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return probe
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch, tmp_path):
+    """Fail the test if a dry run launches ranks or trains; run in an empty directory to see it stays so."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run started something")
+
+    # By dotted name: this module's `meshtron` is the subprocess helper above, not the package.
+    monkeypatch.setattr("meshtron.cli._launch", refuse)
+    monkeypatch.setattr("meshtron.train.trainer.train", refuse)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_starts, capsys):
+    assert main(["train", "--config", DEMO, *TP2_DP2, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(DEMO, ["--parallel.tp=2", "--parallel.dp_shard=2"])
+    config, rest = out.split("# mesh")
+    assert build_config(tomllib.loads(config)) == cfg  # every section and key, loadable as it is printed
+    assert "world size 4: pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2" in rest
+    assert "tp groups (size 2): [0, 1] [2, 3]" in rest and "dp_shard groups (size 2): [0, 2] [1, 3]" in rest
+    assert "# prediction for layout tp=2,pp=1,dp_shard=2,zero=3,micro_batch=4,recompute=none" in rest
+    est = estimate(resolved(cfg, 4), fixed_cpu.cpu_cluster(4))
+    assert f"step time          {est.step_time_s:.4g} s" in rest
+    assert f"tokens/s per rank  {est.tokens_per_sec_per_gpu:,.0f}" in rest
+    assert f"MFU                {100 * est.mfu:.1f}%" in rest
+    assert "of 8.00 GiB" in rest and ": fits" in rest and "  optimizer " in rest and "  compute " in rest
+    assert list(nothing_starts.iterdir()) == []  # no run directory, no checkpoint, no data cache
+
+
+def test_train_dry_run_resolves_dp_shard_and_keeps_it_in_the_config(fixed_cpu, nothing_starts, capsys):
+    assert main(["train", "--config", DEMO, "--nproc", "4", "--parallel.tp=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard = -1  # 2 on 4 rank(s)" in out and "dp_shard=2" in out
+
+
+def test_train_dry_run_refuses_an_invalid_layout_as_train_does(fixed_cpu, nothing_starts, capsys):
+    bad = ["train", "--config", DEMO, "--nproc", "4", "--parallel.tp=3", "--parallel.dp_shard=2"]
+    assert main([*bad, "--dry-run"]) == 2
+    dry = capsys.readouterr()
+    assert main(bad) == 2  # refused by check() before any launch, as the dry run was
+    assert dry.err == capsys.readouterr().err and "meshtron: error: invalid config" in dry.err
+    assert "= 6 but the world size is 4" in dry.err and "not divisible by parallel.tp=3" in dry.err
+    assert dry.out == ""  # nothing printed before the refusal
+    assert list(nothing_starts.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "gib", "entry"),
+    [
+        ("NVIDIA H100 80GB HBM3", 79.1, "h100"),
+        ("NVIDIA A100-SXM4-80GB", 79.1, "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+        ("NVIDIA H200", 139.8, "h200"),
+        ("NVIDIA H800", 79.1, "h800"),
+        ("NVIDIA B200", 178.4, "b200"),
+        ("NVIDIA H100 PCIe", 79.1, None),  # the table's figures are SXM boards'
+        ("NVIDIA GH200 480GB", 94.5, None),
+        ("Tesla V100-SXM2-16GB", 15.8, None),
+    ],
+)
+def test_dry_run_maps_cuda_device_names_to_the_planner_table(name, gib, entry):
+    assert table_name(name, int(gib * 2**30)) == entry
+
+
+def test_train_dry_run_on_a_gpu(monkeypatch, nothing_starts, capsys):
+    """A known GPU gets a prediction against the memory it reports; an unknown one, or fp32 (the table has
+    no fp32 rate), is named and the prediction skipped."""
+    device = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(79.1 * 2**30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: device)
+    assert main(["train", "--config", DEMO, *TP2_DP2, "--training.dtype=bf16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware: NVIDIA H100 80GB HBM3, the planner's h100" in out
+    assert "tokens/s per GPU" in out and "of 79.10 GiB" in out
+    assert main(["train", "--config", DEMO, *TP2_DP2, "--dry-run"]) == 0
+    assert "has no fp32 matmul rate" in capsys.readouterr().out
+    device.name = "NVIDIA GH200 480GB"
+    assert main(["train", "--config", DEMO, *TP2_DP2, "--training.dtype=bf16", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 'NVIDIA GH200 480GB' is not in the planner's table" in out and "step time" not in out
+    assert "world size 4:" in out  # the config and the mesh are printed all the same

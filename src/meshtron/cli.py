@@ -65,6 +65,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     cfg = load_config(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     check(cfg, world_size)  # every problem reported before any process starts
+    if args.dry_run:  # after check: a layout a real run refuses is refused here the same way
+        from meshtron.dry_run import dry_run
+
+        print(dry_run(cfg, world_size, " ".join([args.config, *overrides])))
+        return 0
     if args.nproc and args.nproc > 1 and not _under_launcher():
         return _launch(args.nproc, args.max_restarts, argv)
     from meshtron.train.trainer import train
@@ -249,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="with --nproc: restart every rank up to this many times when one dies; they resume from the "
         "newest complete checkpoint (set checkpoint.every)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config, print it resolved, the mesh and the planner's prediction on this hardware, "
+        "and exit without starting anything",
     )
 
     mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")

@@ -1,0 +1,204 @@
+"""`meshtron train --dry-run`: what a run would be, printed instead of started.
+
+Three parts, each from the code a real run (or `meshtron mesh` / `meshtron plan`) uses, so the dry run
+cannot disagree with them:
+
+  1. the resolved config (file, model preset, overrides), as TOML that loads back to the same Config
+  2. the mesh (mesh.ParallelDims, dp_shard=-1 resolved), as `meshtron mesh` prints it
+  3. the planner's prediction (plan/estimate.py) for exactly this layout on the hardware the run would
+     use: the visible GPU mapped to the planner's table, or this machine's CPU (hardware_probe)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, NamedTuple
+
+from meshtron.config import Config
+from meshtron.mesh import ParallelDims, resolve_dp_shard
+from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.hardware import ACCELERATORS, accelerator
+from meshtron.plan.layout import Layout
+from meshtron.plan.report import TIME_PARTS
+
+GiB = 2**30
+MiB = 2**20
+# Table entries by the word torch.cuda.get_device_name carries ("NVIDIA H100 80GB HBM3",
+# "NVIDIA A100-SXM4-80GB"); A100 comes in two memory sizes, told apart by the memory the device reports.
+GPU_FAMILIES = ("b200", "h200", "h800", "h100", "a100")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def config_text(cfg: Config, world_size: int) -> str:
+    """Every section and key of `cfg`, as TOML: saved to a file, it reruns exactly this config (so
+    dp_shard=-1 stays -1, with what it resolves to as a comment)."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            line = f"{key} = {_toml_value(value)}"
+            if (section, key, value) == ("parallel", "dp_shard", -1):
+                line += f"  # {resolve_dp_shard(cfg.parallel, world_size)} on {world_size} rank(s)"
+            lines.append(line)
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def resolved(cfg: Config, world_size: int) -> Config:
+    """`cfg` with dp_shard=-1 replaced by what the world leaves: the planner takes explicit degrees."""
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=resolve_dp_shard(cfg.parallel, world_size))
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The planner's record of `cfg`'s layout (dp_shard resolved), printed in its `--layout` short form;
+    only printed: the estimate takes `cfg` itself, since Layout.apply would reset pp_layers."""
+    p, t = cfg.parallel, cfg.training
+    return Layout(
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        vpp=p.vpp,
+        ep=p.ep,
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        zero=p.zero,
+        micro_batch=t.micro_batch,
+        recompute=t.recompute,
+        pp_schedule=p.pp_schedule,
+        cp_impl=p.cp_impl,
+        sp=p.sp,
+    )
+
+
+def table_name(device_name: str, memory_bytes: int) -> str | None:
+    """The planner's entry for a CUDA device name, or None when the table has no such GPU."""
+    words = re.split(r"[^a-z0-9]+", device_name.lower())
+    if "pcie" in words or "nvl" in words:  # the table's figures are SXM boards' (clocks, NVLink to 8)
+        return None
+    for family in GPU_FAMILIES:
+        if family in words:
+            if family == "a100":
+                return "a100-80gb" if memory_bytes > 48 * GiB else "a100-40gb"
+            return family
+    return None
+
+
+def _ranks_per_node(world_size: int) -> int:
+    # meshtron's own launcher starts every rank on this machine; under torchrun, LOCAL_WORLD_SIZE says.
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+class Hardware(NamedTuple):
+    """What a run would train on: the planner's Cluster for it (None: no prediction), and in words."""
+
+    cluster: Cluster | None
+    says: str
+    unit: str = "GPU"  # what one rank's device is called in the report
+
+
+def _cuda_hardware(cfg: Config, world_size: int) -> Hardware:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = table_name(props.name, props.total_memory)
+    if name is None:
+        known = ", ".join(ACCELERATORS)
+        return Hardware(None, f"GPU {props.name!r} is not in the planner's table ({known}); no prediction")
+    if cfg.training.dtype == "fp32":  # the table holds tensor-core peaks; fp32 matmuls run far slower
+        return Hardware(
+            None,
+            f"{props.name} is the planner's {name}, whose table has no fp32 matmul rate; "
+            "add --training.dtype=bf16 for a prediction",
+        )
+    per_node = _ranks_per_node(world_size)
+    # What this device reports, not the table's nominal size: the driver keeps some for itself.
+    gpu = dataclasses.replace(accelerator(name), memory_bytes=props.total_memory, gpus_per_node=per_node)
+    return Hardware(Cluster(gpu, world_size, "bf16"), f"{props.name}, the planner's {name}")
+
+
+def detect_hardware(cfg: Config, world_size: int) -> Hardware:
+    """The hardware this run would train on, chosen as the trainer chooses it (run.device)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cfg.run.device == "cuda" and not cuda:
+        return Hardware(None, "run.device='cuda' but no CUDA device is visible (the run would stop there)")
+    if cfg.run.device == "cuda" or (cfg.run.device == "auto" and cuda):
+        return _cuda_hardware(cfg, world_size)
+    try:
+        from meshtron.hardware_probe import cpu_cluster
+    except ImportError:
+        return Hardware(None, "this meshtron has no CPU probe (meshtron.hardware_probe); no prediction")
+    return Hardware(cpu_cluster(world_size), "this machine's CPU, measured", "rank")
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB" if n >= GiB else f"{n / MiB:,.1f} MiB"
+
+
+def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
+    """The planner's step time, throughput, MFU, memory by part and step by part for `cfg` (dp_shard
+    resolved) on `cluster`; `unit` names one rank's device ("GPU", "rank")."""
+    est = estimate(cfg, cluster)
+    t = cfg.training
+    limit = est.memory_limit_bytes
+    verdict = "fits" if est.fits else "DOES NOT FIT: the run would go out of memory"
+    lines = [
+        f"step time          {est.step_time_s:.4g} s  ({t.global_batch} sequences x {t.seq_len} tokens)",
+        f"tokens/s per {unit:<5} {est.tokens_per_sec_per_gpu:,.0f}",
+        f"MFU                {100 * est.mfu:.1f}% of the {cluster.dtype} peak",
+        f"memory per {unit:<7} {_size(est.memory_bytes_per_gpu)} of {_size(limit)} "
+        f"({100 * est.memory_bytes_per_gpu / limit:.0f}%): {verdict}",
+    ]
+    lines += [f"  {part:<12} {_size(n):>12}" for part, n in est.memory.items()]
+    lines.append("step by part (the slowest stage; the parts add up to the step time):")
+    order = [p for p in TIME_PARTS if p in est.time] + [p for p in est.time if p not in TIME_PARTS]
+    for part in (p for p in order if est.time[p] > 0):  # a zero part is a dim this layout does not use
+        s = est.time[part]
+        lines.append(f"  {part:<12} {s:>10.4f} s {100 * s / est.step_time_s:>6.1f}%")
+    if cfg.parallel.pp > 1:
+        # Over every stage (as `meshtron schedule` prints it), so it differs from the pp_bubble part above.
+        lines.append(f"pipeline bubble    {100 * est.bubble_fraction:.1f}% of ranks x time")
+    if cfg.parallel.cp_impl == "hybrid":
+        lines.append(
+            "note: the planner times hybrid context parallel as a ring (its all-to-all is not modelled)"
+        )
+    return "\n".join(lines)
+
+
+def dry_run(cfg: Config, world_size: int, source: str) -> str:
+    """The whole report for a config already checked for `world_size` ranks; `source` says where the
+    config came from (file and overrides)."""
+    text = config_text(cfg, world_size)
+    cfg = resolved(cfg, world_size)
+    hardware = detect_hardware(cfg, world_size)
+    cluster = hardware.cluster
+    per_node = cluster.gpu.gpus_per_node if cluster else _ranks_per_node(world_size)
+    parts = [
+        f"# resolved config: {source}",
+        text,
+        "",
+        "# mesh",
+        ParallelDims.from_config(cfg.parallel, world_size).describe(per_node),
+        "",
+        f"# prediction for layout {layout_of(cfg).describe()}",
+        f"hardware: {hardware.says}",
+    ]
+    if cluster is not None:
+        parts.append(f"cluster: {cluster.describe()}")
+        parts.append(prediction_text(cfg, cluster, hardware.unit))
+    parts += ["", "dry run: the config is valid; nothing was started"]
+    return "\n".join(parts)
