@@ -33,10 +33,29 @@ from meshtron.plan.memory import head_activation_bytes
 class ComputeEfficiency:
     """Achievable shares of the peaks (calibrated: docs/planner.md#calibration)."""
 
-    matmul: float = 0.80  # of the dense tensor-core peak, by a large bf16 GEMM
-    attention: float = 0.55  # of the same peak, by a fused (flash) attention kernel, forward and backward
+    matmul: float = 0.60  # of the dense tensor-core peak, by a large bf16 GEMM (Hopper's; see below)
+    attention: float = 0.40  # of the same peak, by a fused (flash) attention kernel, forward and backward
     hbm: float = 0.80  # of the HBM bandwidth, by elementwise kernels and thin GEMMs
     elementwise_passes: float = 4.0  # HBM trips per kept activation byte per step (1 F, 3 B)
+
+    @classmethod
+    def for_gpu(cls, name: str) -> ComputeEfficiency:
+        """The constants for a GPU of the planner's table: the matmul share differs by generation."""
+        return cls(matmul=MATMUL_EFFICIENCY.get(name, cls.matmul))
+
+
+# A large bf16 GEMM's share of the dense peak by GPU generation, calibrated on the published runs
+# (docs/planner.md#calibration: Megatron-Core's H100 table, Korthikanti et al.'s and Narayanan et al.'s
+# A100 runs). Ampere sustains more of its datasheet peak than Hopper in those runs. B200 has no
+# published run here: it takes Hopper's share, unverified.
+MATMUL_EFFICIENCY = {
+    "a100-40gb": 0.70,
+    "a100-80gb": 0.70,
+    "h100": 0.60,
+    "h800": 0.60,
+    "h200": 0.60,
+    "b200": 0.60,
+}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class Cluster:
     gpu: Accelerator
     gpus: int
     dtype: PeakDType = "bf16"
-    compute: ComputeEfficiency = field(default_factory=ComputeEfficiency)
+    compute: ComputeEfficiency | None = None  # None: ComputeEfficiency.for_gpu(gpu.name)
     links: LinkEfficiency = field(default_factory=LinkEfficiency)
     overlap: Overlap = field(default_factory=Overlap)
     memory: MemoryOverhead = field(default_factory=MemoryOverhead)
@@ -58,7 +58,8 @@ class Cluster:
 
     def rates(self, training_dtype: str) -> Rates:
         element = 4 if training_dtype == "fp32" else (1 if self.dtype == "fp8" else 2)
-        return Rates(self.peak, self.gpu.hbm_bytes_per_s, self.compute, element)
+        compute = self.compute or ComputeEfficiency.for_gpu(self.gpu.name)
+        return Rates(self.peak, self.gpu.hbm_bytes_per_s, compute, element)
 
 
 @dataclass(frozen=True)

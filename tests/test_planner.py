@@ -1,0 +1,216 @@
+"""The planner's step model and search (issue 13), without processes: the pipeline bubble is the
+simulator's on the real layer split, links follow the mesh order, the search holds what --layout fixes,
+counts what it drops, and says what is short when nothing fits; `meshtron plan` keeps its contract.
+(State bytes and communication bytes against measurement: tests/test_plan.py; activation bytes:
+tests/test_activation_memory.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from meshtron.cli import main
+from meshtron.config import ConfigError, load_config
+from meshtron.pipeline.schedules import Kind, build_schedule, simulate
+from meshtron.plan.comm_time import Overlap, groups
+from meshtron.plan.compute_time import PassTimes, chunk_times
+from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.flops import training_flops_per_token
+from meshtron.plan.gpu_memory import layer_split
+from meshtron.plan.hardware import GiB, accelerator
+from meshtron.plan.layout import Layout, parse_layout
+from meshtron.plan.network import Group, LinkEfficiency, collective_time
+from meshtron.plan.search import search
+
+LLAMA_1B = ["--model.name=llama3-1b"]
+
+
+def config(overrides: list[str], seq: int = 4096, batch: int = 64):
+    extra = [f"--training.seq_len={seq}", f"--training.global_batch={batch}", "--training.dtype=bf16"]
+    return load_config(None, [*overrides, *extra])
+
+
+def test_collective_time_is_the_alpha_beta_model_on_the_right_link():
+    gpu = dataclasses.replace(accelerator("h100"), intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9)
+    eff = LinkEfficiency(nvlink=0.5, network=1.0, nvlink_latency_s=1e-6, network_latency_s=1e-5)
+    inside = Group(size=4, stride=2, gpus_per_node=8)  # ranks 0, 2, 4, 6: one node
+    across = Group(size=4, stride=4, gpus_per_node=8)  # ranks 0, 4, 8, 12: two nodes
+    assert not inside.crosses_nodes and across.crosses_nodes
+    # all-reduce of 1 GB over 4 ranks: 2·3 messages of latency, 2·(3/4) GB at the link's rate
+    assert collective_time("all_reduce", 1e9, inside, gpu, eff) == pytest.approx(6e-6 + 1.5e9 / 50e9)
+    assert collective_time("all_reduce", 1e9, across, gpu, eff) == pytest.approx(6e-5 + 1.5e9 / 10e9)
+    # all-to-all across two nodes of two members each: 1/4 stays on the node, 2/4 leaves it
+    assert collective_time("all_to_all", 1e9, across, gpu, eff) == pytest.approx(
+        3e-5 + max(0.25e9 / 50e9, 0.5e9 / 10e9)
+    )
+
+
+def test_mesh_order_puts_tp_inside_a_node_and_pp_across():
+    cfg = Layout(tp=8, pp=4, dp_shard=2, zero=3).apply(config(LLAMA_1B))
+    g = {name: Group(x.size, x.stride, 8) for name, x in groups(cfg).items()}
+    assert (g["tp"].stride, g["tp"].crosses_nodes) == (1, False)
+    assert (g["shard"].stride, g["shard"].crosses_nodes) == (8, True)
+    assert (g["pp"].stride, g["pp"].crosses_nodes) == (16, True)
+
+
+def test_the_bubble_is_the_simulators_on_the_uneven_layer_split():
+    """5 layers on 2 stages split 3 + 2, the head on the second: the planner's pipeline time is the
+    simulator's run of these chunk costs (not a closed formula, which assumes equal stages)."""
+    cluster = Cluster(accelerator("h100"), 2)
+    cfg = Layout(pp=2, dp_shard=1, micro_batch=1, pp_schedule="1f1b").apply(
+        config([*LLAMA_1B, "--model.n_layers=5"], batch=8)
+    )
+    split = layer_split(cfg)
+    assert [len(c) for c in split] == [3, 2]
+    rates = cluster.rates("bf16")
+    costs = [chunk_times(cfg, layers, c == 0, c == 1, rates) for c, layers in enumerate(split)]
+    chunk_costs = {(k, c): v for c, x in enumerate(costs) for k, v in ((Kind.F, x.f), (Kind.B, x.b + x.w))}
+    sim = simulate(build_schedule(2, 1, 8, "1f1b"), chunk_costs=chunk_costs)
+    est = estimate(cfg, cluster)
+    assert est.bubble_fraction == pytest.approx(sim.bubble_fraction, abs=0.01)
+    pipeline = est.step_time_s - est.time["dp"] - est.time["optimizer"]
+    assert pipeline == pytest.approx(sim.makespan, rel=0.01)
+    even = 8 * max(x.total for x in costs) + max(x.total for x in costs)  # (m + pp − 1) of the slowest
+    assert abs(pipeline - even) / even > 0.02
+
+
+def test_estimate_parts_add_up_and_mfu_counts_model_flops_only():
+    cluster = Cluster(accelerator("h100"), 16)
+    base = config(LLAMA_1B)
+    plain = estimate(Layout(tp=2, pp=2, dp_shard=4, zero=1, micro_batch=2).apply(base), cluster)
+    recomputed = estimate(
+        Layout(tp=2, pp=2, dp_shard=4, zero=1, micro_batch=2, recompute="full").apply(base), cluster
+    )
+    for est in (plain, recomputed):
+        assert sum(est.time.values()) == pytest.approx(est.step_time_s)
+        flops = training_flops_per_token(base.model, 4096) * 64 * 4096
+        assert est.mfu == pytest.approx(flops / (est.step_time_s * 16 * 989e12))
+        assert est.tokens_per_sec_per_gpu == pytest.approx(64 * 4096 / est.step_time_s / 16)
+    assert recomputed.step_time_s > plain.step_time_s  # recompute runs more,
+    assert recomputed.mfu < plain.mfu  # and MFU does not count it
+    assert recomputed.memory["activations"] < plain.memory["activations"] / 2
+
+
+def test_overlap_and_links_move_the_step_the_right_way():
+    base = config(LLAMA_1B)
+    layout = Layout(tp=8, dp_shard=2, zero=1, micro_batch=1)
+    nvlink = estimate(layout.apply(base), Cluster(accelerator("h100"), 16))
+    split_node = estimate(
+        layout.apply(base), Cluster(dataclasses.replace(accelerator("h100"), gpus_per_node=4), 16)
+    )
+    hidden = estimate(layout.apply(base), Cluster(accelerator("h100"), 16, overlap=Overlap(tp=True)))
+    assert nvlink.time["tp"] > 0 and "tp" not in hidden.time or hidden.time.get("tp", 0) == 0
+    assert split_node.time["tp"] > 3 * nvlink.time["tp"]  # tp = 8 across nodes of 4
+    assert hidden.step_time_s < nvlink.step_time_s < split_node.step_time_s
+
+
+def test_search_holds_fixed_keys_counts_refusals_and_ranks_by_time():
+    cluster = Cluster(accelerator("h100"), 16)
+    plan = search(config(LLAMA_1B, batch=16), cluster, parse_layout("tp=2,recompute=none"), top=4)
+    assert len(plan.ranked) == 4
+    times = [est.step_time_s for _, est in plan.ranked]
+    assert times == sorted(times)
+    for layout, est in plan.ranked:
+        assert layout.tp == 2 and layout.recompute == "none" and layout.world_size == 16
+        assert est.fits
+    assert sum(plan.refused.values()) + len(plan.ranked) <= plan.examined
+    assert plan.refused["micro-batches per step must be at least pp"] > 0  # e.g. pp=8, mb=4: 4 < 8
+
+
+def test_a_fully_fixed_layout_is_evaluated_as_given():
+    cluster = Cluster(accelerator("a100-80gb"), 8)
+    text = "tp=2,pp=2,vpp=2,pp_schedule=interleaved,cp=1,ep=1,dp_replicate=1,dp_shard=2,zero=1,micro_batch=1,recompute=selective"
+    plan = search(config(LLAMA_1B), cluster, parse_layout(text), top=3)
+    assert [layout.describe() for layout, _ in plan.ranked] == [
+        "tp=2,pp=2,pp_schedule=interleaved,vpp=2,dp_shard=2,zero=1,micro_batch=1,recompute=selective"
+    ]
+
+
+def test_a_model_that_fits_nowhere_says_what_is_short(capsys):
+    code = main(
+        [
+            "plan",
+            "--model.name=llama3-70b",
+            "--gpus",
+            "2",
+            "--gpu",
+            "a100-40gb",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "8",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "fits nowhere" in err and "GiB per GPU" in err and "one GPU has 40.0 GiB" in err
+
+
+def test_plan_json_contract(capsys):
+    args = ["plan", "--model.name=llama3-1b", "--model.n_layers=8", "--gpus", "16", "--gpu", "h100"]
+    code = main(
+        [
+            *args,
+            "--gpus-per-node",
+            "8",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "32",
+            "--top",
+            "3",
+            "--json",
+            "--layout",
+            "pp=2",
+        ]
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and 1 <= len(rows) <= 3
+    for row in rows:
+        assert {"layout", "step_time_s", "tokens_per_sec_per_gpu", "mfu", "memory_bytes_per_gpu"} <= set(row)
+        assert row["layout"]["pp"] == 2 and 0 < row["mfu"] < 1
+        assert row["memory_bytes_per_gpu"] <= 80 * GiB
+        assert sum(row["step_breakdown_s"].values()) == pytest.approx(row["step_time_s"])
+        assert {"compute", "pp_bubble", "dp"} <= set(row["step_breakdown_s"])
+
+
+def test_plan_table_and_bad_input(capsys):
+    args = [
+        "plan",
+        "--model.name=llama3-1b",
+        "--gpus",
+        "8",
+        "--gpu",
+        "h200",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "16",
+    ]
+    assert main([*args, "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts examined" in out and "dropped:" in out and " 1 " in out
+    assert main([*args, "--layout", "tpp=2"]) == 2
+    assert "did you mean" in capsys.readouterr().err
+    assert main([*args[:5], "h900", *args[6:]]) == 2
+    assert "unknown GPU type" in capsys.readouterr().err
+    assert main([*args, "--training.steps=3"]) == 2
+
+
+def test_parse_layout_refuses_malformed_items():
+    assert parse_layout("tp=8, pp=2,recompute=full,sp=false") == {
+        "tp": 8,
+        "pp": 2,
+        "recompute": "full",
+        "sp": False,
+    }
+    with pytest.raises(ConfigError, match="positive integer"):
+        parse_layout("tp=0")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_layout("tp")
+
+
+def test_pass_times_add_and_scale():
+    assert (PassTimes(1, 2, 3) + PassTimes(1, 1, 1)) * 2 == PassTimes(4, 6, 8)
