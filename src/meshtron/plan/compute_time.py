@@ -60,12 +60,18 @@ MATMUL_EFFICIENCY = {
 
 @dataclass(frozen=True)
 class Rates:
-    """What one GPU does per second: `peak` FLOP/s, `hbm` bytes/s, and the shares reached."""
+    """What one GPU does per second: `peak` FLOP/s of the matmuls, `attention_peak` of the attention
+    kernel (bf16 even when the linear layers run in fp8, as Float8 training does), `hbm` bytes/s, and
+    the shares reached."""
 
     peak: float
     hbm: float
     eff: ComputeEfficiency
     dtype_bytes: int = 2  # the compute dtype's element size
+    attention_peak: float = 0.0  # 0: `peak`
+
+    def attention_time(self, flops: float) -> float:
+        return flops / ((self.attention_peak or self.peak) * self.eff.attention)
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ def layer_times(cfg: Config, layer: int, rates: Rates) -> PassTimes:
     gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows))
     q = m.n_heads * m.head_size // p.tp
     keys = keys_per_query(t.seq_len, m.sliding_window)
-    core = 4.0 * q * keys * rows / (rates.peak * rates.eff.attention)
+    core = rates.attention_time(4.0 * q * keys * rows)
     kept = layer_bytes(cfg, layer, "none")
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     forward = gemm + core + elementwise / 4

@@ -59,7 +59,8 @@ class Cluster:
     def rates(self, training_dtype: str) -> Rates:
         element = 4 if training_dtype == "fp32" else (1 if self.dtype == "fp8" else 2)
         compute = self.compute or ComputeEfficiency.for_gpu(self.gpu.name)
-        return Rates(self.peak, self.gpu.hbm_bytes_per_s, compute, element)
+        attention = peak_flops_per_s(self.gpu, "bf16") if self.dtype == "fp8" else self.peak
+        return Rates(self.peak, self.gpu.hbm_bytes_per_s, compute, element, attention)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Estimate:
     memory: dict[str, float]  # the most loaded rank's bytes by part (plan/gpu_memory.py)
     time: dict[str, float]  # the slowest stage's step by part; the parts add up to step_time_s
     bubble_fraction: float  # of the pipeline's makespan, from the simulator
+    pipeline_s: float  # forward and backward of every micro-batch, bubble included (the makespan)
     memory_limit_bytes: float  # what one GPU has
 
     @property
@@ -88,7 +90,7 @@ def _chunk_costs(cfg: Config, cluster: Cluster) -> tuple[list[PassTimes], list[d
     split = layer_split(cfg)
     rows = t.micro_batch * t.seq_len // p.cp
     core = 4.0 * m.n_heads * m.head_size / p.tp * keys_per_query(t.seq_len, m.sliding_window) * rows
-    attention_time = core / (rates.peak * rates.eff.attention)
+    attention_time = rates.attention_time(core)
     p2p = pp_p2p(cfg, net)
     compute, comm = [], []
     for c, layers in enumerate(split):
@@ -178,6 +180,7 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
     net = Network(cluster.gpu, cluster.links, cluster.overlap)
     rates = cluster.rates(t.dtype)
     worst: tuple[float, dict[str, float]] = (-1.0, {})
+    tails: list[float] = []
     memory: dict[str, float] = {}
     split = layer_split(cfg)
     for r in range(p.pp):
@@ -194,12 +197,13 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
         for c in chunks:
             for dim, times in comm[c].items():
                 parts[dim] = parts.get(dim, 0.0) + micro * times.total
-        parts["pp_bubble"] = max(0.0, makespan - sum(parts.values()))
+        busy = sum(parts.values())
         parts.update(tail)
-        total = makespan + sum(tail.values())
-        if total > worst[0]:
-            worst = (total, parts)
-    step = worst[0]
+        tails.append(sum(tail.values()))
+        if busy + tails[-1] > worst[0]:  # the stage whose own work is the most: the breakdown shown
+            worst = (busy + tails[-1], parts)
+    step = makespan + max(tails)
+    worst[1]["pp_bubble"] = step - sum(worst[1].values())  # its idle time: the bubble it sees
     tokens = t.global_batch * t.seq_len
     flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
     return Estimate(
@@ -210,5 +214,6 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
         memory=memory,
         time=worst[1],
         bubble_fraction=bubble,
+        pipeline_s=makespan,
         memory_limit_bytes=cluster.gpu.memory_bytes,
     )

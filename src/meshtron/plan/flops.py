@@ -136,6 +136,13 @@ def model_flops(
     return total
 
 
+def head_layers(cfg: ModelConfig, seq_len: int) -> float:
+    """The output head's FLOPs in average layers (to one decimal): how many layers' worth of work the
+    last pipeline stage's head is, for a split that balances the stages (parallel.pp_head_layers)."""
+    layers = model_flops(cfg, seq_len, head=False).total / cfg.n_layers
+    return round(head_flops(cfg).total / layers, 1)
+
+
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention: AttentionCount = "causal") -> float:
     """Model FLOPs per trained token (the MFU numerator): 3 forward passes of the whole model."""
     return model_flops(cfg, seq_len, attention).training

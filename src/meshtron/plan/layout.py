@@ -19,6 +19,8 @@ own rules (config.validate) deciding what is allowed.
   zero           1, 2, 3 (parallel.zero)                        each
   micro_batch    sequences per micro-batch                      1, 2, 4, 8 (dividing the batch)
   recompute      none, selective, full                          each
+  pp_head_layers the head + loss counted as this many layers     the head's FLOPs in layers (pp > 1),
+                 in the balanced split (parallel.pp_head_layers) so the last stage is not the slowest
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from meshtron.config import Config, ConfigError, suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
-KEYS = INT_KEYS + TEXT_KEYS
+FLOAT_KEYS = ("pp_head_layers",)
+KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     cp_impl: str = "ring"
     sp: bool = False
+    pp_head_layers: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -72,6 +76,7 @@ class Layout:
             vpp=self.vpp,
             pp_schedule=self.pp_schedule,
             pp_layers=[],
+            pp_head_layers=self.pp_head_layers,
             ep=self.ep,
             dp_replicate=self.dp_replicate,
             dp_shard=self.dp_shard,
@@ -87,6 +92,8 @@ class Layout:
             parts.append(f"pp_schedule={self.pp_schedule}")
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
+        if self.pp_head_layers:
+            parts.append(f"pp_head_layers={self.pp_head_layers:g}")
         if self.cp > 1:
             parts += [f"cp={self.cp}", f"cp_impl={self.cp_impl}"]
         if self.ep > 1:
@@ -124,6 +131,11 @@ def parse_layout(text: str) -> dict[str, Any]:
                 problems.append(f"--layout {key}={value} must be a positive integer")
             else:
                 fixed[key] = int(value)
+        elif key in FLOAT_KEYS:
+            try:
+                fixed[key] = float(value)
+            except ValueError:
+                problems.append(f"--layout {key}={value} must be a number")
         elif key == "sp":
             if value.lower() not in ("true", "false"):
                 problems.append(f"--layout sp={value} must be true or false")

@@ -24,6 +24,7 @@ from typing import Any
 
 from meshtron.config import Config, divisors, not_yet_supported, validate
 from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory
+from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -130,10 +131,12 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
         if ep > 1 and (m.n_experts % ep or (base.dp_shard * base.cp) % ep):
             yield "ep must divide model.n_experts and dp_shard*cp"
             continue
-        sp = fixed.get("sp", base.tp > 1)
-        yield Layout(
-            **{**base.to_dict(), "micro_batch": micro_batch, "recompute": recompute, "ep": ep, "sp": sp}
+        chosen = dict(micro_batch=micro_batch, recompute=recompute, ep=ep, sp=fixed.get("sp", base.tp > 1))
+        # The head counted as its FLOPs in layers, so the split does not make the last stage the slowest.
+        chosen["pp_head_layers"] = fixed.get(
+            "pp_head_layers", head_layers(m, t.seq_len) if base.pp > 1 else 0.0
         )
+        yield Layout(**{**base.to_dict(), **chosen})
 
 
 def _trainer_problem(cfg: Config, gpus: int) -> str | None:
