@@ -1,0 +1,499 @@
+"""This machine as the planner's cluster, measured on the spot: `meshtron plan --gpu cpu --gpus N`.
+
+The N "GPUs" are N gloo processes on this machine's cores as `meshtron train --nproc N` starts them:
+`OMP_NUM_THREADS` threads each (the launcher's default, max(1, cores // N)), possibly more ranks than
+cores. So every figure is measured with all N ranks (a `WorkerPool`; collectives through meshtron.comm)
+working at once, under the same sharing, and is a rate *per rank*: compute in a wall-clock window
+started by a barrier (best-of-single-calls would catch moments when the other ranks happen to be
+descheduled), collectives in fixed counts.
+
+  figure              how (the demo's shapes: 512 rows, dim 256, FFN 688, vocab 4096)      becomes
+  matmul FLOP/s       fp32 matmuls of 4 layers (q k v o, SwiGLU) and the head, forward and  fp32_ (and bf16_)
+                      both backward products as autograd runs F.linear (x·Wᵀ, g·W, gᵀ·x)    flops_per_s
+  attention share     SDPA forward + backward as the model calls it, in the planner's       efficiency
+                      FLOPs (3 x 4·q·keys·rows, keys = s/2), over the matmul rate           .attention
+  memory bytes/s      a 64 MiB copy (read + write)                                          hbm_bytes_per_s
+  elementwise share   gradient norm and clipping, foreach AdamW, zeroing the gradients, in  efficiency.hbm
+                      the planner's 32 bytes per parameter, over the copy's rate
+  all-reduce, -gather a small and a 16 MiB tensor: latency a = t_small / hops, bus          link bandwidth:
+                      bandwidth share·ΔS / Δt (plan/network.py's hops and shares)           all-gather's
+  latency under load  ranks in pairs (0-1, 2-3, ...) run a SwiGLU forward then a tiny       the links'
+                      all-reduce in the pair: the median of rounds, minus the forward's     latency
+                      time in a window; per message
+  process size        a rank's resident memory after import and gloo init                   context_bytes
+  memory              the host's RAM (or the cgroup's limit) / N                            memory_bytes
+
+Choices, and why (checked by benchmarks/planner_cpu.py: RESULTS.md, "Planner on this CPU"):
+- matmul efficiency 1.0: the rate is measured at the model's shapes, not a datasheet peak.
+- hbm efficiency = the elementwise share, about 0.35: eager CPU kernels make several unfused passes
+  where the planner's counts (4 trips per kept activation byte, 32 bytes per optimizer element) assume
+  fused GPU kernels; measured on AdamW, the same factor fits the layers' elementwise work. With these,
+  one rank's demo step is predicted within a few % of its measured CPU time (166 vs 169 ms; the demo
+  with 4 experts 189 vs 218 ms: routing and permutation are not counted).
+- The link bandwidth is all-gather's. The planner's formulas charge an all-gather or a reduce-scatter
+  half an all-reduce's bytes; on gloo they cost about as much as one: its all-gather reaches about half
+  the all-reduce's bus bandwidth, and a reduce-scatter is an all-reduce (comm.py). An all-reduce is
+  then charged about twice its time (DDP's gradients: a few % of the demo's step).
+- The latency is the one under load: with more ranks than cores a message often waits until its
+  receiver, descheduled in the middle of its compute, runs again (a scheduler time slice is ms). Here
+  about 1-2 ms per message, noisy (it depends on how the scheduler phases the ranks), against 0.7 ms
+  idle (only communicating); both are kept.
+- No overlap (`Overlap` all False): with ranks >= cores no core is idle, so gloo's threads (copies,
+  reductions) take their time from compute rather than hiding behind it.
+
+The measurement is cached per machine (host, CPU model, core count, torch version), rank count, thread
+count and probe sizes in `$MESHTRON_CACHE` (beside the prepared data), else `$XDG_CACHE_HOME/meshtron`
+or `~/.cache/meshtron`, file `hardware-probe.json`; `MESHTRON_REPROBE=1` measures again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from meshtron.plan.comm_time import Overlap
+from meshtron.plan.compute_time import ComputeEfficiency
+from meshtron.plan.estimate import Cluster
+from meshtron.plan.flops import keys_per_query
+from meshtron.plan.gpu_memory import MemoryOverhead
+from meshtron.plan.hardware import Accelerator
+from meshtron.plan.network import LinkEfficiency
+
+CACHE_FILE = "hardware-probe.json"
+PROBE_VERSION = 4  # bump when the method changes, so old cache entries are measured again
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """What the probe runs: the demo model's shapes by default (configs/demo.toml, micro-batch 4)."""
+
+    rows: int = 512  # tokens of a micro-batch
+    dim: int = 256
+    ffn: int = 688
+    vocab: int = 4096
+    heads: int = 8
+    kv_heads: int = 4
+    seq: int = 128
+    layers: int = 4
+    copy_mib: int = 64  # large enough to leave the caches
+    comm_mib: int = 16  # the large collective: DDP's demo gradients are one 20 MB bucket
+    window_s: float = 0.25  # per compute measurement
+    repeats: int = 3  # windows (compute) or rounds (collectives); the best is kept
+
+    @property
+    def tag(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+DEMO = ProbeSizes()
+# For tests: the same method on small shapes, a second or two of measuring.
+QUICK = ProbeSizes(128, 64, 128, 256, 4, 2, 32, layers=1, copy_mib=4, comm_mib=2, window_s=0.05, repeats=2)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Per-rank figures of this machine with `ranks` ranks of `threads` threads (units: SI)."""
+
+    ranks: int
+    threads: int
+    matmul_flops_per_s: float
+    attention_share: float  # SDPA forward+backward rate (planner-counted FLOPs) / matmul rate
+    memory_bytes_per_s: float  # a large copy, read + write
+    elementwise_share: float  # the optimizer's rate (planner-counted bytes) / the copy's
+    all_reduce_bytes_per_s: float  # bus bandwidth per rank
+    all_reduce_latency_s: float  # per message
+    all_gather_bytes_per_s: float
+    all_gather_latency_s: float
+    loaded_latency_s: float  # per message of a small all-reduce between compute (what training sees)
+    context_bytes: float  # a rank's resident memory before any work
+    host_memory_bytes: int
+    cpu: str
+    measured_at: str
+    probe_seconds: float
+
+
+# -- on every rank --
+
+
+Work = list[tuple[Callable[[], object], float]]  # calls and the work (FLOPs, bytes) each does
+
+
+def _timed_window(comm: Any, world: Any, work: Work, sizes: ProbeSizes) -> float:
+    """Work per second while every rank runs `work`'s calls in turn for the same wall-clock window
+    (calls are short next to it, so no rank runs much past it alone); the best window."""
+    for fn, _ in work:  # warm: first-call allocation and BLAS thread start-up
+        fn()
+    best = 0.0
+    for _ in range(sizes.repeats):
+        comm.barrier(world)
+        done, calls, start = 0.0, 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < sizes.window_s or calls == 0:
+            fn, amount = work[calls % len(work)]
+            fn()
+            done, calls = done + amount, calls + 1
+        best = max(best, done / elapsed)
+    return best
+
+
+def _linear_shapes(sizes: ProbeSizes) -> list[tuple[int, int]]:
+    """(in, out) of one layer's projections: q, k, v, o, SwiGLU gate, up, down."""
+    hd = sizes.dim // sizes.heads
+    q, kv = sizes.heads * hd, sizes.kv_heads * hd
+    d, f = sizes.dim, sizes.ffn
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+
+
+def _matmul_suite(sizes: ProbeSizes) -> Work:
+    """The matmuls of `layers` layers and the head, forward and both backward products as autograd
+    runs them for F.linear (x·Wᵀ, g·W, gᵀ·x), each layer on its own tensors (as in a step, where
+    they do not stay in cache), with their FLOPs."""
+    import torch
+
+    work: Work = []
+    shapes = _linear_shapes(sizes) * sizes.layers + [(sizes.dim, sizes.vocab)]
+    for k, n in shapes:
+        x, w, g = torch.randn(sizes.rows, k), torch.randn(n, k), torch.randn(sizes.rows, n)
+        flops = 2.0 * sizes.rows * k * n
+        work += [
+            (lambda x=x, w=w: torch.mm(x, w.t()), flops),
+            (lambda g=g, w=w: torch.mm(g, w), flops),
+            (lambda g=g, x=x: torch.mm(g.t(), x), flops),
+        ]
+    return work
+
+
+def _attention_call(sizes: ProbeSizes) -> Work:
+    """fp32 SDPA forward + backward as the model calls it (q, k, v and the output's gradient are
+    [batch, seq, heads, head_dim] tensors seen transposed), with the FLOPs the planner counts for it."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, hd = max(1, sizes.rows // sizes.seq), sizes.dim // sizes.heads
+    q = torch.randn(batch, sizes.seq, sizes.heads, hd, requires_grad=True)
+    k = torch.randn(batch, sizes.seq, sizes.kv_heads, hd, requires_grad=True)
+    v = torch.randn(batch, sizes.seq, sizes.kv_heads, hd, requires_grad=True)
+    grad = torch.randn(batch, sizes.seq, sizes.heads, hd)
+
+    def run() -> None:
+        qkv = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=sizes.heads != sizes.kv_heads)
+        out.backward(grad.transpose(1, 2))
+
+    core = 4.0 * sizes.heads * hd * keys_per_query(sizes.seq) * batch * sizes.seq
+    return [(run, 3 * core)]  # forward once, backward twice (plan/compute_time.py)
+
+
+def _copy_call(sizes: ProbeSizes) -> Work:
+    """A copy of a tensor too large for the caches, and the bytes it reads and writes."""
+    import torch
+
+    src = torch.ones(sizes.copy_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return [(lambda: dst.copy_(src), 2.0 * src.numel() * 4)]
+
+
+def _optimizer_call(sizes: ProbeSizes) -> Work:
+    """The trainer's per-parameter work after backward on the model's parameters: the gradient norm
+    and clipping scale, foreach AdamW (weight decay on matrices), zeroing the gradients; as work, the
+    32 bytes per element the planner counts for it (plan/estimate.py)."""
+    import torch
+
+    shapes = [(n, k) for k, n in _linear_shapes(sizes)] + [(sizes.dim,)] * 2
+    shapes = shapes * sizes.layers + [(sizes.vocab, sizes.dim)] * 2 + [(sizes.dim,)]
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    grads = [torch.randn(s) for s in shapes]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    groups = [
+        {"params": [p for p in params if p.ndim == d], "weight_decay": w} for d, w in ((2, 0.1), (1, 0.0))
+    ]
+    adamw = torch.optim.AdamW(groups, lr=1e-4, foreach=True)
+
+    def run() -> None:
+        norm = torch.stack(torch._foreach_norm(grads)).square().sum().sqrt()
+        torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        adamw.step()
+        torch._foreach_zero_(grads)
+
+    return [(run, 32.0 * sum(p.numel() for p in params))]
+
+
+def _collective_seconds(comm: Any, world: Any, fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Seconds per call of a collective every rank runs `calls` times (fixed counts: every rank must
+    issue the same collectives), the best of `repeats` rounds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        comm.barrier(world)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _link_times(comm: Any, world: Any, sizes: ProbeSizes) -> dict[str, float]:
+    """Per-call seconds of a small and a large all-reduce and all-gather (full sizes in bytes)."""
+    import torch
+
+    n, out = world.size, {}
+    for label, nbytes, calls in (("small", 1024 * n, 30), ("large", sizes.comm_mib * 2**20, 3)):
+        full, part = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // n)
+        ops = {
+            "all_reduce": lambda x=full: comm.all_reduce_(x, world),
+            "all_gather": lambda o=full, p=part: comm.all_gather_async(o, p, world).wait(),
+        }
+        for op, fn in ops.items():
+            out[f"{op}_{label}"] = _collective_seconds(comm, world, fn, calls, sizes.repeats)
+        out[f"{label}_bytes"] = float(full.numel() * 4)
+    return out
+
+
+def _loaded_latency(comm: Any, world: Any, sizes: ProbeSizes) -> float:
+    """Seconds a message of a small collective costs between pieces of compute, as tensor parallel
+    meets it: ranks in pairs (0-1, 2-3, ...) each run a SwiGLU forward, then an all-reduce within the
+    pair, over and over, against the same compute alone. With more ranks than cores the pair's other
+    rank is often descheduled in the middle of its compute (the other pairs run on the cores), and the
+    message waits for its turn: about a scheduler time slice, several times the idle latency."""
+    import torch
+    import torch.distributed as dist
+
+    pairs = [list(range(r, min(r + 2, world.size))) for r in range(0, world.size, 2)]
+    handles = [dist.new_group(ranks) for ranks in pairs]  # every rank creates every group, in order
+    mine = dist.get_rank() // 2
+    pair = comm.group("probe_pair", pairs[mine], handles[mine])
+    x, gate, up = (torch.randn(*shape) for shape in ((sizes.rows, sizes.dim), *[(sizes.dim, sizes.ffn)] * 2))
+    down, tiny = torch.randn(sizes.ffn, sizes.dim), torch.zeros(256)
+
+    def compute() -> None:
+        torch.mm(torch.mm(x, gate) * torch.mm(x, up), down)
+
+    def both() -> None:
+        compute()
+        comm.all_reduce_(tiny, pair)
+
+    # The compute alone in a window (every rank busy throughout: in fixed counts the ranks would drift
+    # apart, and the early ones would leave the cores to the late), with its collectives in fixed counts.
+    alone = 1.0 / _timed_window(comm, world, [(compute, 1.0)], sizes)
+    paired = statistics.median(
+        _collective_seconds(comm, world, both, 10, 1) for _ in range(2 * sizes.repeats + 1)
+    )
+    return max(0.0, paired - alone) / (2 * (pair.size - 1)) if pair.size > 1 else 0.0
+
+
+def rank_probe(threads: int, sizes: ProbeSizes) -> dict[str, float]:
+    """Everything one rank measures (run on every rank of a gloo world at once)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.comm import Comm
+
+    torch.set_num_threads(threads)
+    context = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
+    comm = Comm(timeout_s=120.0)
+    world = comm.group("world", list(range(dist.get_world_size())), dist.group.WORLD)
+    # One at a time, each call's tensors freed before the next is made (the copy's are large).
+    calls = {"matmul": _matmul_suite, "attention": _attention_call, "copy": _copy_call}
+    out = {name: _timed_window(comm, world, make(sizes), sizes) for name, make in calls.items()}
+    out["optimizer"] = _timed_window(comm, world, _optimizer_call(sizes), sizes)
+    if world.size > 1:
+        out |= _link_times(comm, world, sizes) | {"loaded_latency": _loaded_latency(comm, world, sizes)}
+    return out | {"context": context}
+
+
+# -- in the parent --
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _host_memory_bytes() -> int:
+    """Physical memory, or the cgroup's limit when lower (a container sees the host's RAM)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            total = min(total, int(Path(limit).read_text().strip()))
+    return int(total)
+
+
+def _alpha_beta(small: tuple[float, float], large: tuple[float, float], hops: int, share: float):
+    """(latency per message, bandwidth) from two timed sizes (bytes, seconds) of a collective whose
+    time is hops·a + share·S / B (the alpha-beta model of plan/network.py)."""
+    (s0, t0), (s1, t1) = small, large
+    if t1 - t0 < t1 / 4:  # noise swamps the difference: take the large call's time as all bandwidth
+        return t0 / hops, share * s1 / t1
+    bandwidth = share * (s1 - s0) / (t1 - t0)
+    return max(0.0, t0 - share * s0 / bandwidth) / hops, bandwidth
+
+
+def launcher_threads(ranks: int) -> int:
+    """Threads per rank as `meshtron train --nproc` sets them (cli._launch): the caller's
+    OMP_NUM_THREADS if set, otherwise the cores shared out."""
+    with contextlib.suppress(KeyError, ValueError):
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def measure(ranks: int, threads: int, sizes: ProbeSizes = DEMO) -> Measurement:
+    """Spawn `ranks` gloo processes of `threads` threads and measure them all at once."""
+    from meshtron.testing.workers import WorkerPool
+
+    start = time.perf_counter()
+    pool = WorkerPool(ranks, timeout_s=120.0)
+    try:
+        per_rank = pool.run(rank_probe, threads, sizes)
+    finally:
+        pool.close()
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in per_rank) / ranks
+
+    def slowest(key: str) -> float:  # a collective ends for all when it ends for the slowest
+        return max(r[key] for r in per_rank)
+
+    matmul, copy, n = mean("matmul"), mean("copy"), ranks
+    links = {"all_reduce": (0.0, copy), "all_gather": (0.0, copy)}  # one rank: never used
+    for name, hops, share in (
+        ("all_reduce", 2 * (n - 1), 2 * (n - 1) / n),
+        ("all_gather", n - 1, (n - 1) / n),
+    ):
+        if n > 1:
+            small, large = (
+                (slowest(f"{size}_bytes"), slowest(f"{name}_{size}")) for size in ("small", "large")
+            )
+            links[name] = _alpha_beta(small, large, hops, share)
+    return Measurement(
+        ranks=ranks,
+        threads=threads,
+        matmul_flops_per_s=matmul,
+        attention_share=mean("attention") / matmul,
+        memory_bytes_per_s=copy,
+        elementwise_share=mean("optimizer") / copy,
+        all_reduce_bytes_per_s=links["all_reduce"][1],
+        all_reduce_latency_s=links["all_reduce"][0],
+        all_gather_bytes_per_s=links["all_gather"][1],
+        all_gather_latency_s=links["all_gather"][0],
+        loaded_latency_s=mean("loaded_latency") if n > 1 else 0.0,
+        context_bytes=slowest("context"),
+        host_memory_bytes=_host_memory_bytes(),
+        cpu=f"{_cpu_model()} ({os.cpu_count()} logical CPUs)",
+        measured_at=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        probe_seconds=time.perf_counter() - start,
+    )
+
+
+def cluster_from(m: Measurement) -> Cluster:
+    """The planner's cluster for a measurement (the module docstring says why each constant)."""
+    gpu = Accelerator(
+        name="cpu",
+        bf16_flops_per_s=m.matmul_flops_per_s,  # a CPU rank trains in fp32; the planner reads fp32_*
+        fp8_flops_per_s=None,
+        fp32_flops_per_s=m.matmul_flops_per_s,
+        memory_bytes=m.host_memory_bytes // m.ranks,
+        hbm_bytes_per_s=m.memory_bytes_per_s,
+        intra_node_bytes_per_s=m.all_gather_bytes_per_s,  # see the module docstring
+        inter_node_bytes_per_s=m.all_gather_bytes_per_s,
+        gpus_per_node=m.ranks,
+        sources=(
+            f"measured on {m.cpu}, {m.ranks} gloo ranks x {m.threads} threads at once, {m.measured_at}: "
+            f"fp32 matmul {m.matmul_flops_per_s / 1e9:.1f} GFLOP/s, SDPA {m.attention_share:.2f} of it, "
+            f"copy {m.memory_bytes_per_s / 1e9:.1f} GB/s (elementwise {m.elementwise_share:.2f} of it), "
+            f"gloo all-reduce {m.all_reduce_bytes_per_s / 1e9:.2f} GB/s, all-gather "
+            f"{m.all_gather_bytes_per_s / 1e9:.2f} GB/s, latency {m.loaded_latency_s * 1e6:.0f} us/message "
+            f"under load, {m.all_reduce_latency_s * 1e6:.0f} idle (per rank)"
+        ),
+    )
+    latency = m.loaded_latency_s
+    return Cluster(
+        gpu,
+        m.ranks,
+        "fp32",
+        compute=ComputeEfficiency(matmul=1.0, attention=m.attention_share, hbm=m.elementwise_share),
+        links=LinkEfficiency(nvlink=1.0, network=1.0, nvlink_latency_s=latency, network_latency_s=latency),
+        overlap=Overlap(**{f.name: False for f in fields(Overlap)}),
+        memory=MemoryOverhead(context_bytes=m.context_bytes),
+    )
+
+
+# -- the cache --
+
+
+def cache_path() -> Path:
+    """Where measurements are kept: beside the prepared data (`$MESHTRON_CACHE`), else the XDG cache."""
+    if os.environ.get("MESHTRON_CACHE"):
+        return Path(os.environ["MESHTRON_CACHE"]) / CACHE_FILE
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "meshtron" / CACHE_FILE
+
+
+def cache_key(ranks: int, threads: int, sizes: ProbeSizes) -> str:
+    import torch
+
+    machine = f"{socket.gethostname()}|{_cpu_model()}|{os.cpu_count()} cpus|torch {torch.__version__}"
+    return f"{machine}|{ranks} ranks|{threads} threads|{sizes.tag}"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        if isinstance(data := json.loads(path.read_text()), dict):
+            return data
+    return {}
+
+
+def load_cached(key: str) -> Measurement | None:
+    """The cached measurement, or None (none, another probe version's, or unreadable)."""
+    entry = _read_cache(cache_path()).get(key)
+    with contextlib.suppress(KeyError, TypeError, AttributeError):
+        return Measurement(**entry["measurement"]) if entry.get("version") == PROBE_VERSION else None
+    return None
+
+
+def save_cached(key: str, m: Measurement) -> None:
+    """Add or replace one entry, atomically (another process may be reading the file)."""
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _read_cache(path)
+    data[key] = {"version": PROBE_VERSION, "measurement": asdict(m)}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def probe(ranks: int, sizes: ProbeSizes = DEMO, reprobe: bool | None = None) -> Measurement:
+    """This machine's measurement for `ranks` ranks: cached, or measured now (and cached) when there is
+    none, when `reprobe`, or when the environment says MESHTRON_REPROBE=1."""
+    if ranks < 1:
+        raise ValueError(f"a cluster needs at least 1 rank, got {ranks}")
+    if reprobe is None:
+        reprobe = os.environ.get("MESHTRON_REPROBE", "") not in ("", "0")
+    threads = launcher_threads(ranks)
+    key = cache_key(ranks, threads, sizes)
+    if not reprobe and (cached := load_cached(key)) is not None:
+        return cached
+    # stderr: `meshtron plan --json` prints its answer on stdout
+    print(f"meshtron: measuring this machine with {ranks} rank(s) x {threads} thread(s)...", file=sys.stderr)
+    m = measure(ranks, threads, sizes)
+    save_cached(key, m)
+    return m
+
+
+def cpu_cluster(ranks: int, sizes: ProbeSizes = DEMO, reprobe: bool | None = None) -> Cluster:
+    """This machine, measured on the spot (or from the cache), as a cluster of `ranks` gloo ranks."""
+    return cluster_from(probe(ranks, sizes, reprobe))
