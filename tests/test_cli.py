@@ -106,6 +106,8 @@ def test_prepare_data(tmp_path):
         "prepare-data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "d")
     )
     assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # no terminal: no progress, only the summary line
+    assert "2 documents from 2 files)" in out.stdout and " tokens/s)" in out.stdout
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["n_tokens"] == len(b"hello world\n") + len("héllo".encode()) + 2
     bad = meshtron("prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "e"))
@@ -188,6 +190,10 @@ def test_train_nproc_agrees_with_one_process(tmp_path, layout, one_process_run):
     many = meshtron("train", *NPROC_COMMON, *layout, f"--run.dir={tmp_path / 'many'}", "--nproc=2")
     assert many.returncode == 0, many.stderr
     rows = read_metrics(tmp_path / "many")
+    env = json.loads((tmp_path / "many" / "environment.json").read_text())
+    # The ranks record the command the user typed, not the launcher's rewrite of it.
+    assert env["command"].startswith("meshtron train --config") and env["command"].endswith("--nproc=2")
+    assert env["world_size"] == 2 and env["mesh"]["summary"] in many.stdout
     for a, b in zip(rows, one_process_run, strict=True):
         assert abs(a["loss"] - b["loss"]) / b["loss"] <= 1e-5
         assert a["comm_bytes"] > 0 and b["comm_bytes"] == 0
@@ -265,6 +271,9 @@ def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_star
     assert f"tokens/s per rank  {est.tokens_per_sec_per_gpu:,.0f}" in rest
     assert f"MFU                {100 * est.mfu:.1f}%" in rest
     assert "of 8.00 GiB" in rest and ": fits" in rest and "  optimizer " in rest and "  compute " in rest
+    environment = rest.split("# environment")[1]  # what the run would write to environment.json
+    assert "\nworld_size: 4\n" in environment and "\ntorch: " in environment and "\ngit: " in environment
+    assert '"tp": {"count": 2, "first": [0, 1]}' in environment and "\ncommand: " in environment
     assert list(nothing_starts.iterdir()) == []  # no run directory, no checkpoint, no data cache
 
 

@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import sys
@@ -163,6 +164,56 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, match):
     p.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=match):
         prepare_data([p], tmp_path / "out")
+
+
+def _parquet(path: Path, column: str, values: list) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: values}), path, row_group_size=2)  # several row groups
+    return path
+
+
+def test_prepare_parquet(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _parquet(src / "a.parquet", "text", ["ab", None, "", "ç", "d"])
+    (src / "b.txt").write_text("e")
+    ds = prepare_data([src], tmp_path / "out")  # a directory keeps its Parquet files (binary as they are)
+    assert ds.tokens.tolist() == [97, 98, 256, 0xC3, 0xA7, 256, 100, 256, 101, 256]
+    assert ds.n_documents == 4 and [Path(s).name for s in ds.sources] == ["a.parquet", "b.txt"]
+    with pytest.raises(DataError, match=r'no_text\.parquet: expected a "text" column; it has body'):
+        prepare_data([_parquet(tmp_path / "no_text.parquet", "body", ["x"])], tmp_path / "o2")
+    with pytest.raises(DataError, match=r'ints\.parquet: the "text" column must hold strings, it holds int'):
+        prepare_data([_parquet(tmp_path / "ints.parquet", "text", [1, 2])], tmp_path / "o3")
+
+
+def test_parquet_without_pyarrow_is_a_clear_error_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 stands in for a Parquet file PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` sees when it is missing
+    with pytest.raises(DataError, match=r"needs pyarrow.*pip install 'meshtron\[parquet\]'"):
+        prepare_data([tmp_path], tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_prepare_shows_progress_on_a_terminal_and_is_quiet_in_a_log(tmp_path, monkeypatch, capsys):
+    files = _write_corpus(tmp_path / "c")
+    ds = prepare_data(files, tmp_path / "log")  # pytest's stderr is no terminal, as a log file is not
+    assert capsys.readouterr().err == ""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    again = prepare_data(files, tmp_path / "tty", tokenizer="bpe", vocab_size=300)
+    shown = terminal.getvalue()
+    assert shown.startswith("training a BPE tokenizer of 300 tokens on 4 files\n")
+    assert shown.count("\r") >= 2 and shown.endswith("\n")  # rewritten in place, then the line ended
+    last = shown.rsplit("\r", 1)[1]
+    assert last.startswith(f"tokenizing: 4/4 files, {again.n_tokens:,} tokens, ") and "tokens/s" in last
+    assert ds.n_tokens > again.n_tokens  # the BPE run did tokenize (fewer tokens than bytes)
 
 
 def test_failed_prepare_never_leaves_a_complete_looking_dataset(tmp_path):
@@ -338,7 +389,8 @@ def test_resume_from_state_dict(tmp_path):
 
 
 def test_default_dataset_builds_once_and_caches(tmp_path):
-    ds = default_dataset(tmp_path)
+    said: list[str] = []
+    ds = default_dataset(tmp_path, say=said.append)
     name = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-bpe4096"
     assert ds.path == tmp_path / name
     assert os.listdir(tmp_path) == [name]  # no temp directories left behind
@@ -352,6 +404,8 @@ def test_default_dataset_builds_once_and_caches(tmp_path):
 
     # The second call opens the cached copy: nothing in it is written again.
     mtimes = {f.name: f.stat().st_mtime_ns for f in ds.path.iterdir()}
-    again = default_dataset(tmp_path)
+    again = default_dataset(tmp_path, say=said.append)
     assert again.path == ds.path and again.n_tokens == ds.n_tokens
+    # Building said so once, in one line; opening the cached copy says nothing.
+    assert len(said) == 1 and said[0].startswith("building the default corpus (") and name in said[0]
     assert {f.name: f.stat().st_mtime_ns for f in ds.path.iterdir()} == mtimes

@@ -17,7 +17,7 @@ from meshtron.plan.flops import (
     training_flops_per_token,
 )
 from meshtron.plan.hardware import ACCELERATORS, GiB, accelerator, peak_flops_per_s, with_links
-from meshtron.train.metrics import GPU_PEAK_BF16, flops_per_token
+from meshtron.train.metrics import flops_per_token
 
 SEQ = 128
 
@@ -148,9 +148,6 @@ def test_hardware_table_as_documented():
     assert a100.fp8_flops_per_s is None and a100.inter_node_bytes_per_s == 25e9
     assert accelerator("a100-80gb").hbm_bytes_per_s == 2.039e12
     assert all(acc.gpus_per_node == 8 and acc.sources for acc in ACCELERATORS.values())
-    for fragment, peak in GPU_PEAK_BF16:  # the trainer's MFU uses the same peaks
-        matches = [acc for name, acc in ACCELERATORS.items() if name.startswith(fragment.lower())]
-        assert matches and all(acc.bf16_flops_per_s == peak for acc in matches)
     assert accelerator(" H100 ") is h100
     with pytest.raises(ConfigError, match="fp8"):
         peak_flops_per_s(a100, "fp8")

@@ -1,9 +1,10 @@
-"""`meshtron` command line: train, verify, plan, mesh, schedule, context, prepare-data."""
+"""`meshtron` command line: train, verify, plan, mesh, schedule, context, prepare-data, export, generate."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import typing
 from collections.abc import Sequence
@@ -53,6 +54,8 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
         ]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks' own argv is the launcher's rewrite; environment.json records what the user typed.
+    os.environ["MESHTRON_COMMAND"] = shlex.join(["meshtron", *argv])
     try:
         run(launcher_args)
     except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
@@ -215,14 +218,72 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
+    import time
+
     from meshtron.data.dataset import prepare_data
 
+    start = time.perf_counter()
+    # Progress on stderr when it is a terminal; in a log, the line below is all prepare-data prints.
     data = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    seconds = time.perf_counter() - start
     print(
         f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "
-        f"{data.n_documents} documents) to {Path(args.out)}"
+        f"{data.n_documents} documents from {len(data.sources)} files) to {Path(args.out)} in "
+        f"{seconds:.1f} s ({data.n_tokens / max(seconds, 1e-9):,.0f} tokens/s)"
     )
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from meshtron.export import export
+
+    print(export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype)))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshtron.export import model_for_generation
+    from meshtron.models.generate import complete
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(["--max-new-tokens and --temperature must be >= 0, --top-p in (0, 1]"])
+    model, tok = model_for_generation(args.checkpoint, args.hf, args.config, args.device)
+    text = complete(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+def _add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
+    where = "a checkpoint (step-NNNNNNNN), or a checkpoints or run directory: its newest complete one"
+    config = "the run's config file, for a checkpoint that carries none (older than this option)"
+    export = sub.add_parser(
+        "export",
+        help="write a training checkpoint (any layout) as a Hugging Face directory (+ tokenizer)",
+        epilog="example: meshtron export --checkpoint runs/demo/checkpoints --out runs/demo/hf",
+    )
+    export.add_argument("--checkpoint", required=True, help=where)
+    export.add_argument(
+        "--out", required=True, help="directory for config.json, model.safetensors, tokenizer"
+    )
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    export.add_argument("--config", help=config)
+    gen = sub.add_parser(
+        "generate",
+        help="continue a prompt with a trained model on one device (KV cache)",
+        epilog='example: meshtron generate --checkpoint runs/demo/checkpoints --prompt "def " --temperature 0',
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help=where)
+    source.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep this much probability")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--config", help=config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,9 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     ctx.add_argument("--out", help="write a PNG of the chunk assignment and ring steps here")
 
     _add_plan_parser(sub)
+    _add_checkpoint_parsers(sub)
     prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
     prep.add_argument(
-        "inputs", nargs="+", help="files or directories (.txt, .py, .md, .jsonl with a 'text' key)"
+        "inputs",
+        nargs="+",
+        help="files or directories (.txt, .py, .md, .jsonl with a 'text' key, .parquet with a 'text' column)",
     )
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument(
@@ -341,6 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_schedule(args)
         if args.command == "context":
             return cmd_context(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "generate":
+            return cmd_generate(args)
         return cmd_prepare_data(args)
     except (ConfigError, DataError, CheckpointError) as err:
         # User errors (configs, layouts, data) get a message, not a traceback.

@@ -75,6 +75,10 @@ def non_negative(default: float) -> Any:
 @dataclass
 class ModelConfig:
     name: str = ""
+    # A Hugging Face checkpoint directory (config.json + safetensors) to start from: the architecture
+    # comes from its config.json, explicit keys may only repeat it, and the weights load into any layout
+    # unless the run resumes from a checkpoint of its own (train/init_from_hf.py).
+    init_from: str = ""
     dim: int = positive(256)
     n_layers: int = positive(4)
     n_heads: int = positive(8)
@@ -194,6 +198,8 @@ class TrainingConfig:
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_skipped_steps: int = non_negative(5)
     recompute: Recompute = "none"
+    eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
+    eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages
 
 
 @dataclass
@@ -201,6 +207,10 @@ class DataConfig:
     path: str = "default"  # a `meshtron prepare-data` output dir, or "default" (Python stdlib source)
     tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
     tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
+    # Validation data (data/validation.py): the last val_fraction of the tokens held out from training,
+    # or a separately prepared dir; neither (the default) leaves the training data as it is.
+    val_fraction: float = _ranged(0.0, lambda v: 0.0 <= v < 1.0, "must be in [0, 1): the share held out")
+    val_path: str = ""
 
 
 @dataclass
@@ -218,6 +228,11 @@ class RunConfig:
     comm_timeout_s: float = positive(300.0)
     device: Device = "auto"
     plot: bool = True
+    sample_tokens: int = non_negative(40)  # greedy tokens printed at the end of a run (rank 0); 0: none
+    # Weights & Biases: rank 0 logs the TensorBoard scalars to this project ("": off); needs the wandb
+    # extra. wandb_name names the W&B run ("": run.dir's last part).
+    wandb_project: str = ""
+    wandb_name: str = ""
 
 
 @dataclass
@@ -312,7 +327,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def _merge(
     raw: Mapping[str, Any], overrides: Sequence[str], problems: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """{section: {key: value}} from the file, then the overrides, then the model preset under them."""
+    """{section: {key: value}} from the file, then the overrides, then the model preset under them (or,
+    with model.init_from, the checkpoint's architecture, which they may only repeat)."""
     merged: dict[str, dict[str, Any]] = {}
     sections = [f.name for f in dataclasses.fields(Config)]
 
@@ -339,7 +355,12 @@ def _merge(
             continue
         put(section, key, value, f"override {text!r}")
     model_values = merged.get("model", {})
-    if model_values.get("name", ""):
+    if isinstance(model_values.get("init_from"), str) and model_values["init_from"]:
+        # The checkpoint's config.json defines the model (imported here: it imports this module).
+        from meshtron.train.init_from_hf import resolve_model_keys
+
+        merged["model"] = resolve_model_keys(model_values, problems)
+    elif model_values.get("name", ""):
         try:
             merged["model"] = {**model_preset(model_values["name"]), **model_values}
         except ConfigError as err:
@@ -402,6 +423,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     then each feature's rules, stated in the module of the code that needs them (imported here, not at
     the top, because those modules import this one)."""
     from meshtron.data.sampler import batch_problems
+    from meshtron.data.validation import validation_problems
     from meshtron.mesh import layout_problems
     from meshtron.models.llama import model_problems
     from meshtron.models.moe import moe_problems
@@ -409,6 +431,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     from meshtron.parallel.expert import expert_parallel_problems
     from meshtron.parallel.tensor import tensor_parallel_problems
     from meshtron.pipeline.runtime import pipeline_problems
+    from meshtron.train.wandb_log import wandb_problems
 
     problems, sizes = field_problems(cfg)
     if sizes:  # the rules below divide by these numbers
@@ -420,6 +443,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     problems += expert_parallel_problems(cfg)
     problems += batch_problems(cfg, world_size)
     problems += pipeline_problems(cfg, world_size)
+    problems += validation_problems(cfg)
+    problems += wandb_problems(cfg)
     return problems
 
 

@@ -1,21 +1,21 @@
 """`meshtron train --dry-run`: what a run would be, printed instead of started.
 
-Three parts, each from the code a real run (or `meshtron mesh` / `meshtron plan`) uses, so the dry run
+Four parts, each from the code a real run (or `meshtron mesh` / `meshtron plan`) uses, so the dry run
 cannot disagree with them:
 
   1. the resolved config (file, model preset, overrides), as TOML that loads back to the same Config
   2. the mesh (mesh.ParallelDims, dp_shard=-1 resolved), as `meshtron mesh` prints it
   3. the planner's prediction (plan/estimate.py) for exactly this layout on the hardware the run would
      use: the visible GPU mapped to the planner's table, or this machine's CPU (hardware_probe)
+  4. the environment (records.py), as the run would write it to run.dir/environment.json
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.mesh import ParallelDims, resolve_dp_shard
@@ -23,37 +23,13 @@ from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import ACCELERATORS, accelerator
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
+from meshtron.records import config_text, environment, environment_text
 
 GiB = 2**30
 MiB = 2**20
 # Table entries by the word torch.cuda.get_device_name carries ("NVIDIA H100 80GB HBM3",
 # "NVIDIA A100-SXM4-80GB"); A100 comes in two memory sizes, told apart by the memory the device reports.
 GPU_FAMILIES = ("b200", "h200", "h800", "h100", "a100")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def config_text(cfg: Config, world_size: int) -> str:
-    """Every section and key of `cfg`, as TOML: saved to a file, it reruns exactly this config (so
-    dp_shard=-1 stays -1, with what it resolves to as a comment)."""
-    lines: list[str] = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            line = f"{key} = {_toml_value(value)}"
-            if (section, key, value) == ("parallel", "dp_shard", -1):
-                line += f"  # {resolve_dp_shard(cfg.parallel, world_size)} on {world_size} rank(s)"
-            lines.append(line)
-        lines.append("")
-    return "\n".join(lines).rstrip()
 
 
 def resolved(cfg: Config, world_size: int) -> Config:
@@ -183,6 +159,7 @@ def dry_run(cfg: Config, world_size: int, source: str) -> str:
     """The whole report for a config already checked for `world_size` ranks; `source` says where the
     config came from (file and overrides)."""
     text = config_text(cfg, world_size)
+    env = environment(cfg, world_size)
     cfg = resolved(cfg, world_size)
     hardware = detect_hardware(cfg, world_size)
     cluster = hardware.cluster
@@ -200,5 +177,6 @@ def dry_run(cfg: Config, world_size: int, source: str) -> str:
     if cluster is not None:
         parts.append(f"cluster: {cluster.describe()}")
         parts.append(prediction_text(cfg, cluster, hardware.unit))
+    parts += ["", "# environment (as run.dir/environment.json will hold it)", environment_text(env)]
     parts += ["", "dry run: the config is valid; nothing was started"]
     return "\n".join(parts)

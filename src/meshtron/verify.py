@@ -44,7 +44,7 @@ def shrink(cfg: Config, world: int) -> Config:
     width = 2 * dim * max(p.tp, 1)
     chunks = p.pp * p.vpp
     model = dataclasses.replace(
-        m, name="", dim=dim, head_dim=HEAD_DIM, ffn_dim=width, vocab_size=512,
+        m, name="", init_from="", dim=dim, head_dim=HEAD_DIM, ffn_dim=width, vocab_size=512,
         n_layers=max(chunks, 2) if m.n_layers >= max(chunks, 2) else m.n_layers,
         moe_ffn_dim=width if m.is_moe else 0, shared_ffn_dim=width if m.n_shared_experts else 0,
         dense_layers=[i for i in m.dense_layers if i < max(chunks, 2)],
@@ -60,7 +60,10 @@ def shrink(cfg: Config, world: int) -> Config:
     parallel = dataclasses.replace(p, pp_layers=[])
     data = dataclasses.replace(cfg.data, path="default", tokenizer="byte")
     checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume=False)
-    run = dataclasses.replace(cfg.run, plot=False, dir=tempfile.mkdtemp(prefix="meshtron-verify-"))
+    # A check, not a run to keep: no plots, and nothing logged to the job's W&B project.
+    run = dataclasses.replace(
+        cfg.run, plot=False, dir=tempfile.mkdtemp(prefix="meshtron-verify-"), wandb_project=""
+    )
     return dataclasses.replace(
         cfg, model=model, training=training, parallel=parallel, data=data, checkpoint=checkpoint, run=run
     )

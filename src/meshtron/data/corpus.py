@@ -1,10 +1,12 @@
-"""Corpora: which files make one (text and source files, `.jsonl` with a "text" key) and their documents.
+"""Corpora: which files make one (text and source files, `.jsonl` with a "text" key, `.parquet` with a
+"text" column) and their documents.
 
 The default corpus is this interpreter's standard library source, which every Python install has.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sysconfig
@@ -12,6 +14,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from meshtron.data import DataError
+
+PARQUET = ".parquet"
+# Rows are read this many at a time, so a Parquet file of any size is read in bounded memory.
+_PARQUET_BATCH_ROWS = 1024
 
 
 def _looks_binary(path: Path) -> bool:
@@ -32,9 +38,9 @@ def _looks_binary(path: Path) -> bool:
 def collect_files(inputs: Sequence[str | Path], exclude: Sequence[Path] = ()) -> list[Path]:
     """Expand ``inputs`` into files: files as given, directories recursively in sorted order.
 
-    Inside directories, hidden entries (``.git`` ...) and binary-looking files are skipped so that pointing
-    at a source tree just works; a file named explicitly is always read (and fails loudly if not text).
-    """
+    Inside directories, hidden entries (``.git`` ...) and binary-looking files (but Parquet) are skipped so
+    that pointing at a source tree just works; a file named explicitly is always read (and fails loudly if
+    not text)."""
     excluded = {p.resolve() for p in exclude}
     out: list[Path] = []
     for inp in inputs:
@@ -48,20 +54,53 @@ def collect_files(inputs: Sequence[str | Path], exclude: Sequence[Path] = ()) ->
                 dirs[:] = [d for d in dirs if not d.startswith(".") and (rootp / d).resolve() not in excluded]
                 for name in files:
                     fp = rootp / name
-                    if not name.startswith(".") and fp.is_file() and not _looks_binary(fp):
+                    if name.startswith(".") or not fp.is_file():
+                        continue
+                    # Parquet is binary but a corpus format: kept where other binary files are skipped.
+                    if fp.suffix == PARQUET or not _looks_binary(fp):
                         found.append(fp)
             # Sorting by relative path (not walk order) makes the corpus order filesystem-independent.
             found.sort(key=lambda f: f.relative_to(p).as_posix())
             out.extend(found)
         else:
             raise DataError(f"input {p} does not exist")
+    parquet = [f for f in out if f.suffix == PARQUET]
+    if parquet and importlib.util.find_spec("pyarrow") is None:  # said before any work starts
+        raise DataError(
+            f"{parquet[0]} is a Parquet file, and reading Parquet needs pyarrow, which is not installed: "
+            "pip install 'meshtron[parquet]' (or pyarrow)"
+        )
     return out
 
 
+def _parquet_documents(path: Path) -> Iterator[tuple[Path, str]]:
+    """One document per row of the file's "text" column (empty and null rows skipped)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} is not a readable Parquet file ({e})") from e
+    schema = table.schema_arrow
+    if "text" not in schema.names:
+        raise DataError(f'{path}: expected a "text" column; it has {", ".join(schema.names) or "none"}')
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f'{path}: the "text" column must hold strings, it holds {kind}')
+    for batch in table.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield path, text
+
+
 def iter_documents(files: Iterable[Path]) -> Iterator[tuple[Path, str]]:
-    """Yield ``(file, text)`` per document: one per text file, one per line of a ``.jsonl`` file."""
+    """Yield ``(file, text)`` per document: one per text file, one per line of a ``.jsonl`` file, one per
+    row of a ``.parquet`` file."""
     for path in files:
-        if path.suffix == ".jsonl":
+        if path.suffix == PARQUET:
+            yield from _parquet_documents(path)
+        elif path.suffix == ".jsonl":
             with open(path, encoding="utf-8-sig") as f:
                 for lineno, line in enumerate(f, start=1):
                     if not line.strip():

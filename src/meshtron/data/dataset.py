@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import numpy as np
 
 from meshtron.data import DataError
 from meshtron.data.corpus import collect_files, iter_documents, stdlib_files
+from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def _dataset_tokenizer(
     vocab_size: int,
     eos_token: str | None,
     bpe_train_bytes: int | None,
+    progress: Progress,
 ) -> tuple[Tokenizer, str]:
     """The tokenizer a dataset in `out_dir` is written with, and how meta.json names it: bytes, a BPE
     trained on `files` (saved into out_dir), or a given tokenizer.json (copied into out_dir)."""
@@ -150,6 +152,7 @@ def _dataset_tokenizer(
         tok_path.unlink(missing_ok=True)
         return ByteTokenizer(), "byte"
     if spec == "bpe":
+        progress.note(f"training a BPE tokenizer of {vocab_size} tokens on {len(files)} files")
         return train_bpe(files, vocab_size, tok_path, max_bytes=bpe_train_bytes), TOKENIZER_FILE
     if not Path(spec).exists():
         raise DataError(f"unknown tokenizer {spec!r}: use 'byte', 'bpe' or a path to a tokenizer.json")
@@ -161,7 +164,16 @@ def _dataset_tokenizer(
     return HFTokenizer(tok_path, eos_token=src.eos_token), TOKENIZER_FILE
 
 
-def _write_tokens(files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_path: Path) -> dict[str, Any]:
+def _documents(files: list[Path]) -> Iterator[tuple[int, Path, str]]:
+    """(files finished before this document, its file, its text) for every document of `files`."""
+    for done, file in enumerate(files):
+        for path, text in iter_documents([file]):
+            yield done, path, text
+
+
+def _write_tokens(
+    files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_path: Path, progress: Progress
+) -> dict[str, Any]:
     """Tokenize every document of `files` into `tokens_path` (each followed by eos), atomically; returns
     the counts meta.json records."""
     tmp_tokens = tokens_path.with_name(f".{TOKENS_FILE}.tmp-{os.getpid()}")
@@ -171,7 +183,8 @@ def _write_tokens(files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_pat
         with open(tmp_tokens, "wb") as f:
             buf: list[np.ndarray] = []
             buffered = 0
-            for path, text in iter_documents(files):
+            for files_done, path, text in _documents(files):
+                progress.update(files_done, n_tokens + buffered)
                 ids = np.asarray(tok.encode(text), dtype=dtype)
                 buf.append(ids)
                 buf.append(np.asarray([tok.eos_id], dtype=dtype))
@@ -188,6 +201,8 @@ def _write_tokens(files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_pat
             if buf:
                 f.write(np.concatenate(buf).tobytes())
                 n_tokens += buffered
+        progress.update(len(files), n_tokens)
+        progress.close()
         if n_tokens:
             _fsync_replace(tmp_tokens, tokens_path)
     finally:
@@ -203,11 +218,13 @@ def prepare_data(
     *,
     eos_token: str | None = None,
     bpe_train_bytes: int | None = DEFAULT_BPE_TRAIN_BYTES,
+    progress: bool | None = None,
 ) -> PreparedData:
-    """Tokenize text/.jsonl files and directories into ``out_dir``; returns the opened dataset.
+    """Tokenize text/.jsonl/.parquet files and directories into ``out_dir``; returns the opened dataset.
 
     ``tokenizer`` is ``"byte"``, ``"bpe"`` (train a byte-level BPE of ``vocab_size`` on the corpus) or a
     path to a tokenizer.json (copied into ``out_dir``). ``vocab_size`` only matters for ``"bpe"``.
+    ``progress``: show files, tokens and tokens/s on stderr as it goes (None: when stderr is a terminal).
     """
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -219,9 +236,12 @@ def prepare_data(
     # Drop the completion marker first: a crash from here on must leave a dataset that refuses to open,
     # not an old meta.json describing new tokens.
     meta_path.unlink(missing_ok=True)
-    tok, tok_spec = _dataset_tokenizer(tokenizer, files, out_dir, vocab_size, eos_token, bpe_train_bytes)
+    shown = Progress(len(files), live=progress)
+    tok, tok_spec = _dataset_tokenizer(
+        tokenizer, files, out_dir, vocab_size, eos_token, bpe_train_bytes, shown
+    )
     dtype = dtype_for_vocab(tok.vocab_size)
-    counts = _write_tokens(files, tok, dtype, out_dir / TOKENS_FILE)
+    counts = _write_tokens(files, tok, dtype, out_dir / TOKENS_FILE, shown)
     if counts["n_tokens"] == 0:
         raise DataError(f"inputs {[str(i) for i in inputs]} contain no text")
     meta = {
@@ -254,9 +274,13 @@ def default_cache_dir() -> Path:
 
 
 def default_dataset(
-    cache_dir: str | Path | None = None, tokenizer: str = "bpe", vocab_size: int = 4096
+    cache_dir: str | Path | None = None,
+    tokenizer: str = "bpe",
+    vocab_size: int = 4096,
+    say: Callable[[str], None] | None = None,
 ) -> PreparedData:
-    """The stdlib corpus, prepared on first use and cached; safe to call from several processes at once."""
+    """The stdlib corpus, prepared on first use and cached; safe to call from several processes at once.
+    `say` is told, in one line, when it has to be built (which takes a while)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     py = f"py{sys.version_info.major}.{sys.version_info.minor}"
     if tokenizer == "byte":
@@ -274,12 +298,16 @@ def default_dataset(
         if final.exists():
             logger.warning("cached dataset %s is unusable; rebuilding it", final)
 
+    files = stdlib_files()
+    if say is not None:
+        how = {"byte": "byte tokens", "bpe": f"a BPE of {vocab_size} tokens"}.get(tokenizer, tokenizer)
+        say(f"building the default corpus ({len(files)} stdlib files, {how}) in {final}; cached after")
     cache.mkdir(parents=True, exist_ok=True)
     # Building in a private directory and renaming it into place is atomic: readers see either nothing or
     # a complete dataset, and concurrent builders cannot interleave writes.
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
     try:
-        prepare_data(stdlib_files(), tmp, tokenizer=tokenizer, vocab_size=vocab_size)
+        prepare_data(files, tmp, tokenizer=tokenizer, vocab_size=vocab_size)
         # mkdtemp makes the directory owner-only; a shared cache should be readable like any other.
         os.chmod(tmp, 0o755)
         try:

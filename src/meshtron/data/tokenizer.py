@@ -112,6 +112,34 @@ def load_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
     return HFTokenizer(path, eos_token=eos_token)
 
 
+def _byte_symbols() -> list[str]:
+    """The printable character byte-level tokenizers (GPT-2's, `tokenizers`' ByteLevel) write for each
+    byte value 0..255: printable Latin-1 bytes stand for themselves, the rest are shifted past 255."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
+
+def tokenizer_json(tok: Tokenizer) -> str:
+    """`tok` as a Hugging Face tokenizer.json (what checkpoints carry and `meshtron export` converts):
+    an HFTokenizer's own file, or for bytes a byte-level model with no merges whose ids are the byte
+    values and eos 256, so it encodes and decodes exactly as ByteTokenizer does."""
+    if isinstance(tok, HFTokenizer):
+        return tok.path.read_text(encoding="utf-8")
+    if not isinstance(tok, ByteTokenizer):
+        raise TypeError(f"no tokenizer.json for {tok!r}")
+    from tokenizers import Tokenizer as _HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+    hf = _HFTok(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: bytes are tokens whatever the text, as ByteTokenizer has it.
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([EOS_TEXT])
+    return hf.to_str()
+
+
 def train_bpe(
     files: Iterable[str | Path], vocab_size: int, out_path: str | Path, max_bytes: int | None = None
 ) -> HFTokenizer:

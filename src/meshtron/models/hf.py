@@ -88,10 +88,10 @@ IGNORED_KEY_PATTERN = re.compile(r"\.rotary_emb\.inv_freq$")
 PICKLE_WEIGHT_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt")
 
 
-def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded safetensors checkpoint, by name. Only safetensors are
-    read (a header of JSON and raw tensor bytes, no code); a directory with pickled weights and no
-    safetensors is refused, and so is an index that points at anything but .safetensors files beside it."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a single-file or sharded checkpoint. Only safetensors are ever read (a
+    header of JSON and raw tensor bytes, no code); a directory with pickled weights and no safetensors is
+    refused, and so is an index that points at anything but .safetensors files beside it."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
         files = [single]
@@ -119,8 +119,13 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
                 "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)"
             )
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    return files
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded safetensors checkpoint (`weight_files`), by name."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                 if key in tensors:

@@ -1,8 +1,9 @@
 """Llama-family decoder: RMSNorm, RoPE (with llama3 scaling), grouped-query attention, SwiGLU.
 
 Covers Llama 2/3, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); MoE layers come from
-`moe.py`. Shapes in names: B batch, S sequence, D model dim, H query heads, K key/value heads,
-Dh head dim, F ffn dim, V vocab.
+`moe.py`. For decoding, `forward` takes an optional `KVCache` (keys and values of the tokens already
+seen); training never passes one, so its path is unchanged. Shapes in names: B batch, S sequence,
+D model dim, H query heads, K key/value heads, Dh head dim, F ffn dim, V vocab.
 """
 
 from __future__ import annotations
@@ -78,6 +79,46 @@ def apply_rope(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Te
     return x_BHSDh * cos_BSDh[:, None] + rotated * sin_BSDh[:, None]
 
 
+class LayerKV:
+    """One layer's cached keys and values [B, K, max_len, Dh], filled up to `length`."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype):
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def extend(self, k_BKSDh: torch.Tensor, v_BKSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' (rotated) keys and values; returns every cached one so far."""
+        end = self.length + k_BKSDh.shape[2]
+        if end > self.keys.shape[2]:
+            raise ValueError(f"the KV cache holds {self.keys.shape[2]} tokens; {end} were asked for")
+        self.keys[:, :, self.length : end] = k_BKSDh
+        self.values[:, :, self.length : end] = v_BKSDh
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Every layer's keys and values for decoding, preallocated for `max_len` tokens (prompt + new), so
+    a step appends in place instead of concatenating the whole history again."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
+        self.layers = {str(i): LayerKV(shape, device, dtype) for i in range(cfg.n_layers)}
+
+    @property
+    def length(self) -> int:
+        """Tokens cached so far: the position the next token takes."""
+        return next(iter(self.layers.values())).length if self.layers else 0
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -90,14 +131,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out_BHSDh = self.core(*(t.transpose(1, 2) for t in (q, k, v)), cos, sin)
+        qkv = (t.transpose(1, 2) for t in (q, k, v))
+        out_BHSDh = self.core(*qkv, cos, sin) if cache is None else self.cached_core(*qkv, cos, sin, cache)
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, -1))
 
     def core(
@@ -123,6 +167,29 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
+    def cached_core(
+        self,
+        q_BHSDh: torch.Tensor,
+        k_BKSDh: torch.Tensor,
+        v_BKSDh: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV,
+    ) -> torch.Tensor:
+        """The S new tokens (at positions cache.length onwards, which cos/sin carry) over the cached
+        ones and themselves. The mask is explicit: SDPA's is_causal aligns a short query block with the
+        first keys, not the last, and the sliding window counts from each query's own position."""
+        start = cache.length
+        keys, values = cache.extend(apply_rope(k_BKSDh, cos, sin), v_BKSDh)
+        q_pos = torch.arange(start, start + q_BHSDh.shape[2], device=q_BHSDh.device)
+        distance = q_pos[:, None] - torch.arange(keys.shape[2], device=q_BHSDh.device)[None, :]
+        allowed = distance >= 0
+        if self.sliding_window:
+            allowed &= distance < self.sliding_window
+        q = apply_rope(q_BHSDh, cos, sin)
+        gqa = q.shape[1] != keys.shape[1]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=gqa)
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -138,9 +205,9 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(
-        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, cache)
         if self.moe is None:
             return h + self.feed_forward(self.ffn_norm(h)), None
         moe_out, aux_loss = self.moe(self.ffn_norm(h))
@@ -160,16 +227,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(
-        self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None = None, return_aux: bool = False
+        self,
+        tokens_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        return_aux: bool = False,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, S, V]; with return_aux also the summed MoE auxiliary loss (0 for dense models)."""
+        """Logits [B, S, V]; with return_aux also the summed MoE auxiliary loss (0 for dense models).
+        With a cache, the tokens follow those it holds (positions offset by its length) and join it."""
         if positions_BS is None:
-            positions_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device)
+            positions_BS = positions.expand_as(tokens_BS)
         h = self.tok_embeddings(tokens_BS)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype)
         aux_loss = torch.zeros((), device=h.device)
-        for block in self.layers.values():
-            h, block_aux = block(h, cos, sin)
+        for name, block in self.layers.items():
+            # Blocks are called as the pipeline runtime and recompute wrappers expect when not decoding.
+            h, block_aux = block(h, cos, sin) if cache is None else block(h, cos, sin, cache.layers[name])
             if block_aux is not None:
                 aux_loss = aux_loss + block_aux
         logits = output_logits(h, self.norm, self.output, self.tok_embeddings)

@@ -148,7 +148,7 @@ class FullyShardedDataParallel(DataParallelEngine):
             # Only the main output: an MoE block's aux-loss output gets its gradient as soon as backward
             # starts, long before the block's turn.
             main.register_hook(lambda grad, i=index: self._pre_backward(i, grad))
-        if self.reshard_after_forward:
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will come for it
             self.units[index].reshard()
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ With the zero-bubble schedule, the linear layers of every chunk but the first de
 gradients from B to W (zero_bubble.py). The first chunk has no input gradient to hurry: its B is the
 whole backward, as in 1F1B, and its W empty (deferring it would move the first stage's entire backward
 into the end of the step, where nothing can overlap it).
+
+Evaluation (`forward_only`) needs no schedule: forwards only, in one global order every rank follows.
 """
 
 from __future__ import annotations
@@ -324,6 +326,47 @@ class PipelineRuntime:
             send.pending.wait()
         self.step_seconds = time.perf_counter() - step_start
         return step.ce_sum
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss: MicroBatchLoss,
+        positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forwards only (evaluation): this rank's share of the micro-batches' summed cross-entropy, as
+        `run` returns it (non-zero on the rank holding the last chunk only; no aux loss, no backward).
+
+        No schedule is needed without backwards: every rank walks the same global order (micro-batch,
+        then chunk) and acts on the chunks it holds, receiving a chunk's input from the rank of the chunk
+        before and sending its output on. A receive's send comes earlier in that order and sends do not
+        block, so no rank waits on one that waits on it. The last step's timeline is left as it was."""
+        tokens0, _ = micro_batches[0]
+        batch, seq = tokens0.shape
+        device = tokens0.device
+        if positions_BS is None:
+            positions_BS = torch.arange(seq, device=device).expand(batch, -1)
+        shape, last = (batch, seq // self.seq_shards, self.model.cfg.dim), self.n_chunks - 1
+        ce_sum, sends = torch.zeros((), device=device), []
+        for tokens, targets in micro_batches:
+            for c, chunk in sorted(self.chunks.items()):
+                if c == 0:
+                    x = tokens
+                else:
+                    pending, x = self.comm.irecv(
+                        shape, torch.float32, device, self.pp, (c - 1) % self.pp.size
+                    )
+                    pending.wait()
+                with loss.autocast():
+                    out, aux = chunk(x, positions_BS)
+                if c == last:
+                    ce_sum += loss.of(out, aux, targets)[1]
+                else:
+                    buffer = out.float().contiguous()
+                    sends.append((self.comm.isend(buffer, self.pp, (c + 1) % self.pp.size), buffer))
+        for pending, _ in sends:
+            pending.wait()
+        return ce_sum
 
     def idle_fraction(self) -> float:
         """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""

@@ -32,8 +32,8 @@ A NIC's "400 Gb/s" is already per direction (full duplex), so only the bits-to-b
   b200        2250 / 4500          180 GiB   8.0        1800 -> 900 GB/s                400 Gb/s NDR
 
 Choices:
-- H100 SXM's dense bf16 peak is 989.4 TFLOP/s in NVIDIA's Hopper whitepaper; 989 is stored, the figure
-  the trainer's MFU already uses (`train/metrics.py`), so planner and trainer MFU agree.
+- H100 SXM's dense bf16 peak is 989.4 TFLOP/s in NVIDIA's Hopper whitepaper; 989 is stored; the trainer's
+  MFU divides by this table's peaks too (`train/peak.py`), so planner and trainer MFU agree.
 - H800 is H100 SXM with NVLink cut to 8 links (400 GB/s total); its tensor cores, memory and network are
   an H100's. DeepSeek-V3's report measures about 160 GB/s of NVLink and 50 GB/s of InfiniBand per GPU on
   its H800 cluster: the link efficiency constants, not this table, account for that gap.

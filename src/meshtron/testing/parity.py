@@ -70,6 +70,17 @@ def train_rows(overrides: list[str]) -> list[dict[str, Any]]:
     return trainer_for(overrides).run()
 
 
+def val_losses(overrides: list[str], steps: int = 2, evaluate: bool = True) -> list[tuple[float, float]]:
+    """On every rank: (training loss, validation loss after it) of `steps` steps (validation NaN without
+    `evaluate`: then the training losses show what evaluating changes of training, which is nothing)."""
+    trainer = trainer_for(overrides)
+    out = []
+    for step in range(steps):
+        loss = trainer.step(step)["loss"]
+        out.append((loss, trainer.evaluator.evaluate(step + 1)["val_loss"] if evaluate else float("nan")))
+    return out
+
+
 _SINGLE_DEVICE: dict[tuple[str, ...], dict[str, Any]] = {}
 
 

@@ -15,7 +15,9 @@ A checkpoint is written into `step-NNNNNNNN.tmp/` and renamed to `step-NNNNNNNN/
 has finished, so a crash mid-save leaves the previous checkpoint as the newest complete one. The state
 holds the model (with MoE routers' balancing biases), the optimizer, the data sampler and the step, which
 is all an exact resume needs
-(the learning rate is a function of the step; the model has no dropout).
+(the learning rate is a function of the step; the model has no dropout). Beside it, rank 0 writes the
+files the trainer passes (the run's resolved `config.toml` and its `tokenizer.json`), so that one
+directory is enough to rebuild the model on one device (`load_model_weights`, `meshtron export`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +41,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config
+from meshtron.config import Config, ModelConfig
+from meshtron.models.llama import Transformer, rope_inv_freq
 from meshtron.parallel.data_parallel import uses_torch_fsdp
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import ShardedShape
@@ -217,9 +221,11 @@ def save_checkpoint(
     world: CommGroup,
     keep: int,
     tp_blocks: ShardBlocks | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Collective: every rank must call it. Returns the final directory. Refuses (on every rank) to write
-    parameters or optimizer state holding inf or NaN."""
+    parameters or optimizer state holding inf or NaN. `files` (name -> contents) are written beside the
+    state by rank 0, inside the manifest."""
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
     state = _state(engine, optimizer, train_state, tp_blocks)
@@ -231,6 +237,9 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save of this step
     comm.barrier(world)
     dcp.save(state, checkpoint_id=str(tmp))
+    if world.rank == 0:
+        for name, contents in (files or {}).items():
+            (tmp / name).write_bytes(contents)
     comm.barrier(world)
     write_manifest(tmp, comm, world)
     comm.barrier(world)
@@ -289,3 +298,36 @@ def load_checkpoint(
         ) from None
     engine.load_owned_rows()
     return state["train"]
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Fill a single-device model in place from checkpoint `path` (written by any layout), in this
+    process alone: no process group is needed, and none is used if one exists. Only the model's
+    entries are read (not the optimizer's); each is assembled from the row and tp/ep blocks it was
+    saved as."""
+    state = {"model": model.state_dict()}
+    try:
+        SafeFileSystemReader(str(path)).read_metadata()  # refused metadata named, not taken for missing
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint {path} is not a meshtron checkpoint: {err}") from None
+    except (CheckpointException, RuntimeError, ValueError) as err:
+        lines = [line for line in str(err).splitlines() if "Error" in line or "mismatch" in line.lower()]
+        detail = lines[-1].strip() if lines else str(err).splitlines()[0]
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {detail}") from None
+
+
+def checkpoint_model(path: Path, cfg: ModelConfig) -> Transformer:
+    """The single-device model checkpoint `path` holds, whatever layout wrote it: fp32 (the master
+    weights), on the CPU."""
+    with torch.device("meta"):  # no time spent initialising weights the checkpoint overwrites
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    for name, buffer in model.named_buffers():
+        if name.endswith("loads_2E"):
+            buffer.zero_()  # expert load counters: not state, they start from nothing
+    model.rope_inv_freq = rope_inv_freq(cfg)  # computed, never stored
+    load_model_weights(path, model)
+    return model

@@ -42,16 +42,23 @@ def write_manifest(directory: Path, comm: Comm, world: CommGroup) -> None:
 def corrupt_files(directory: Path, comm: Comm, world: CommGroup) -> list[str]:
     """Collective: what is wrong with `directory`'s files against its manifest ([] when intact, or for a
     checkpoint written before manifests existed)."""
+    problems = file_problems(directory, world.rank, world.size)
+    return sorted(p for part in comm.all_gather_object(problems, world) for p in part)
+
+
+def file_problems(directory: Path, rank: int = 0, size: int = 1) -> list[str]:
+    """What is wrong with this rank's share of `directory`'s files (every `size`-th listed in the
+    manifest, from `rank`): with the defaults, all of them, checked by one process (export, generate)."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         return []
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as err:
-        return [f"{MANIFEST} is unreadable ({err})"]
+        return [f"{MANIFEST} is unreadable ({err})"] if rank == 0 else []  # said once, not per rank
     names = sorted(manifest)
     problems = []
-    for name in names[world.rank :: world.size]:
+    for name in names[rank::size]:
         path, want = directory / name, manifest[name]
         if not path.is_file():
             problems.append(f"{name} is missing")
@@ -59,7 +66,7 @@ def corrupt_files(directory: Path, comm: Comm, world: CommGroup) -> list[str]:
             problems.append(f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written")
         elif _sha256(path) != want["sha256"]:
             problems.append(f"{name} does not match its SHA-256")
-    return sorted(p for part in comm.all_gather_object(problems, world) for p in part)
+    return problems
 
 
 def unwritable(directory: Path, rank: int) -> str | None:

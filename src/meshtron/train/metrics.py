@@ -1,12 +1,11 @@
 """Per-step metrics: model FLOPs and MFU, memory (peak, and bytes held in model state), the console line,
-metrics.jsonl, TensorBoard, plot."""
+metrics.jsonl, TensorBoard, Weights & Biases, plot."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,8 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.figures import pyplot, save_figure
 from meshtron.parallel.engine import DataParallelEngine
-
-# Dense bf16 peak FLOP/s of accelerators by name fragment (published figures; docs/theory.md#flops-and-mfu).
-GPU_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+from meshtron.train.peak import format_mfu
+from meshtron.train.wandb_log import WandbSettings, start_wandb
 
 
 def active_params(cfg: ModelConfig) -> int:
@@ -38,30 +36,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * active params, plus attention scores and values with a causal kernel
     that skips masked blocks, 6 * L * (n_heads * head_dim) * s (half of the 12·L·h·s full-mask count)."""
     return 6.0 * active_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """Peak FLOP/s of one device and where the figure comes from.
-
-    GPUs use the published dense bf16 peak. A CPU has no published figure for its build here, so it is
-    measured: the best of a few large fp32/bf16 matmuls, i.e. MFU on CPU is relative to what this BLAS
-    achieves.
-    """
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak in GPU_PEAK_BF16:
-            if fragment in name:
-                return peak, f"{fragment} dense bf16 peak"
-        return float("nan"), f"unknown peak for {name}"
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm up the BLAS threads and caches
-    best = float("inf")
-    for _ in range(8):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best, f"measured {dtype} matmul on CPU ({torch.get_num_threads()} threads)"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -121,19 +95,33 @@ def _human(n: float) -> str:
     return f"{n:.3g}P"
 
 
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row that TensorBoard and W&B plot (not the step, not per-group dicts)."""
+    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+
+
 class MetricsLogger:
-    """Writes one row per optimizer step to metrics.jsonl (and TensorBoard when installed); rank 0 only."""
+    """Writes one row per optimizer step to metrics.jsonl (and TensorBoard when installed, W&B when asked
+    for); rank 0 only."""
 
     def __init__(
-        self, run_dir: Path, enabled: bool, append: bool = False, tensorboard: bool = True, last_step: int = 0
+        self,
+        run_dir: Path,
+        enabled: bool,
+        append: bool = False,
+        tensorboard: bool = True,
+        last_step: int = 0,
+        wandb: WandbSettings | None = None,
     ):
         """`append`: continue a resumed run's file, dropping any rows after `last_step` (the steps a crash
         lost since the checkpoint, which the resumed run computes and logs again)."""
         self.run_dir = run_dir
         self.enabled = enabled
         self.rows: list[dict[str, Any]] = []
+        self.eval_rows: list[dict[str, Any]] = []  # validation rows (train/evaluate.py), same file
         self._file = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,23 +137,26 @@ class MetricsLogger:
                 self._tb = None
             else:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb is not None:
+            self._wandb = start_wandb(wandb)
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.rows.append(row)
+        (self.eval_rows if "val_loss" in row else self.rows).append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, row["step"])
+            for key, value in scalars(row).items():
+                self._tb.add_scalar(key, value, row["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars(row), step=row["step"])
 
     @staticmethod
     def console_line(row: dict[str, Any]) -> str:
         return (
             f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm "
-            f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
+            f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {format_mfu(row['mfu'], row.get('mfu_note'))} | "
             f"peak mem {_human(row['peak_mem_bytes'])}B | comm {_human(row['comm_bytes'])}B"
             + (f" | bubble {100 * row['pp_bubble']:.0f}%" if "pp_bubble" in row else "")
             + (f" | MoE imbalance {row['moe_imbalance']:.2f}x" if "moe_imbalance" in row else "")
@@ -173,19 +164,32 @@ class MetricsLogger:
             + (f" | SKIPPED, {row['reason']}" if row.get("skipped") else "")
         )
 
+    @staticmethod
+    def val_line(row: dict[str, Any]) -> str:
+        return f"step {row['step']:>5} | val loss {row['val_loss']:.4f} | val ppl {row['val_ppl']:,.2f}"
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
-def plot_loss(rows: list[dict[str, Any]], out_path: Path, title: str) -> Path:
+def plot_loss(
+    rows: list[dict[str, Any]], out_path: Path, title: str, val_rows: list[dict[str, Any]] = ()
+) -> Path:
+    """The training loss per step, and the validation loss at each evaluation when there are any."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.5)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.5, label="training")
+    if val_rows:
+        steps, losses = [r["step"] for r in val_rows], [r["val_loss"] for r in val_rows]
+        ax.plot(steps, losses, marker="o", markersize=3, linewidth=1.5, label="validation")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     return save_figure(fig, out_path)

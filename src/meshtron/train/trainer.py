@@ -26,6 +26,7 @@ from meshtron.config import Config, ConfigError, DType, check
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.sampler import BatchSampler, micro_batches_per_step
+from meshtron.data.validation import split_validation
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss
@@ -33,6 +34,7 @@ from meshtron.parallel.data_parallel import DTYPES
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import parallelize
 from meshtron.pipeline.picture import draw_measured_timeline
+from meshtron.records import write_run_records
 from meshtron.train.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -42,10 +44,16 @@ from meshtron.train.checkpoint import (
     save_checkpoint,
 )
 from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
+from meshtron.train.evaluate import Evaluator
 from meshtron.train.expert_load import ExpertLoads, draw_expert_load
-from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_bytes, plot_loss
+from meshtron.train.init_from_hf import LoadReport, load_hf_weights
+from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, plot_loss
 from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
 from meshtron.train.optim import build_optimizer, clip_grad_norm_, lr_at
+from meshtron.train.peak import job_peak_flops, shown_mfu
+from meshtron.train.sample import checkpoint_files, print_sample
+from meshtron.train.summary import run_summary, summary_text, write_summary
+from meshtron.train.wandb_log import WandbSettings
 
 
 @dataclass
@@ -106,13 +114,21 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def say(rank: int, text: str) -> None:
+    """One line on rank 0's console: what a long start-up phase is doing."""
+    if rank == 0:
+        print(f"meshtron: {text}", flush=True)
+
+
 def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
     """The training data; rank 0 prepares the default corpus on first use while the others wait."""
     if cfg.data.path != "default":
         dataset = PreparedData.open(cfg.data.path)
     else:
         if place.rank == 0:
-            dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
+            dataset = default_dataset(
+                tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab, say=partial(say, 0)
+            )
         place.comm.barrier(place.world)
         if place.rank != 0:
             dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
@@ -138,6 +154,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: ParallelMesh | None = None):
         """`mesh`: reuse the process groups of an earlier job with the same layout in this process."""
+        self.started = time.perf_counter()  # the summary's wall time counts set-up and data preparation
         rank, world_size, device = init_distributed(cfg)
         check(cfg, world_size)
         for directory in [Path(cfg.run.dir)] + ([checkpoint_root(cfg)] if cfg.checkpoint.every else []):
@@ -157,11 +174,17 @@ class Trainer:
         mesh = mesh or ParallelMesh(self.dims, device.type)
         self.place = RankPlace(rank, world_size, device, mesh, comm, world)
         self.cfg, self.comm, self.device = cfg, comm, device
+        # Before the long phases, so that a run dying in start-up still says what it was (records.py).
+        self.environment = write_run_records(cfg.run.dir, cfg, world_size) if rank == 0 else None
         t = cfg.training
         torch.manual_seed(t.seed)
 
-        self.dataset = open_dataset(cfg, self.place)
+        # With data.val_fraction, training samples only the tokens before the held-out tail.
+        self.dataset, self.val_data = split_validation(cfg, open_dataset(cfg, self.place))
         self.sampler = BatchSampler(self.dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+        m = cfg.model
+        model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {device.type}"
+        say(rank, f"building the model ({model_says}) and parallelizing it: {self.dims.summary()}")
         self.model = build_model(cfg.model, seed=t.seed, device=device)
         self.n_params = self.model.num_params()
         self.parallel = parallelize(self.model, comm, mesh, cfg)
@@ -180,16 +203,21 @@ class Trainer:
         if self.tp_plan is not None or experts:
             self.tp_blocks = ShardBlocks(self.tp_plan, mesh.grid("dp_shard_cp", "tp"), self.dims.ep, experts)
         self.start_step = self.resume_if_asked()
+        self.init_report: LoadReport | None = None  # what this rank read of model.init_from
+        if cfg.model.init_from and self.resumed_from is None:  # a resumed run keeps its own weights
+            self.init_report = self.init_from_hf()
         self.dp, self.dp_cp = mesh.group("dp"), mesh.group(mesh.with_cp("dp"))
         self.skips = SkipGuard(t.max_skipped_steps)
         self.expert_loads = ExpertLoads(self.model, comm, self.dp_cp, mesh.group("pp"), cfg.model.is_moe)
-        self.peak, self.peak_source = peak_flops(device, DTYPES[t.dtype])
+        self.peak, self.peak_source = job_peak_flops(device, DTYPES[t.dtype], comm, world)
+        self.evaluator = Evaluator(self, self.val_data) if self.val_data is not None else None
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
     def resume_if_asked(self) -> int:
         """The step to start from: the newest intact checkpoint's with checkpoint.resume or after the
         launcher restarted the ranks (a rank died), else 0. Starting afresh over existing checkpoints is
         refused so that they are never overwritten by accident."""
+        self.resumed_from: Path | None = None  # the checkpoint loaded, which takes precedence over init_from
         root = checkpoint_root(self.cfg)
         existing = complete_checkpoints(root)
         restarted = False
@@ -206,12 +234,23 @@ class Trainer:
         if not existing:
             return 0
         newest = self.intact_checkpoint(existing)
+        say(self.place.rank, f"loading checkpoint {newest.path}")
         state = {"sampler": self.sampler.state_dict()}
         train_state = load_checkpoint(newest.path, self.engine, self.optimizer, state, self.tp_blocks)
         self.sampler.load_state_dict(train_state["sampler"])  # its next step is the step to resume at
+        self.resumed_from = newest.path
         if self.place.rank == 0:
             print(f"meshtron: resumed from {newest.path} at step {self.sampler.step}", flush=True)
         return self.sampler.step
+
+    def init_from_hf(self) -> LoadReport:
+        """model.init_from's weights into this layout, each rank reading only its slices (init_from_hf.py)."""
+        path, rank = self.cfg.model.init_from, self.place.rank
+        say(rank, f"loading the Hugging Face checkpoint {path}")
+        ep = self.place.mesh.group("ep")
+        report = load_hf_weights(path, self.parallel, self.cfg.model, ep, self.place.world)
+        say(rank, f"initialised from {path} ({report.elements:,} values read by rank 0)")
+        return report
 
     def intact_checkpoint(self, existing: list[CheckpointInfo]) -> CheckpointInfo:
         """The newest of `existing` whose files match their manifest; each corrupt one skipped with a
@@ -288,13 +327,15 @@ class Trainer:
             bubble = torch.tensor(self.pipeline.idle_fraction(), dtype=torch.float64)
             extra["pp_bubble"] = float(self.comm.all_reduce_(bubble, pp, op="avg"))
             self.comm.stats.reset()
+        mfu, mfu_note = shown_mfu(self.model_flops * tokens_per_sec / (self.peak * self.place.world_size))
         return {
             "step": step + 1,
             "loss": float(loss_sum),
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens_per_sec": tokens_per_sec,
-            "mfu": self.model_flops * tokens_per_sec / (self.peak * self.place.world_size),
+            "mfu": mfu,  # None, with the note, when there is no reference or it was measured too low
+            **({"mfu_note": mfu_note} if mfu_note else {}),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": comm_bytes,
             "step_time_s": elapsed,
@@ -319,6 +360,8 @@ class Trainer:
             self.place.world,
             self.cfg.checkpoint.keep,
             self.tp_blocks,
+            # What export and generate need besides the state (train/sample.py).
+            checkpoint_files(self.cfg, self.place.world_size, self.dataset) if self.place.rank == 0 else None,
         )
 
     def draw_pipeline_timeline(self, out_path: Path) -> None:
@@ -342,8 +385,10 @@ class Trainer:
         """All steps from the start (or resume) step; returns the metric rows (on rank 0; [] elsewhere)."""
         cfg, rank = self.cfg, self.place.rank
         run_dir = Path(cfg.run.dir)
+        resumed = self.start_step > 0
+        wandb = WandbSettings.of(cfg, self.environment, resume=resumed) if rank == 0 else None
         logger = MetricsLogger(
-            run_dir, enabled=rank == 0, append=self.start_step > 0, last_step=self.start_step
+            run_dir, enabled=rank == 0, append=resumed, last_step=self.start_step, wandb=wandb
         )
         if rank == 0:
             print(
@@ -357,17 +402,38 @@ class Trainer:
             logger.log(row)
             if rank == 0 and (step % cfg.run.log_every == 0 or step == last or row.get("skipped")):
                 print(MetricsLogger.console_line(row), flush=True)
+            if self.evaluator is not None and self.evaluator.due(step + 1):
+                val = self.evaluator.evaluate(step + 1)
+                logger.log(val)
+                if rank == 0:
+                    print(MetricsLogger.val_line(val), flush=True)
             if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
                 self.save(step + 1)
             kill_if_asked(rank, step + 1)
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
-            plot_loss(logger.rows, run_dir / "loss.png", title)
+            plot_loss(logger.rows, run_dir / "loss.png", title, logger.eval_rows)
             draw_expert_load(logger.rows, run_dir / "expert-load.png", f"expert load per MoE layer: {title}")
         if cfg.run.plot and self.pipeline is not None and cfg.training.steps > self.start_step:
             self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
+        if rank == 0 and cfg.run.sample_tokens and cfg.training.steps > self.start_step:
+            data = self.val_data if self.val_data is not None else self.dataset
+            print_sample(cfg, self.place.world_size, self.model, checkpoint_root(cfg), data)
+        self.summarize(logger)
         logger.close()
         return logger.rows
+
+    def summarize(self, logger: MetricsLogger) -> None:
+        """Rank 0: the run summary on the console and in run.dir/summary.json (summary.py)."""
+        if self.place.rank != 0:
+            return
+        wall = time.perf_counter() - self.started
+        world = self.place.world_size
+        summary = run_summary(
+            logger.rows, logger.eval_rows, wall, self.model_flops, self.peak, self.peak_source, world
+        )
+        write_summary(summary, Path(self.cfg.run.dir))
+        print(summary_text(summary), flush=True)
 
 
 def kill_if_asked(rank: int, step: int) -> None:

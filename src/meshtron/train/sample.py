@@ -1,0 +1,60 @@
+"""What a run leaves for use outside training: the files each checkpoint carries so that it can be
+exported or decoded alone (the resolved config, the tokenizer), and the sample printed at the end of a
+run, so that a new user sees what the model learned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtron.config import Config
+from meshtron.data import DataError
+from meshtron.data.dataset import PreparedData
+from meshtron.data.tokenizer import TOKENIZER_FILE, tokenizer_json
+from meshtron.models.generate import generate
+from meshtron.models.llama import Transformer
+from meshtron.records import CONFIG_FILE, config_text
+from meshtron.train.checkpoint import CheckpointError, checkpoint_model, complete_checkpoints
+
+PROMPT_TOKENS = 16  # the prompt: the first tokens of the validation data (or of the training data)
+
+
+def checkpoint_files(cfg: Config, world_size: int, dataset: PreparedData) -> dict[str, bytes]:
+    """config.toml (the config as run, as records.py writes it into run.dir; inside the checkpoint too, as
+    run.dir's is rewritten by every start and checkpoint.dir may be elsewhere) and tokenizer.json."""
+    return {
+        CONFIG_FILE: (config_text(cfg, world_size) + "\n").encode(),
+        TOKENIZER_FILE: tokenizer_json(dataset.load_tokenizer()).encode(),
+    }
+
+
+def sample_model(cfg: Config, world_size: int, model: Transformer, root: Path) -> Transformer | None:
+    """The trained model on one device: this rank's own when it holds all of it (one rank; decoding
+    leaves it as it was), else the final checkpoint's (a run that checkpoints writes one at its last
+    step); None otherwise."""
+    if world_size == 1:
+        return model
+    found = complete_checkpoints(root) if cfg.checkpoint.every else []
+    return checkpoint_model(found[-1].path, cfg.model) if found else None
+
+
+def print_sample(cfg: Config, world_size: int, model: Transformer, root: Path, data: PreparedData) -> None:
+    """Rank 0, after training: run.sample_tokens greedy tokens after the first tokens of `data` (the
+    validation data when there is some: text the model has not trained on)."""
+    try:
+        single = sample_model(cfg, world_size, model, root)
+        tok = data.load_tokenizer()
+    except (CheckpointError, DataError) as err:  # the run itself succeeded; say why there is no sample
+        print(f"meshtron: no sample: {err}", flush=True)
+        return
+    if single is None:
+        print(
+            "meshtron: no sample: a multi-rank run samples from its final checkpoint (set checkpoint.every)"
+        )
+        return
+    prompt = [int(t) for t in data.tokens[:PROMPT_TOKENS]]
+    new = generate(single, prompt, cfg.run.sample_tokens, eos_id=tok.eos_id)[0].tolist()
+    print(
+        f"meshtron: sample (greedy, {len(new)} tokens after the data's first {len(prompt)}): "
+        f"{tok.decode(prompt)!r} -> {tok.decode(new)!r}",
+        flush=True,
+    )
