@@ -200,13 +200,18 @@ def _moe_block_name(src: _Source, layer: str, model_type: str) -> str:
     return "mlp"
 
 
-def load(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A meshtron Transformer from a transformers checkpoint directory; strict about every tensor."""
-    path = Path(path)
+def read_hf_config(path: Path) -> dict:
+    """The config.json of a transformers checkpoint directory, as a dict."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist; expected a transformers checkpoint directory")
-    hf_config = json.loads(config_file.read_text())
+    return json.loads(config_file.read_text())
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A meshtron Transformer from a transformers checkpoint directory; strict about every tensor."""
+    path = Path(path)
+    hf_config = read_hf_config(path)
     cfg = config_from_hf(hf_config)
     model_type = hf_config["model_type"]
     tensors = _read_checkpoint(path)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from meshtron.models.hf import (
     LAYER_RENAMES,
     MIXTRAL_EXPERT_NAMES,
     QWEN_EXPERT_NAMES,
+    read_hf_config,
     weight_files,
 )
 from meshtron.models.hf_config import config_from_hf
@@ -89,10 +89,7 @@ def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
     """(the ModelConfig of `path`/config.json, its model_type). Reads config.json and the weight files'
     headers (is there an lm_head?), never their tensors."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist; expected a transformers checkpoint directory")
-    hf_config = json.loads(config_file.read_text())
+    hf_config = read_hf_config(path)
     cfg = config_from_hf(hf_config)
     with HFCheckpoint(path) as checkpoint:
         has_head = HEAD in checkpoint.handles
