@@ -170,7 +170,7 @@ def spread(probes: list[Measurement], name: str, scale: float, unit: str) -> str
     return f"{min(values):.2f}-{max(values):.2f} {unit} (median {statistics.median(values):.2f})"
 
 
-def report(outcomes: list[Outcome], probes: list[Measurement], args, took: float) -> str:
+def report(outcomes: list[Outcome], probes: list[Measurement], args: argparse.Namespace, took: float) -> str:
     within = sum(abs(o.error) <= GOAL for o in outcomes)
     names = list(dict.fromkeys(o.case.name for o in outcomes))
     every = sum(all(abs(o.error) <= GOAL for o in outcomes if o.case.name == n) for n in names)
@@ -235,7 +235,7 @@ def predicted(outcomes: list[Outcome], probes: list[Measurement]) -> None:
         o.predicted = estimate(o.cfg, cluster_from(o.probe))
 
 
-def measure_cases(cases: list[Case], args) -> tuple[list[Outcome], list[Measurement]]:
+def measure_cases(cases: list[Case], args: argparse.Namespace) -> tuple[list[Outcome], list[Measurement]]:
     """Probe and run every case in turn (or only probe), then probe once more at the end."""
     outcomes, probes = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,7 +261,7 @@ def measure_cases(cases: list[Case], args) -> tuple[list[Outcome], list[Measurem
     return outcomes, probes
 
 
-def replay(path: Path, args) -> tuple[list[Outcome], list[Measurement]]:
+def replay(path: Path, args: argparse.Namespace) -> tuple[list[Outcome], list[Measurement]]:
     """The runs and probes of an earlier `--save`, predicted again with today's planner and constants
     (for calibrating them without running anything)."""
     saved = json.loads(path.read_text())

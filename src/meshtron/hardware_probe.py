@@ -333,7 +333,7 @@ def _host_memory_bytes() -> int:
     return int(total)
 
 
-def _alpha_beta(small: tuple[float, float], large: tuple[float, float], hops: int, share: float):
+def _alpha_beta(small: tuple, large: tuple, hops: int, share: float) -> tuple[float, float]:
     """(latency per message, bandwidth) from two timed sizes (bytes, seconds) of a collective whose
     time is hops·a + share·S / B (the alpha-beta model of plan/network.py)."""
     (s0, t0), (s1, t1) = small, large
