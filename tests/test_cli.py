@@ -14,9 +14,9 @@ import torch
 
 from meshtron.cli import main
 from meshtron.config import build_config, load_config, tomllib
-from meshtron.dry_run import resolved, table_name
+from meshtron.dry_run import resolved
 from meshtron.plan.estimate import Cluster, estimate
-from meshtron.plan.hardware import Accelerator, GiB
+from meshtron.plan.hardware import Accelerator, GiB, table_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

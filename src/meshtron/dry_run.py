@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.mesh import ParallelDims, resolve_dp_shard
 from meshtron.plan.estimate import Cluster, estimate
-from meshtron.plan.hardware import ACCELERATORS, accelerator
+from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
 from meshtron.records import config_text, environment, environment_text
 
 GiB = 2**30
 MiB = 2**20
-# Table entries by the word torch.cuda.get_device_name carries ("NVIDIA H100 80GB HBM3",
-# "NVIDIA A100-SXM4-80GB"); A100 comes in two memory sizes, told apart by the memory the device reports.
-GPU_FAMILIES = ("b200", "h200", "h800", "h100", "a100")
 
 
 def resolved(cfg: Config, world_size: int) -> Config:
@@ -57,19 +53,6 @@ def layout_of(cfg: Config) -> Layout:
         cp_impl=p.cp_impl,
         sp=p.sp,
     )
-
-
-def table_name(device_name: str, memory_bytes: int) -> str | None:
-    """The planner's entry for a CUDA device name, or None when the table has no such GPU."""
-    words = re.split(r"[^a-z0-9]+", device_name.lower())
-    if "pcie" in words or "nvl" in words:  # the table's figures are SXM boards' (clocks, NVLink to 8)
-        return None
-    for family in GPU_FAMILIES:
-        if family in words:
-            if family == "a100":
-                return "a100-80gb" if memory_bytes > 48 * GiB else "a100-40gb"
-            return family
-    return None
 
 
 def _ranks_per_node(world_size: int) -> int:

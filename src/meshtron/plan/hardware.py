@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -214,3 +215,21 @@ def peak_flops_per_s(acc: Accelerator, dtype: PeakDType = "bf16") -> float:
     if acc.fp8_flops_per_s is None:
         raise ConfigError([f"{acc.name} has no fp8 tensor cores; use --dtype bf16"])
     return acc.fp8_flops_per_s
+
+
+# Table entries by the word torch.cuda.get_device_name carries ("NVIDIA H100 80GB HBM3",
+# "NVIDIA A100-SXM4-80GB"); A100 comes in two memory sizes, told apart by the memory the device reports.
+GPU_FAMILIES = ("b200", "h200", "h800", "h100", "a100")
+
+
+def table_name(device_name: str, memory_bytes: int) -> str | None:
+    """The planner's entry for a CUDA device name, or None when the table has no such GPU."""
+    words = re.split(r"[^a-z0-9]+", device_name.lower())
+    if "pcie" in words or "nvl" in words:  # the table's figures are SXM boards' (clocks, NVLink to 8)
+        return None
+    for family in GPU_FAMILIES:
+        if family in words:
+            if family == "a100":
+                return "a100-80gb" if memory_bytes > 48 * GiB else "a100-40gb"
+            return family
+    return None

@@ -34,8 +34,7 @@ _MEMO: dict[str, float] = {}  # this process's figures: a test process builds hu
 
 def gpu_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The datasheet dense peak of this CUDA device and where it comes from (NaN when unknown)."""
-    from meshtron.dry_run import table_name
-    from meshtron.plan.hardware import ACCELERATORS
+    from meshtron.plan.hardware import ACCELERATORS, table_name
 
     props = torch.cuda.get_device_properties(device)
     name = table_name(props.name, props.total_memory)
