@@ -127,6 +127,9 @@ class Outcome:
     steps: list[float] = field(default_factory=list)  # measured, after warm-up
     imbalance: float | None = None  # MoE: median over those steps of the worst layer's max/mean load
     others: float | None = None  # cores other jobs on the machine kept busy during the run
+    balanced: Estimate | None = (
+        None  # MoE: the prediction at balanced routing (`predicted` is at `imbalance`)
+    )
 
     @property
     def measured(self) -> float:
@@ -150,7 +153,9 @@ class Outcome:
             f"{100 * self.error:+.0f}%",
             ok,
             parts,
-            f"{self.imbalance:.2f}x" if self.imbalance else "",
+            f"{self.imbalance:.2f}x ({1e3 * self.balanced.step_time_s:.0f})"
+            if self.imbalance and self.balanced
+            else "",
             "" if self.others is None else f"{self.others:.2f}",
         ]
 
@@ -196,21 +201,28 @@ def report(outcomes: list[Outcome], probes: list[Measurement], args: argparse.Na
         + spread(probes, "all_gather_bytes_per_s", 1e-9, "GB/s")
         + " (the planner's link bandwidth), latency per message between compute "
         + spread(probes, "loaded_latency_s", 1e6, "us")
-        + " (the planner's)",
+        + " (the planner's), pair exchange between compute "
+        + spread(probes, "p2p_bytes_per_s", 1e-9, "GB/s")
+        + " after "
+        + spread(probes, "p2p_latency_s", 1e6, "us")
+        + " (ring hops, pipeline messages)",
         f"runs: `meshtron train --nproc {RANKS}`, {args.steps} steps each; measured = median `step_time_s` "
         f"(rank 0's metrics.jsonl) of the last {args.steps - args.warmup} (p10-p90 in brackets)",
         f"other jobs' cores: the CPU the rest of the machine used during the run (of {os.cpu_count()}; "
         "from /proc/stat less our processes' own), which the probes around the run may not have seen",
         "MoE routing imbalance: the worst layer's max / mean tokens per expert (median over the measured "
-        "steps; one expert per rank here, so the busiest rank's expert work over the mean); the planner "
-        "assumes balanced routing",
+        "steps), the planner's `imbalance` input for these rows (the busiest expert rank's work and "
+        "traffic over the mean: exact with one expert per rank, an upper bound with more); an untrained "
+        "router is far from balanced and no planner can know by how much, so the measured figure is "
+        "given, and the prediction at balanced routing (the planner's default) is in brackets",
         f"reproduce: `python benchmarks/planner_cpu.py{''.join(' ' + a for a in sys.argv[1:])}`",
         f"**{within} of {len(outcomes)}** runs predicted within {100 * GOAL:.0f}% of their measured step; "
         f"{every} of {len(names)} layouts in every run",
     ]
     header = (
         "case | layout | probe GFLOP/s | predicted step ms | measured step ms (p10-p90) | error "
-        "| within 25% | predicted parts (ms) | MoE routing imbalance | other jobs' cores during the run"
+        "| within 25% | predicted parts (ms) | MoE routing imbalance (predicted ms if balanced) "
+        "| other jobs' cores during the run"
     )
     caption = "Predicted against measured step time (error = predicted / measured - 1):"
     blocks = [[f"- {f}" for f in facts], table(header, [o.row() for o in outcomes], caption)]
@@ -232,7 +244,8 @@ def predicted(outcomes: list[Outcome], probes: list[Measurement]) -> None:
     jobs on a shared machine come and go, and the prediction should see the machine the run saw."""
     for i, o in enumerate(outcomes):
         o.probe = around(probes[i], probes[i + 1]) if len(probes) > i + 1 else probes[i]
-        o.predicted = estimate(o.cfg, cluster_from(o.probe))
+        o.predicted = estimate(o.cfg, cluster_from(o.probe), imbalance=o.imbalance or 1.0)
+        o.balanced = estimate(o.cfg, cluster_from(o.probe))
 
 
 def measure_cases(cases: list[Case], args: argparse.Namespace) -> tuple[list[Outcome], list[Measurement]]:

@@ -26,6 +26,8 @@ FIGURES = dict(
     all_gather_bytes_per_s=5e8,
     all_gather_latency_s=2e-4,
     loaded_latency_s=5e-4,
+    p2p_latency_s=1e-3,
+    p2p_bytes_per_s=4e8,
     context_bytes=2.5e8,
     host_memory_bytes=16 * 2**30,
     cpu="test CPU",
@@ -97,7 +99,8 @@ def test_cpu_cluster_measures_two_ranks(cache, monkeypatch):
     assert (cluster.gpus, cluster.dtype, g.gpus_per_node) == (2, "fp32", 2)
     assert cluster.peak == g.fp32_flops_per_s == m.matmul_flops_per_s
     assert g.memory_bytes == m.host_memory_bytes // 2 and g.intra_node_bytes_per_s == m.all_gather_bytes_per_s
-    assert cluster.links.nvlink_latency_s == m.loaded_latency_s
+    assert cluster.links.nvlink_latency_s == max(m.loaded_latency_s, m.all_reduce_latency_s)
+    assert m.p2p_latency_s >= 0 and m.p2p_bytes_per_s > 0 and cluster.links.p2p_latency_s == m.p2p_latency_s
 
     # The planner runs on it: a tiny model on 2 ranks of tensor parallel gets a positive step time.
     cfg = load_config(

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from meshtron.config import load_config
+from meshtron.dry_run import resolved
 from meshtron.plan.comm import step_bytes
+from meshtron.plan.comm_time import Overlap
+from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.hardware import Accelerator
+from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import state_bytes
 from meshtron.testing.parity import trainer_for
 from meshtron.testing.tiny import MOE, TINY
@@ -30,6 +35,7 @@ def measured_state(overrides: list[str]) -> dict:
         "first": first,
         "state": model_state_bytes(trainer.engine, trainer.optimizer),
         "comm": second["comm_bytes_by_group"],
+        "calls": second["comm_calls_by_group"],
     }
 
 
@@ -67,3 +73,27 @@ def test_predicted_state_and_traffic_equal_measured(workers, case):
             want = {g: b for g, b in step_bytes(cfg, world, result["pp_rank"]).items() if g in DATA_GROUPS}
             got = {g: b for g, b in result["comm"].items() if g in DATA_GROUPS}
             assert got == pytest.approx(want, rel=1e-9), result["pp_rank"]
+            if case in MESSAGES:
+                assert latency_only(cfg, world) == MESSAGES[case](result["calls"])
+
+
+def latency_only(cfg, world: int) -> dict[str, float]:
+    """The planner's communication seconds by dim on links of infinite bandwidth, 1 s per message and
+    no overlap: the messages it charges."""
+    links = Accelerator("latency", 1e15, None, 2**50, 1e15, 1e30, 1e30, gpus_per_node=world)
+    nothing_hidden = Overlap(**{f: False for f in Overlap.__dataclass_fields__})
+    cluster = Cluster(links, world, links=LinkEfficiency(1.0, 1.0, 1.0, 1.0), overlap=nothing_hidden)
+    times = estimate(resolved(cfg, world), cluster).time
+    return {dim: round(times[dim], 6) for dim in ("dp", "tp", "cp", "ep") if times.get(dim)}
+
+
+# The messages (one latency each: an all-reduce over n ranks sends 2·(n−1), an all-gather, reduce-scatter
+# or all-to-all n−1, a ring hop's send and receive together 1) of the collectives meshtron counted in
+# one step. The planner puts the loss's and clipping's all-reduces under dp, except clipping's over tp.
+MESSAGES = {
+    # FSDP: one gather forward, one backward, one reduce-scatter per unit (2 blocks and the root); 1 clip
+    "zero3_4": lambda c: {"dp": (c["dp_shard"] - 1) * 3 + 6 + c["dp"] * 6},
+    "cp2_zero2": lambda c: {"dp": (c["dp_shard_cp"] - 1) * 1 + 2 + c["dp_cp"] * 2, "cp": c["cp"] / 2},
+    "tp2_zero3_2": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "tp": (c["tp"] - 1) * 2},
+    "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
+}

@@ -203,6 +203,8 @@ def test_plan_table_and_bad_input(capsys):
     assert main([*args[:5], "h900", *args[6:]]) == 2
     assert "unknown GPU type" in capsys.readouterr().err
     assert main([*args, "--training.steps=3"]) == 2
+    assert main([*args, "--moe-imbalance", "0.5"]) == 2
+    assert "--moe-imbalance=0.5" in capsys.readouterr().err
 
 
 def test_parse_layout_refuses_malformed_items():
@@ -220,3 +222,33 @@ def test_parse_layout_refuses_malformed_items():
 
 def test_pass_times_add_and_scale():
     assert (PassTimes(1, 2, 3) + PassTimes(1, 1, 1)) * 2 == PassTimes(4, 6, 8)
+
+
+def test_routing_imbalance_loads_the_busiest_expert_rank():
+    cluster = Cluster(accelerator("h100"), 16)
+    moe = Layout(ep=8, dp_shard=16, zero=1, micro_batch=1).apply(
+        config(["--model.name=mixtral-8x7b"], batch=32)
+    )
+    balanced, skewed = estimate(moe, cluster), estimate(moe, cluster, imbalance=2.0)
+    assert skewed.time["compute"] > balanced.time["compute"] and skewed.time["ep"] > balanced.time["ep"]
+    assert skewed.memory == balanced.memory
+    dense = Layout(tp=2, dp_shard=8, zero=1, micro_batch=1).apply(config(LLAMA_1B))
+    assert estimate(dense, cluster, imbalance=2.0) == estimate(dense, cluster)
+    with pytest.raises(ValueError, match="at least 1"):
+        estimate(moe, cluster, imbalance=0.5)
+
+
+def test_ranks_sharing_cores_lend_them_to_the_busiest_pipeline_stage():
+    """CPU ranks sharing cores: a 4-stage pipeline whose last stage carries the head is bounded by its
+    stages' mean work, not by the busiest stage plus the bubble; a layout of equal ranks is unchanged."""
+    cfg = Layout(pp=4, dp_shard=1, micro_batch=1, pp_schedule="1f1b").apply(
+        config([*LLAMA_1B, "--model.n_layers=4"], seq=1024, batch=8)
+    )
+    own, shared = Cluster(accelerator("h100"), 4), Cluster(accelerator("h100"), 4, alone_speedup=2.0)
+    alone, lent = estimate(cfg, own), estimate(cfg, shared)
+    assert lent.step_time_s < alone.step_time_s
+    assert sum(lent.time.values()) == pytest.approx(lent.step_time_s)
+    assert lent.time["lent_cores"] < 0 and "pp_bubble" not in lent.time
+    assert alone.pipeline_s / 2 <= lent.pipeline_s < alone.pipeline_s  # no faster than its critical path
+    dense = Layout(dp_shard=4, zero=1, micro_batch=2).apply(config(LLAMA_1B, seq=1024, batch=8))
+    assert estimate(dense, shared) == estimate(dense, own)

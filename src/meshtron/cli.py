@@ -173,6 +173,8 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     ]
     if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
         problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
+    if not args.moe_imbalance >= 1.0:
+        problems.append(f"--moe-imbalance={args.moe_imbalance}: max / mean expert load is at least 1")
     if args.dtype not in ("bf16", "fp8"):
         problems.append(f"--dtype={args.dtype} must be bf16 or fp8")
     if problems:
@@ -202,7 +204,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshtron.plan.search import search
 
     cfg, cluster, fixed = _plan_inputs(args, overrides)
-    plan = search(cfg, cluster, fixed, args.top)
+    plan = search(cfg, cluster, fixed, args.top, args.moe_imbalance)
     if args.json:
         print(plan_json(plan))
     else:
@@ -383,6 +385,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--dtype", default="bf16", help="bf16 or fp8 (the matmul peak used)")
     plan.add_argument("--layout", default="", help='keys to hold, e.g. "tp=8,pp=2,recompute=selective"')
     plan.add_argument("--top", type=int, default=5, help="layouts listed (default 5)")
+    plan.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.0,
+        help="MoE: the busiest expert rank's tokens over the mean (default 1, balanced; a run's "
+        "metrics report moe_imbalance)",
+    )
     plan.add_argument("--json", action="store_true", help="print a JSON list of the ranked layouts")
 
 

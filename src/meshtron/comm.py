@@ -86,6 +86,12 @@ class CommStats:
             out[g] += b
         return dict(out)
 
+    def calls_by_group(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (g, _), c in self.calls.items():
+            out[g] += c
+        return dict(out)
+
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()

@@ -20,6 +20,9 @@ descheduled), collectives in fixed counts.
   latency under load  ranks in pairs (0-1, 2-3, ...) run a SwiGLU forward then a tiny       the links'
                       all-reduce in the pair: the median of rounds, minus the forward's     latency
                       time in a window; per message
+  pair exchange       the same pairs, each rank sending to and receiving from the other     p2p latency
+                      after the forward (a ring hop, a pipeline boundary), at 4 KiB and     and bandwidth
+                      512 KiB: alpha-beta of the two
   process size        a rank's resident memory after import and gloo init                   context_bytes
   memory              the host's RAM (or the cgroup's limit) / N                            memory_bytes
 
@@ -37,9 +40,12 @@ Choices, and why (checked by benchmarks/planner_cpu.py: RESULTS.md, "Planner on 
 - The latency is the one under load: with more ranks than cores a message often waits until its
   receiver, descheduled in the middle of its compute, runs again (a scheduler time slice is ms). Here
   about 1-2 ms per message, noisy (it depends on how the scheduler phases the ranks), against 0.7 ms
-  idle (only communicating); both are kept.
+  idle (only communicating); both are kept, and the idle one is the floor of the planner's.
 - No overlap (`Overlap` all False): with ranks >= cores no core is idle, so gloo's threads (copies,
   reductions) take their time from compute rather than hiding behind it.
+- Shared cores (`alone_speedup` = ranks·threads / cores when above 1): a rank idle in a pipeline's
+  bubble, or on a lighter stage, leaves its core to the others, so a pipeline's step is bounded by its
+  stages' mean work rather than by its busiest stage plus the bubble (plan/estimate.py).
 
 The measurement is cached per machine (host, CPU model, core count, torch version), rank count, thread
 count and probe sizes in `$MESHTRON_CACHE` (beside the prepared data), else `$XDG_CACHE_HOME/meshtron`
@@ -72,7 +78,7 @@ from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import LinkEfficiency
 
 CACHE_FILE = "hardware-probe.json"
-PROBE_VERSION = 4  # bump when the method changes, so old cache entries are measured again
+PROBE_VERSION = 5  # bump when the method changes, so old cache entries are measured again
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class ProbeSizes:
     layers: int = 4
     copy_mib: int = 64  # large enough to leave the caches
     comm_mib: int = 16  # the large collective: DDP's demo gradients are one 20 MB bucket
+    p2p_kib: int = 512  # the large pair exchange: the demo's ring hop and pipeline message
     window_s: float = 0.25  # per compute measurement
     repeats: int = 3  # windows (compute) or rounds (collectives); the best is kept
 
@@ -99,7 +106,9 @@ class ProbeSizes:
 
 DEMO = ProbeSizes()
 # For tests: the same method on small shapes, a second or two of measuring.
-QUICK = ProbeSizes(128, 64, 128, 256, 4, 2, 32, layers=1, copy_mib=4, comm_mib=2, window_s=0.05, repeats=2)
+QUICK = ProbeSizes(
+    128, 64, 128, 256, 4, 2, 32, layers=1, copy_mib=4, comm_mib=2, p2p_kib=64, window_s=0.05, repeats=2
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,8 @@ class Measurement:
     all_gather_bytes_per_s: float
     all_gather_latency_s: float
     loaded_latency_s: float  # per message of a small all-reduce between compute (what training sees)
+    p2p_latency_s: float  # a pair exchange between compute: latency and bandwidth
+    p2p_bytes_per_s: float
     context_bytes: float  # a rank's resident memory before any work
     host_memory_bytes: int
     cpu: str
@@ -261,36 +272,60 @@ def _link_times(comm: Any, world: Any, sizes: ProbeSizes) -> dict[str, float]:
     return out
 
 
-def _loaded_latency(comm: Any, world: Any, sizes: ProbeSizes) -> float:
-    """Seconds a message of a small collective costs between pieces of compute, as tensor parallel
-    meets it: ranks in pairs (0-1, 2-3, ...) each run a SwiGLU forward, then an all-reduce within the
-    pair, over and over, against the same compute alone. With more ranks than cores the pair's other
-    rank is often descheduled in the middle of its compute (the other pairs run on the cores), and the
-    message waits for its turn: about a scheduler time slice, several times the idle latency."""
-    import torch
+def _pair(comm: Any, world: Any) -> Any:
+    """This rank's pair (0-1, 2-3, ...) as a group; every rank creates every pair's group, in order."""
     import torch.distributed as dist
 
     pairs = [list(range(r, min(r + 2, world.size))) for r in range(0, world.size, 2)]
-    handles = [dist.new_group(ranks) for ranks in pairs]  # every rank creates every group, in order
+    handles = [dist.new_group(ranks) for ranks in pairs]
     mine = dist.get_rank() // 2
-    pair = comm.group("probe_pair", pairs[mine], handles[mine])
+    return comm.group("probe_pair", pairs[mine], handles[mine])
+
+
+def _between_compute(comm: Any, world: Any, sizes: ProbeSizes, message: Callable[[], object]) -> float:
+    """Seconds `message` (a collective within the pair) adds when each rank runs a SwiGLU forward
+    before it, over and over, against the same compute alone. With more ranks than cores the pair's
+    other rank is often descheduled in the middle of its compute (the other pairs run on the cores), and
+    the message waits for its turn: about a scheduler time slice, several times the idle latency."""
+    import torch
+
     x, gate, up = (torch.randn(*shape) for shape in ((sizes.rows, sizes.dim), *[(sizes.dim, sizes.ffn)] * 2))
-    down, tiny = torch.randn(sizes.ffn, sizes.dim), torch.zeros(256)
+    down = torch.randn(sizes.ffn, sizes.dim)
 
     def compute() -> None:
         torch.mm(torch.mm(x, gate) * torch.mm(x, up), down)
 
     def both() -> None:
         compute()
-        comm.all_reduce_(tiny, pair)
+        message()
 
     # The compute alone in a window (every rank busy throughout: in fixed counts the ranks would drift
     # apart, and the early ones would leave the cores to the late), with its collectives in fixed counts.
     alone = 1.0 / _timed_window(comm, world, [(compute, 1.0)], sizes)
     paired = statistics.median(
-        _collective_seconds(comm, world, both, 10, 1) for _ in range(2 * sizes.repeats + 1)
+        _collective_seconds(comm, world, both, 10, 1) for _ in range(4 * sizes.repeats + 1)
     )
-    return max(0.0, paired - alone) / (2 * (pair.size - 1)) if pair.size > 1 else 0.0
+    return max(0.0, paired - alone)
+
+
+def _loaded_links(comm: Any, world: Any, sizes: ProbeSizes) -> dict[str, float]:
+    """Between compute, as training meets them: a tiny all-reduce's latency per message (tensor
+    parallel's), and a pair exchange (both send, both receive: a ring hop, a pipeline boundary) at a
+    small and a large size."""
+    import torch
+
+    pair = _pair(comm, world)
+    if pair.size == 1:
+        return {"loaded_latency": 0.0, "p2p_small": 0.0, "p2p_large": 0.0}
+    peer = 1 - pair.rank
+    tiny = torch.zeros(256)
+    out = {"loaded_latency": _between_compute(comm, world, sizes, lambda: comm.all_reduce_(tiny, pair)) / 2}
+    for label, nbytes in (("small", 4096), ("large", sizes.p2p_kib * 1024)):
+        x = torch.zeros(nbytes // 4)
+        out[f"p2p_{label}"] = _between_compute(
+            comm, world, sizes, lambda x=x: comm.sendrecv(x, pair, peer, peer)[0].wait()
+        )
+    return out
 
 
 def rank_probe(threads: int, sizes: ProbeSizes) -> dict[str, float]:
@@ -309,7 +344,7 @@ def rank_probe(threads: int, sizes: ProbeSizes) -> dict[str, float]:
     out = {name: _timed_window(comm, world, make(sizes), sizes) for name, make in calls.items()}
     out["optimizer"] = _timed_window(comm, world, _optimizer_call(sizes), sizes)
     if world.size > 1:
-        out |= _link_times(comm, world, sizes) | {"loaded_latency": _loaded_latency(comm, world, sizes)}
+        out |= _link_times(comm, world, sizes) | _loaded_links(comm, world, sizes)
     return out | {"context": context}
 
 
@@ -369,6 +404,9 @@ def measure(ranks: int, threads: int, sizes: ProbeSizes = DEMO) -> Measurement:
         return max(r[key] for r in per_rank)
 
     matmul, copy, n = mean("matmul"), mean("copy"), ranks
+    p2p = (0.0, copy)  # one rank: never used
+    if n > 1:
+        p2p = _alpha_beta((4096, slowest("p2p_small")), (sizes.p2p_kib * 1024, slowest("p2p_large")), 1, 1.0)
     links = {"all_reduce": (0.0, copy), "all_gather": (0.0, copy)}  # one rank: never used
     for name, hops, share in (
         ("all_reduce", 2 * (n - 1), 2 * (n - 1) / n),
@@ -391,6 +429,8 @@ def measure(ranks: int, threads: int, sizes: ProbeSizes = DEMO) -> Measurement:
         all_gather_bytes_per_s=links["all_gather"][1],
         all_gather_latency_s=links["all_gather"][0],
         loaded_latency_s=mean("loaded_latency") if n > 1 else 0.0,
+        p2p_latency_s=p2p[0],
+        p2p_bytes_per_s=p2p[1],
         context_bytes=slowest("context"),
         host_memory_bytes=_host_memory_bytes(),
         cpu=f"{_cpu_model()} ({os.cpu_count()} logical CPUs)",
@@ -417,19 +457,37 @@ def cluster_from(m: Measurement) -> Cluster:
             f"copy {m.memory_bytes_per_s / 1e9:.1f} GB/s (elementwise {m.elementwise_share:.2f} of it), "
             f"gloo all-reduce {m.all_reduce_bytes_per_s / 1e9:.2f} GB/s, all-gather "
             f"{m.all_gather_bytes_per_s / 1e9:.2f} GB/s, latency {m.loaded_latency_s * 1e6:.0f} us/message "
-            f"under load, {m.all_reduce_latency_s * 1e6:.0f} idle (per rank)"
+            f"under load, {m.all_reduce_latency_s * 1e6:.0f} idle (per rank), pair exchange "
+            f"{m.p2p_bytes_per_s / 1e9:.2f} GB/s after {m.p2p_latency_s * 1e6:.0f} us"
         ),
     )
-    latency = m.loaded_latency_s
+    # Waiting on a descheduled peer only adds to a message's idle cost: the idle latency is a floor
+    # (the loaded figure is a difference of two noisy timings and can fall below it).
+    latency = max(m.loaded_latency_s, m.all_reduce_latency_s)
     return Cluster(
         gpu,
         m.ranks,
         "fp32",
         compute=ComputeEfficiency(matmul=1.0, attention=m.attention_share, hbm=m.elementwise_share),
-        links=LinkEfficiency(nvlink=1.0, network=1.0, nvlink_latency_s=latency, network_latency_s=latency),
+        links=LinkEfficiency(
+            nvlink=1.0,
+            network=1.0,
+            nvlink_latency_s=latency,
+            network_latency_s=latency,
+            p2p=m.p2p_bytes_per_s / m.all_gather_bytes_per_s,
+            p2p_latency_s=m.p2p_latency_s,
+        ),
         overlap=Overlap(**{f.name: False for f in fields(Overlap)}),
         memory=MemoryOverhead(context_bytes=m.context_bytes),
+        alone_speedup=max(1.0, m.ranks * m.threads / _cores()),
     )
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity; a container's CPU quota is not seen)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 # -- the cache --

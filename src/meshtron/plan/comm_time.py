@@ -6,21 +6,29 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
   dim   what, per micro-batch unless said                             hidden behind compute?
   tp    4 all-reduces of [tokens, dim] per layer (6 with full         no (meshtron runs them inline);
         recompute); sp turns each into an all-gather + a reduce-       `Overlap.tp` for frameworks that
-        scatter of the same size                                       overlap them with the GEMMs
-  cp    ring: cp−1 K/V block exchanges per layer forward, and the      ring: yes, behind each step's
-        K/V plus their gradients backward; alltoall: q, k, v and the   attention; alltoall and
-        output (and their gradients) once each; allgather: K/V         allgather: no
-        gathered, their gradients reduce-scattered
-  ep    4 all-to-alls of top_k·tokens·dim per MoE layer (dispatch and  no (meshtron), `Overlap.ep` for
-        combine, forward and backward)                                 DualPipe-style overlap
+        scatter of the same size; one more after the embedding         overlap them with the GEMMs
+        (forward), one before the head (backward), and the vocab-
+        parallel loss's 3 all-reduces of one number per token
+  cp    ring: cp−1 K/V block exchanges per layer forward; backward     ring: yes, behind each step's
+        the K/V again (cp−1) and the fp32 dK/dV accumulators' cp       attention; alltoall and
+        hops; alltoall: q, k, v and the output (and their gradients)   allgather: no
+        once each; allgather: K/V gathered, their gradients
+        reduce-scattered
+  ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron), `Overlap.ep` for
+        of top_k·tokens·dim (dispatch and combine, forward and         DualPipe-style overlap
+        backward); the busiest rank receives `imbalance` times the
+        mean (1: balanced routing)
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
         scatter them (ZeRO-2 every micro-batch) and all-gather the     micro-batch's backward, bar the
         updated parameters; ZeRO-3 all-gathers every layer forward     last bucket; ZeRO-1/2's gather:
         and backward and reduce-scatters backward; replicas            no (meshtron, `Overlap.dp_gather`
-        all-reduce the shard                                           otherwise); ZeRO-3: prefetched
-                                                                       behind each layer's compute
+        all-reduce the shard. ZeRO-3 pays the latency once per         otherwise); ZeRO-3: prefetched
+        unit (each layer, and the root of embedding and head on the    behind each layer's compute
+        end stages); DDP's and ZeRO-1/2's buckets go back to back
+        and pay it once. Every step also all-reduces the loss and
+        the clipping norm's sums (over dp·cp, and pp)
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from dataclasses import dataclass
 from meshtron.config import Config
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
-from meshtron.plan.network import Group, LinkEfficiency, collective_time, mesh_strides
+from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
 from meshtron.plan.state import rank_parameters
 
 
@@ -73,7 +81,9 @@ def _on(net: Network, group: Group) -> Group:
     return Group(group.size, group.stride, net.gpu.gpus_per_node)
 
 
-def layer_comm(cfg: Config, layer: int, net: Network, attention_time: float) -> dict[str, PassTimes]:
+def layer_comm(
+    cfg: Config, layer: int, net: Network, attention_time: float, imbalance: float = 1.0
+) -> dict[str, PassTimes]:
     """Exposed F and B seconds of one layer's tp, cp and ep communication for one micro-batch."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     g = groups(cfg)
@@ -87,11 +97,26 @@ def layer_comm(cfg: Config, layer: int, net: Network, attention_time: float) -> 
     if p.cp > 1:
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)
     if p.ep > 1 and m.is_moe_layer(layer):
-        one = collective_time(
-            "all_to_all", m.top_k * tokens * m.dim * act, _on(net, g["ep"]), net.gpu, net.eff
-        )
-        out["ep"] = PassTimes(f=2 * one, b=2 * one) * (0.0 if net.overlap.ep else 1.0)
+        ep = _on(net, g["ep"])
+        one = collective_time("all_to_all", imbalance * m.top_k * tokens * m.dim * act, ep, net.gpu, net.eff)
+        counts = collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff)
+        out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one) * (0.0 if net.overlap.ep else 1.0)
     return out
+
+
+def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, PassTimes]:
+    """Tensor parallel around the embedding (forward) and the head (backward), and the vocab-parallel
+    loss's three per-token all-reduces, on the chunks that hold them, for one micro-batch."""
+    p, t = cfg.parallel, cfg.training
+    if p.tp == 1 or not (first or last) or net.overlap.tp:
+        return {}
+    tp = _on(net, groups(cfg)["tp"])
+    tokens = t.micro_batch * t.seq_len // p.cp
+    act = collective_time(
+        "all_reduce", tokens * cfg.model.dim * (2 if t.dtype == "bf16" else 4), tp, net.gpu, net.eff
+    )
+    loss = collective_time("all_reduce", 3 * tokens * 4, tp, net.gpu, net.eff, calls=3)
+    return {"tp": PassTimes(f=act * first + loss * last, b=act * last)}
 
 
 def _cp_comm(cfg: Config, group: Group, net: Network, attention_time: float, act: int) -> PassTimes:
@@ -102,7 +127,8 @@ def _cp_comm(cfg: Config, group: Group, net: Network, attention_time: float, act
     q = m.n_heads // p.tp * m.head_size * act
     if p.cp_impl in ("ring", "hybrid"):
         hop = collective_time("p2p", 2 * tokens * kv, group, net.gpu, net.eff)
-        forward, backward = (cp - 1) * hop, 2 * (cp - 1) * hop
+        accumulator = collective_time("p2p", 2 * tokens * kv * 4 / act, group, net.gpu, net.eff)
+        forward, backward = (cp - 1) * hop, (cp - 1) * hop + cp * accumulator
         if net.overlap.cp_ring:  # each step's exchange runs behind the previous step's attention
             return PassTimes(f=max(0.0, forward - attention_time), b=max(0.0, backward - 2 * attention_time))
         return PassTimes(f=forward, b=backward)
@@ -125,25 +151,40 @@ def pp_p2p(cfg: Config, net: Network) -> float:
     return collective_time("p2p", message, _on(net, groups(cfg)["pp"]), net.gpu, net.eff)
 
 
-def _engine_time(shapes: list[tuple[int, ...]], shard: Group, replicas: Group, cfg: Config, net: Network):
+def _engine_time(
+    shapes: list[tuple[int, ...]], shard: Group, replicas: Group, cfg: Config, net: Network, units: int
+):
     """(per micro-batch forward, per micro-batch backward, after the last backward, after the step)
-    seconds of one data-parallel engine's collectives, before any overlap."""
+    seconds of one data-parallel engine's collectives, before any overlap; `units` is ZeRO-3's."""
     p, t = cfg.parallel, cfg.training
     reduce = 2 if p.reduce_dtype == "bf16" else 4
     full = sum(math.prod(s) for s in shapes)
+    # ZeRO-3 waits for each unit's gather in turn; DDP's and ZeRO-1/2's buckets pipeline back to back,
+    # their latencies behind each other's transfers (NCCL's channels), so they count once.
+    calls = units if p.zero == 3 else 1
+
+    def timed(kind: Collective, nbytes: float, group: Group) -> float:
+        return collective_time(kind, nbytes, group, net.gpu, net.eff, calls)
+
     if shard.size == 1:
-        return 0.0, 0.0, collective_time("all_reduce", reduce * full, replicas, net.gpu, net.eff), 0.0
+        return 0.0, 0.0, timed("all_reduce", reduce * full, replicas), 0.0
     padded = sum(math.ceil(s[0] / shard.size) * shard.size * math.prod(s[1:]) for s in shapes)
-    replica = collective_time("all_reduce", reduce * padded / shard.size, replicas, net.gpu, net.eff)
-    scatter = collective_time("reduce_scatter", reduce * padded, shard, net.gpu, net.eff)
+    replica = timed("all_reduce", reduce * padded / shard.size, replicas)
+    scatter = timed("reduce_scatter", reduce * padded, shard)
     if p.zero == 3:
-        gather = collective_time(
-            "all_gather", (2 if t.dtype == "bf16" else 4) * padded, shard, net.gpu, net.eff
-        )
+        gather = timed("all_gather", (2 if t.dtype == "bf16" else 4) * padded, shard)
         backward = gather * (1 if p.reshard_after_forward else 0) + scatter
         return gather, backward, replica, 0.0
-    gather = collective_time("all_gather", 4 * padded, shard, net.gpu, net.eff)
+    gather = timed("all_gather", 4 * padded, shard)
     return 0.0, (scatter if p.zero == 2 else 0.0), (0.0 if p.zero == 2 else scatter) + replica, gather
+
+
+def _step_sync(cfg: Config, net: Network, g: dict[str, Group]) -> float:
+    """The step's small all-reduces: the loss and clipping's norm over dp·cp, and over pp."""
+    p = cfg.parallel
+    world = Group(p.dp_replicate * p.dp_shard * p.cp, p.tp, net.gpu.gpus_per_node)
+    sync = collective_time("all_reduce", 8, world, net.gpu, net.eff, calls=2)
+    return sync + collective_time("all_reduce", 8, g["pp"], net.gpu, net.eff, calls=2)
 
 
 def dp_comm(
@@ -157,10 +198,13 @@ def dp_comm(
     engines = [([x.shape for x in params if not x.expert or p.ep == 1], g["shard"])]
     if p.ep > 1:
         engines.append(([x.shape for x in params if x.expert], g["edp"]))
-    exposed = 0.0
+    exposed = _step_sync(cfg, net, g)
     bucket = p.bucket_mb * 2**20
-    for shapes, shard in engines:
-        forward, backward, last, after = _engine_time(shapes, shard, g["dp_replicate"], cfg, net)
+    root = pp_rank in (0, p.pp - 1)  # the embedding's and the head's unit
+    moe_layers = sum(1 for x in params if x.expert and x.name.endswith("w1"))
+    for index, (shapes, shard) in enumerate(engines):
+        units = layers + root if index == 0 else max(1, moe_layers)
+        forward, backward, last, after = _engine_time(shapes, shard, g["dp_replicate"], cfg, net, units)
         if p.zero == 3 and shard.size > 1 and o.fsdp_prefetch:
             first = (forward + backward) / max(layers, 1)
             exposed += micro * (max(0.0, forward - mb.f) + max(0.0, backward - mb.b - mb.w)) + first

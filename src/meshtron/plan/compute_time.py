@@ -11,9 +11,10 @@ weight-gradient backward (W), from the shapes and three rates.
   recompute              full: the layer's F again in B; selective: the attention core's F again
 
 Rows m: the rank's tokens of the micro-batch, micro_batch·seq_len/cp (a tp rank computes on all of
-them: sequence parallel gathers before the column-parallel projections). Routed experts at balanced
-routing: each rank's E/ep experts receive top_k·m rows in all (ep ranks each send top_k·m/ep), so each
-local expert's matmul has top_k·m·ep/E rows. The head is [m, dim] x [dim, vocab/tp].
+them: sequence parallel gathers before the column-parallel projections). Routed experts: at balanced
+routing each rank's E/ep experts receive top_k·m rows in all (ep ranks each send top_k·m/ep), so each
+local expert's matmul has top_k·m·ep/E rows; the busiest rank, which the step waits for, `imbalance`
+times that (the max over mean of tokens per expert rank, 1 when balanced; meshtron reports it per step). The head is [m, dim] x [dim, vocab/tp].
 
 The named rates (`ComputeEfficiency`) are the achievable shares of the datasheet peaks; docs/planner.md
 says how they were calibrated on published runs.
@@ -100,7 +101,7 @@ def matmul_time(m: float, k: float, n: float, rates: Rates) -> float:
     return max(flops, traffic)
 
 
-def _layer_matmuls(cfg: Config, layer: int, rows: int) -> list[tuple[float, float, float]]:
+def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
     """(m, k, n) of every weight matmul of one layer on one tp rank (see the module docstring)."""
     m, p = cfg.model, cfg.parallel
     h, tp = m.dim, p.tp
@@ -113,7 +114,7 @@ def _layer_matmuls(cfg: Config, layer: int, rows: int) -> list[tuple[float, floa
     expert_tp = p.etp in (0, tp)
     width = m.expert_ffn_dim // tp if expert_tp else m.expert_ffn_dim
     local = m.n_experts // p.ep // (1 if expert_tp else tp)
-    per_expert = m.top_k * rows * p.ep / m.n_experts
+    per_expert = imbalance * m.top_k * rows * p.ep / m.n_experts
     out += [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
     out.append((rows, h, m.n_experts))  # the router
     if m.n_shared_experts:
@@ -122,11 +123,11 @@ def _layer_matmuls(cfg: Config, layer: int, rows: int) -> list[tuple[float, floa
     return out
 
 
-def layer_times(cfg: Config, layer: int, rates: Rates) -> PassTimes:
+def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
     """F, B and W seconds of transformer layer `layer` for one micro-batch on one rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     rows = t.micro_batch * t.seq_len // p.cp
-    gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows))
+    gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows, imbalance))
     q = m.n_heads * m.head_size // p.tp
     keys = keys_per_query(t.seq_len, m.sliding_window)
     core = rates.attention_time(4.0 * q * keys * rows)
@@ -155,14 +156,16 @@ def embedding_times(cfg: Config, rates: Rates) -> PassTimes:
     return PassTimes(f=nbytes / rates.hbm, w=2 * nbytes / rates.hbm)
 
 
-def chunk_times(cfg: Config, layers: list[int], first: bool, last: bool, rates: Rates) -> PassTimes:
+def chunk_times(
+    cfg: Config, layers: list[int], first: bool, last: bool, rates: Rates, imbalance: float = 1.0
+) -> PassTimes:
     """One pipeline chunk: its layers, plus the embedding on the first chunk and the head on the last."""
     total = PassTimes()
     moe = [layer for layer in layers if cfg.model.is_moe_layer(layer)]
     dense = [layer for layer in layers if not cfg.model.is_moe_layer(layer)]
     for kind in (moe, dense):  # the layers of a kind all cost the same
         if kind:
-            total = total + layer_times(cfg, kind[0], rates) * len(kind)
+            total = total + layer_times(cfg, kind[0], rates, imbalance) * len(kind)
     if first:
         total = total + embedding_times(cfg, rates)
     if last:

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from meshtron.config import Config
 from meshtron.pipeline.schedules import CheckedSchedule, Kind, build_schedule, checked_schedule, simulate
-from meshtron.plan.comm_time import Network, Overlap, dp_comm, layer_comm, pp_p2p
+from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, pp_p2p
 from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
 from meshtron.plan.gpu_memory import MemoryOverhead, layer_split, stage_memory
@@ -42,6 +42,9 @@ class Cluster:
     links: LinkEfficiency = field(default_factory=LinkEfficiency)
     overlap: Overlap = field(default_factory=Overlap)
     memory: MemoryOverhead = field(default_factory=MemoryOverhead)
+    # How much faster a rank runs while others idle: 1 for devices of their own; CPU ranks sharing
+    # cores (hardware_probe.py) run at ranks·threads / cores times their all-busy rate when alone.
+    alone_speedup: float = 1.0
 
     @property
     def peak(self) -> float:
@@ -82,7 +85,9 @@ class Estimate:
         return self.memory_bytes_per_gpu <= self.memory_limit_bytes
 
 
-def _chunk_costs(cfg: Config, cluster: Cluster) -> tuple[list[PassTimes], list[dict[str, PassTimes]]]:
+def _chunk_costs(
+    cfg: Config, cluster: Cluster, imbalance: float
+) -> tuple[list[PassTimes], list[dict[str, PassTimes]]]:
     """Per global chunk: compute seconds, and the exposed communication by dim, per micro-batch."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
     rates = cluster.rates(t.dtype)
@@ -94,10 +99,12 @@ def _chunk_costs(cfg: Config, cluster: Cluster) -> tuple[list[PassTimes], list[d
     p2p = pp_p2p(cfg, net)
     compute, comm = [], []
     for c, layers in enumerate(split):
-        compute.append(chunk_times(cfg, layers, c == 0, c == len(split) - 1, rates))
+        first, last = c == 0, c == len(split) - 1
+        compute.append(chunk_times(cfg, layers, first, last, rates, imbalance))
         dims: dict[str, PassTimes] = {}
-        for layer in layers:
-            for dim, times in layer_comm(cfg, layer, net, attention_time).items():
+        parts = [layer_comm(cfg, layer, net, attention_time, imbalance) for layer in layers]
+        for part in [*parts, ends_comm(cfg, first, last, net)]:
+            for dim, times in part.items():
                 dims[dim] = dims.get(dim, PassTimes()) + times
         if p2p:
             dims["pp"] = PassTimes(f=p2p, b=p2p)
@@ -160,6 +167,18 @@ def _screen_pipeline(cfg: Config, totals: list[PassTimes], micro: int):
     return makespan, tuple(in_flight), bubble / makespan
 
 
+def _shared_cores(cfg: Config, totals: list[PassTimes], micro: int, makespan: float, speedup: float) -> float:
+    """The pipeline's makespan when its ranks share cores (speedup > 1): a stage idle in the bubble, or
+    lighter than the others, leaves its core to the busy ones. Two bounds of a work-conserving machine
+    (Graham 1969): all the stages' work spread evenly over the ranks (their mean busy time, at the
+    all-busy rate), and the schedule's critical path at a lone rank's speed; the larger holds."""
+    p = cfg.parallel
+    if speedup <= 1.0 or p.pp == 1:
+        return makespan
+    busy = [micro * sum(totals[v * p.pp + r].total for v in range(p.vpp)) for r in range(p.pp)]
+    return max(sum(busy) / p.pp, makespan / speedup)
+
+
 def least_memory(cfg: Config, cluster: Cluster) -> float:
     """Bytes per GPU of the most loaded stage with one micro-batch in flight: a lower bound of
     `estimate(...).memory_bytes_per_gpu`, cheap enough to drop layouts before timing them."""
@@ -168,15 +187,21 @@ def least_memory(cfg: Config, cluster: Cluster) -> float:
     )
 
 
-def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
+def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
     """Predict one step of `cfg` (its layout already in cfg.parallel, dp_shard resolved) on `cluster`;
-    `simulated=False` takes the pipeline's closed forms instead of the simulator (the search's screen)."""
+    `simulated=False` takes the pipeline's closed forms instead of the simulator (the search's screen);
+    `imbalance`: an MoE model's routing, the busiest expert rank's tokens over the mean (1: balanced)."""
+    if imbalance < 1.0:
+        raise ValueError(
+            f"routing imbalance is max / mean tokens per expert rank, at least 1; got {imbalance}"
+        )
     p, t = cfg.parallel, cfg.training
     world = cluster.gpus
     micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
-    compute, comm = _chunk_costs(cfg, cluster)
+    compute, comm = _chunk_costs(cfg, cluster, imbalance)
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     makespan, in_flight, bubble = _run_pipeline(cfg, totals, micro, simulated)
+    makespan = _shared_cores(cfg, totals, micro, makespan, cluster.alone_speedup)
     net = Network(cluster.gpu, cluster.links, cluster.overlap)
     rates = cluster.rates(t.dtype)
     worst: tuple[float, dict[str, float]] = (-1.0, {})
@@ -203,7 +228,8 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True) -> Estimate:
         if busy + tails[-1] > worst[0]:  # the stage whose own work is the most: the breakdown shown
             worst = (busy + tails[-1], parts)
     step = makespan + max(tails)
-    worst[1]["pp_bubble"] = step - sum(worst[1].values())  # its idle time: the bubble it sees
+    idle = step - sum(worst[1].values())  # the bubble it sees, or (shared cores) the time others lend it
+    worst[1]["lent_cores" if idle < -1e-9 * step else "pp_bubble"] = idle
     tokens = t.global_batch * t.seq_len
     flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
     return Estimate(

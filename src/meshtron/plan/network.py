@@ -15,7 +15,12 @@ per-message latency of the link:
   reduce-scatter      S·(n−1)/n                   (n−1)·a + S·(n−1)/n / B
   all-to-all          S·(n−1)/n                   (n−1)·a + max(on-node part / B_nvlink,
                                                                off-node part / B_network)
-  send / receive      S                           a + S / B
+  send / receive      S                           a_p2p + S / (B·p2p)
+
+A collective issued as c separate calls (FSDP's one per unit, DDP's one per bucket) pays the latency c
+times and the bandwidth term once for its total bytes. Point-to-point messages may have their own
+latency and share of the link (a CPU's gloo pairs do: hardware_probe.py measures them); by default they
+take the link's.
 
 A ring that leaves the node runs at the network's rate: every GPU's share of the ring passes its own NIC
 (NCCL builds one ring per NIC), so bandwidth per GPU is the NIC's. An all-to-all is split: the peers on
@@ -43,6 +48,8 @@ class LinkEfficiency:
     network: float = 0.9
     nvlink_latency_s: float = 5e-6
     network_latency_s: float = 10e-6
+    p2p: float = 1.0  # a send/receive's bandwidth as a share of the link's (above)
+    p2p_latency_s: float = 0.0  # 0: the link's latency
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,15 @@ def mesh_strides(dims: dict[str, int], order: tuple[str, ...]) -> dict[str, int]
 
 
 def collective_time(
-    kind: Collective, nbytes: float, group: Group, gpu: Accelerator, eff: LinkEfficiency
+    kind: Collective,
+    nbytes: float,
+    group: Group,
+    gpu: Accelerator,
+    eff: LinkEfficiency,
+    calls: int = 1,
 ) -> float:
-    """Seconds one collective over `group` takes (the module docstring's table); `nbytes` is the full
-    tensor (for p2p, the message)."""
+    """Seconds a collective over `group` takes (the module docstring's table); `nbytes` is the full
+    tensor (for p2p, the message), or all `calls` calls' together."""
     n = group.size
     if n == 1 or nbytes <= 0:
         return 0.0
@@ -85,14 +97,14 @@ def collective_time(
     network = gpu.inter_node_bytes_per_s * eff.network
     crossing = group.crosses_nodes
     bandwidth = network if crossing else nvlink
-    latency = eff.network_latency_s if crossing else eff.nvlink_latency_s
+    latency = calls * (eff.network_latency_s if crossing else eff.nvlink_latency_s)
     ring = (n - 1) / n
     if kind == "all_reduce":
         return 2 * (n - 1) * latency + 2 * nbytes * ring / bandwidth
     if kind in ("all_gather", "reduce_scatter"):
         return (n - 1) * latency + nbytes * ring / bandwidth
     if kind == "p2p":
-        return latency + nbytes / bandwidth
+        return (calls * eff.p2p_latency_s or latency) + nbytes / (bandwidth * eff.p2p)
     on_node = nbytes * (group.per_node - 1) / n
     off_node = nbytes * (n - group.per_node) / n
     return (n - 1) * latency + max(on_node / nvlink, off_node / network if off_node else 0.0)

@@ -148,7 +148,14 @@ def _trainer_problem(cfg: Config, gpus: int) -> str | None:
 SCREENED = 4  # the screen's best top·SCREENED layouts get the simulator's pipeline before ranking
 
 
-def _simulated(cfg: Config, cluster: Cluster, screened: list[tuple[Layout, Estimate]], top: int, plan: Plan):
+def _simulated(
+    cfg: Config,
+    cluster: Cluster,
+    screened: list[tuple[Layout, Estimate]],
+    top: int,
+    plan: Plan,
+    imbalance: float,
+):
     """The best screened layouts that pass the trainer's rules, timed again with the simulator, ranked."""
     out: list[tuple[Layout, Estimate]] = []
     for layout, _ in screened:
@@ -158,7 +165,7 @@ def _simulated(cfg: Config, cluster: Cluster, screened: list[tuple[Layout, Estim
         if problem:
             plan.refused[f"trainer rule: {problem}"] += 1
             continue
-        result = estimate(layout.apply(cfg), cluster)
+        result = estimate(layout.apply(cfg), cluster, imbalance=imbalance)
         if not result.fits:  # the simulator's in-flight count can exceed the screen's
             plan.refused["memory: needs more than the GPU has"] += 1
             continue
@@ -167,8 +174,11 @@ def _simulated(cfg: Config, cluster: Cluster, screened: list[tuple[Layout, Estim
     return out[:top]
 
 
-def search(cfg: Config, cluster: Cluster, fixed: dict[str, Any], top: int = 5) -> Plan:
-    """The `top` fastest layouts of `cfg`'s model and batch on `cluster` with `fixed` keys held."""
+def search(
+    cfg: Config, cluster: Cluster, fixed: dict[str, Any], top: int = 5, imbalance: float = 1.0
+) -> Plan:
+    """The `top` fastest layouts of `cfg`'s model and batch on `cluster` with `fixed` keys held;
+    `imbalance` is an MoE router's expected busiest-over-mean expert load (estimate's)."""
     plan = Plan(ranked=[])
     fitting: list[tuple[float, Layout, Estimate]] = []
     fits: set[Layout] = set()  # layouts (recompute blanked) that fit with some recompute mode
@@ -192,7 +202,7 @@ def search(cfg: Config, cluster: Cluster, fixed: dict[str, Any], top: int = 5) -
             if bound > 0 and (smallest is None or bound < smallest[0]):
                 smallest = (bound, item)
             continue
-        result = estimate(candidate, cluster, simulated=False)
+        result = estimate(candidate, cluster, simulated=False, imbalance=imbalance)
         if not result.fits:
             too_big.add(any_micro_batch)
             plan.refused["memory: needs more than the GPU has"] += 1
@@ -202,7 +212,8 @@ def search(cfg: Config, cluster: Cluster, fixed: dict[str, Any], top: int = 5) -
         fits.add(any_recompute)
         fitting.append((result.step_time_s, item, result))
     fitting.sort(key=lambda x: (x[0], x[2].memory_bytes_per_gpu))
-    plan.ranked = _simulated(cfg, cluster, [(layout, result) for _, layout, result in fitting], top, plan)
+    screened = [(layout, result) for _, layout, result in fitting]
+    plan.ranked = _simulated(cfg, cluster, screened, top, plan, imbalance)
     if not plan.ranked and smallest is not None:
-        plan.least_memory = (smallest[1], estimate(smallest[1].apply(cfg), cluster))
+        plan.least_memory = (smallest[1], estimate(smallest[1].apply(cfg), cluster, imbalance=imbalance))
     return plan

@@ -318,7 +318,12 @@ class Trainer:
         skipped = self.skips.check(step + 1, float(loss_sum), float(grad_norm), first_bad)
         self.engine.zero_grad()
 
-        comm_bytes, comm_by_group = self.comm.stats.total_bytes(), self.comm.stats.by_group()
+        stats = self.comm.stats
+        comm_bytes, comm_by_group, calls_by_group = (
+            stats.total_bytes(),
+            stats.by_group(),
+            stats.calls_by_group(),
+        )
         extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
         self.comm.stats.reset()
         elapsed = time.perf_counter() - start
@@ -340,6 +345,7 @@ class Trainer:
             "comm_bytes": comm_bytes,
             "step_time_s": elapsed,
             "comm_bytes_by_group": comm_by_group,
+            "comm_calls_by_group": calls_by_group,  # collectives issued (each send and receive one)
             **extra,
             **skipped,
         }
