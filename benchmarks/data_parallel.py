@@ -2,8 +2,9 @@
 
 One training step (forward, cross-entropy, backward, gradient sync, clipping to 1.0, AdamW, post-step
 work, zero_grad) of the same Llama model on the same batches: meshtron DDP vs torch DDP, meshtron ZeRO-3
-vs FSDP2 (`fully_shard` per block and on the root, through `TorchFSDP`), and meshtron ZeRO-1/2 vs torch
-DDP for context. meshtron's engines are driven as the Trainer drives them. Also times the bare gloo
+vs FSDP2 (`fully_shard` per block and on the root, through `TorchFSDP`), meshtron ZeRO-1 vs PyTorch's
+`ZeroRedundancyOptimizer` around DDP, meshtron ZeRO-2 vs `fully_shard(reshard_after_forward=False)`, and
+ZeRO-1/2 vs torch DDP. meshtron's engines are driven as the Trainer drives them. Also times the bare gloo
 collectives on one buffer the size of the whole gradient: the floor under every engine's sync.
 Method and analysis: benchmarks/RESULTS.md. E.g. `python benchmarks/data_parallel.py --steps 10 --out -`.
 """
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from harness import Clock, Counter, Pair, Runner
 from reporting import mib, ms, table
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshtron.comm import Comm
 from meshtron.config import ModelConfig
@@ -42,9 +44,21 @@ TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)
 WORLD = 4
 MAX_NORM = 1.0
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
-NAMES = ("meshtron DDP", "torch DDP", "meshtron ZeRO-3", "torch FSDP2", "meshtron ZeRO-1", "meshtron ZeRO-2")
+NAMES = (
+    "meshtron DDP",
+    "torch DDP",
+    "meshtron ZeRO-3",
+    "torch FSDP2",
+    "meshtron ZeRO-1",
+    "torch ZeRO-1",
+    "meshtron ZeRO-2",
+    "torch FSDP2 no-reshard",
+)
 PAIRS = [Pair("meshtron DDP", "torch DDP"), Pair("meshtron ZeRO-3", "torch FSDP2")]
-PAIRS += [Pair(f"meshtron ZeRO-{stage}", "torch DDP") for stage in (1, 2)]  # for context
+# Like for like: ZeroRedundancyOptimizer around DDP shards the optimizer state (ZeRO-1); fully_shard
+# keeping the gathered parameters after forward shards gradients and state, not parameters (ZeRO-2).
+PAIRS += [Pair("meshtron ZeRO-1", "torch ZeRO-1"), Pair("meshtron ZeRO-2", "torch FSDP2 no-reshard")]
+PAIRS += [Pair(f"meshtron ZeRO-{stage}", "torch DDP") for stage in (1, 2)]  # against the unsharded floor
 MODEL = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 SEQ, BATCH_PER_RANK = 128, 2
 TOKENS = WORLD * BATCH_PER_RANK * SEQ  # global tokens per step: every rank's loss is divided by it
@@ -149,9 +163,34 @@ class TorchDDP(DataParallel):
         return contextlib.nullcontext(Counter())
 
 
+class TorchZero1(TorchDDP):
+    """PyTorch's ZeRO-1: DDP all-reduces the gradients, `ZeroRedundancyOptimizer` steps each rank's
+    share of the parameters (AdamW, the same decay groups as ours) and broadcasts them."""
+
+    def __init__(self, model: nn.Module, group: Any, bucket_mb: float):
+        super().__init__(model, group, bucket_mb)
+        self.name = "torch ZeRO-1"
+        groups = [
+            {"params": g["params"], "weight_decay": g["weight_decay"]} for g in self.optimizer.param_groups
+        ]
+        self.optimizer = ZeroRedundancyOptimizer(
+            groups, torch.optim.AdamW, process_group=group, lr=LR, betas=BETAS, eps=EPS, foreach=True
+        )
+
+    def sync(self, clock: Clock) -> None:
+        # DDP's all-reduce inside backward, and the optimizer's broadcasts of each rank's updated
+        # parameters (every parameter once, (n-1)/n of it leaving its owner): both from theory.
+        super().sync(clock)
+        if clock.counter is not None:
+            clock.counter.add("broadcast", self.grad_bytes, WORLD)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": state_bytes(self.model.parameters(), self.optimizer.optim)}
+
+
 class TorchFSDP2(DataParallel):
-    def __init__(self, engine: TorchFSDP):
-        super().__init__("torch FSDP2", engine.model, engine.optimizer_params())
+    def __init__(self, engine: TorchFSDP, name: str = "torch FSDP2"):
+        super().__init__(name, engine.model, engine.optimizer_params())
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[Counter | None]:
@@ -181,9 +220,11 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
     shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
     if name == "torch DDP":
         return TorchDDP(model, mesh.group("dp").process_group, bucket_mb)
-    if name == "torch FSDP2":
-        fp32 = torch.float32
-        return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, True))
+    if name == "torch ZeRO-1":
+        return TorchZero1(model, mesh.group("dp").process_group, bucket_mb)
+    if name.startswith("torch FSDP2"):
+        fp32, reshard = torch.float32, name == "torch FSDP2"
+        return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, reshard), name)
     if name == "meshtron DDP":
         engine: DataParallelEngine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes)
     elif name == "meshtron ZeRO-3":
@@ -246,7 +287,8 @@ def pairs_of(names: Sequence[str]) -> list[Pair]:
 
 def tables(results: list[harness.RankResult], report: reporting.Report) -> list[list[str]]:
     pairs, samples, runs = report.pairs, report.samples, report.samples.values()
-    comm = {s.name: mib(s.comm()[1]) + (" (theory)" if s.name == "torch DDP" else "") for s in runs}
+    theory = ("torch DDP", "torch ZeRO-1")
+    comm = {s.name: mib(s.comm()[1]) + (" (theory)" if s.name in theory else "") for s in runs}
     phases = ("forward", "backward", "sync", "clip", "optimizer", "after_step", "zero_grad")
     floors = [r.extra["floor"] for r in results]
     floor = {op: statistics.median(map(max, zip(*(f[op] for f in floors), strict=True))) for op in floors[0]}

@@ -37,6 +37,9 @@ LAYOUTS = {
     "zero3_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=3"]),
     "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]),
     "hybrid_zero2_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=2"]),
+    # Many buckets: each reuses a staging buffer two buckets after another took it (zero.py's _Staging).
+    "zero1_4_buckets": (4, ["--parallel.dp_shard=4", "--parallel.zero=1", "--parallel.bucket_mb=0.02"]),
+    "zero2_2x2_buckets": (4, ["--parallel.dp_replicate=2", "--parallel.zero=2", "--parallel.bucket_mb=0.02"]),
 }
 
 

@@ -13,10 +13,20 @@ AdamW state exists for 1/dp_shard of the model. A step:
   after_step updated rows all-gathered, bucket by bucket, into the whole parameters
 
 Per step that moves a reduce-scatter and an all-gather of every parameter: 2Ψ(n-1)/n, like DDP.
+
+Buffers are allocated once and reused every step, so a steady-state step allocates nothing for its
+communication (fresh buffers cost a page fault per 4 KiB page on first touch, thousands a step): each
+bucket keeps its received and owned-row segments (1/n of the bucket each), and the full-size staging
+of the reduce-scatter's input and the all-gather's output is two bucket-sized buffers used in turn
+(`_Staging`), not one per bucket: per-bucket full buffers would hold another copy of every gradient,
+the memory ZeRO-2 exists to save. A bucket taking a buffer first finishes the collective of the bucket
+that used it two turns before (gloo and NCCL run a group's collectives in order, so that one is done or
+next in line).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,7 +56,39 @@ class _ShardedBucket:
             for owned, view in zip(self.owned, views, strict=True):
                 owned.grad = view
         self.pending: Pending | None = None
-        self.received: torch.Tensor | None = None
+        self.received = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        self.segment = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+
+
+class _Staging:
+    """Two bucket-sized buffers per dtype, taken in turn: `take` hands one out once its previous
+    user's collective is finished (the callback that user left with `hold`)."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.numel, self.device = numel, device
+        self.buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.users: list[Callable[[], None] | None] = [None, None]
+        self.turn = 0
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        slot, self.turn = self.turn, 1 - self.turn
+        if (previous := self.users[slot]) is not None:
+            self.users[slot] = None
+            previous()
+        if dtype not in self.buffers:
+            self.buffers[dtype] = [torch.empty(self.numel, dtype=dtype, device=self.device) for _ in range(2)]
+        return self.buffers[dtype][slot][:numel]
+
+    def hold(self, finish: Callable[[], None]) -> None:
+        """The buffer taken last is in use until `finish` has run."""
+        self.users[1 - self.turn] = finish
+
+    def drain(self) -> None:
+        """Finish every collective still using a buffer."""
+        for slot, finish in enumerate(self.users):
+            if finish is not None:
+                self.users[slot] = None
+                finish()
 
 
 class ZeroShardedOptimizer(BucketedEngine):
@@ -70,6 +112,8 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_dtype = self.params[0].dtype
         self.buckets = [_ShardedBucket(b, shard, stage) for b in make_buckets(self.params, bucket_bytes)]
+        full = max(b.layout.shard_numel for b in self.buckets) * shard.size
+        self.staging = _Staging(full, self.params[0].device)
         self._watch_buckets()
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -92,24 +136,30 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def _launch(self, bucket: _ShardedBucket) -> None:
         dtype = self.reduce_dtype or self.grad_dtype
-        device = bucket.params[0].device
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        send = torch.empty(bucket.layout.shard_numel * self.shard.size, dtype=dtype, device=device)
+        numel = bucket.layout.shard_numel * self.shard.size
+        send = self.staging.take(dtype, numel)
         bucket.layout.pack(grads, send)
         if self.stage == 2:
             for p in bucket.params:
                 p.grad = None  # the full gradient lives only until it is packed
-        bucket.received = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=device)
+        if bucket.received.dtype != dtype:
+            bucket.received = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=send.device)
         bucket.pending = self.comm.reduce_scatter_async(bucket.received, send, self.shard)
+        self.staging.hold(lambda: self._wait(bucket))
+
+    def _wait(self, bucket: _ShardedBucket) -> None:
+        """Bucket's reduce-scatter done; stage 2 folds its rows into the accumulator at once."""
+        if bucket.pending is None:
+            return
+        bucket.pending.wait()
+        bucket.pending = None
+        if self.stage == 2:
+            bucket.grad_segment.add_(bucket.received.to(self.grad_dtype))
 
     def _collect(self) -> None:
-        for bucket in self.buckets:
-            if bucket.pending is None or self.stage == 1:
-                continue
-            bucket.pending.wait()
-            bucket.pending = None
-            bucket.grad_segment.add_(bucket.received.to(self.grad_dtype))
-            bucket.received = None
+        if self.stage == 2:
+            self.staging.drain()
 
     def finish_gradients(self) -> None:
         for bucket in self.buckets:
@@ -117,14 +167,12 @@ class ZeroShardedOptimizer(BucketedEngine):
                 self._collect()  # stage 2: the bucket's earlier reduction first
                 self._launch(bucket)
         self._collect()
+        self.staging.drain()
         for bucket in self.buckets:
             if self.stage == 2:
                 self.comm.all_reduce_(bucket.grad_segment, self.replicate)
                 continue
-            bucket.pending.wait()
-            bucket.pending = None
             reduced = self.comm.all_reduce_(bucket.received.to(self.grad_dtype), self.replicate)
-            bucket.received = None
             views = bucket.layout.local_views(reduced, valid_only=True)
             for p, owned, rows, view in zip(
                 bucket.params, bucket.owned, bucket.row_ranges, views, strict=True
@@ -136,18 +184,18 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        pending = []
         for bucket in self.buckets:
-            like = bucket.params[0]
-            segment = torch.empty(bucket.layout.shard_numel, dtype=like.dtype, device=like.device)
-            bucket.layout.pack_local([p.data for p in bucket.params], segment)
-            gathered = torch.empty(
-                segment.numel() * self.shard.size, dtype=segment.dtype, device=segment.device
-            )
-            pending.append((bucket, gathered, self.comm.all_gather_async(gathered, segment, self.shard)))
-        for bucket, gathered, handle in pending:
-            handle.wait()
-            bucket.layout.unpack(gathered, [p.data for p in bucket.params])
+            params = [p.data for p in bucket.params]
+            bucket.layout.pack_local(params, bucket.segment)
+            gathered = self.staging.take(bucket.segment.dtype, bucket.segment.numel() * self.shard.size)
+            handle = self.comm.all_gather_async(gathered, bucket.segment, self.shard)
+
+            def unpack(bucket=bucket, gathered=gathered, handle=handle, params=params) -> None:
+                handle.wait()
+                bucket.layout.unpack(gathered, params)
+
+            self.staging.hold(unpack)
+        self.staging.drain()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
