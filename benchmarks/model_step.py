@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 import meshtron.hf
 from meshtron.config import ModelConfig
 from meshtron.models.llama import build_model
+from meshtron.parallel.compile import compile_blocks
 
 TITLE = "## Model step: meshtron vs transformers (fp32, CPU)"
 LOGITS_TOL = 1e-4
@@ -88,25 +89,43 @@ class SdpaRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_runners(preset: str, s: dict[str, int], seed: int) -> list[Model]:
-    """meshtron's model and transformers' LlamaForCausalLM holding the very same weights."""
+def build_runners(preset: str, s: dict[str, int], seed: int, compiled: bool = False) -> list[Model]:
+    """meshtron's model and transformers' LlamaForCausalLM holding the very same weights; with
+    `compiled`, also a second copy of each with every block `torch.compile`d (meshtron's
+    `compile_blocks`, what `training.compile = true` does; each transformers decoder layer)."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its loading bar would interleave with the benchmark's output
     ours = build_model(model_config(s), seed).train()
+    copies = 2 if compiled else 1
     with tempfile.TemporaryDirectory(prefix="meshtron-bench-") as tmp:
         meshtron.hf.save(ours, tmp)
-        theirs = LlamaForCausalLM.from_pretrained(
-            tmp, dtype=torch.float32, attn_implementation="sdpa"
-        ).train()
-    if theirs.config._attn_implementation != "sdpa":
-        raise RuntimeError(f"transformers picked attn_implementation={theirs.config._attn_implementation!r}")
-    # use_cache=False: the config's default (True) would build a DynamicCache, which training never reads.
-    return [
+        hf = [
+            LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa").train()
+            for _ in range(copies)
+        ]
+    if hf[0].config._attn_implementation != "sdpa":
+        raise RuntimeError(f"transformers picked attn_implementation={hf[0].config._attn_implementation!r}")
+
+    def hf_forward(theirs: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        # use_cache=False: the default would build a DynamicCache, which training never reads.
+        return lambda x: theirs(input_ids=x, use_cache=False).logits
+
+    runners = [
         Model(f"{preset} meshtron", ours, ours),
-        Model(f"{preset} transformers", theirs, lambda x: theirs(input_ids=x, use_cache=False).logits),
+        Model(f"{preset} transformers", hf[0], hf_forward(hf[0])),
     ]
+    if compiled:
+        ours_compiled = build_model(model_config(s), seed).train()
+        compile_blocks(ours_compiled)
+        for layer in hf[1].model.layers:
+            layer.compile()
+        runners += [
+            Model(f"{preset} meshtron compiled", ours_compiled, ours_compiled),
+            Model(f"{preset} transformers compiled", hf[1], hf_forward(hf[1])),
+        ]
+    return runners
 
 
 def same_function(runners: list[Model], inputs: torch.Tensor) -> tuple[float, list[str]]:
@@ -116,23 +135,25 @@ def same_function(runners: list[Model], inputs: torch.Tensor) -> tuple[float, li
         with torch.no_grad(), SdpaRecorder() as recorder:
             logits.append(runner.forward(inputs))
         calls.append(recorder.calls[0] if recorder.calls else "no SDPA call")
-    diff = (logits[0] - logits[1]).abs().max().item()
+    diff = max((other - logits[0]).abs().max().item() for other in logits[1:])
     if diff > LOGITS_TOL:
         sys.exit(f"the models disagree: max |logits diff| {diff:.2e} > {LOGITS_TOL}; not timing them")
     return diff, calls
 
 
 def run_preset(
-    preset: str, s: dict[str, int], seed: int, profile: bool, report: reporting.Report
+    preset: str, s: dict[str, int], seed: int, profile: bool, report: reporting.Report, compiled: bool
 ) -> list[list[str]]:
     """Checks and times one preset: its rows of the steps table; its samples, checks and facts go into
     `report`."""
-    runners = build_runners(preset, s, seed)
+    runners = build_runners(preset, s, seed, compiled)
     batch = harness.token_batch(s["vocab"], s["batch"], s["seq"], seed, 0)
     diff, calls = same_function(runners, batch[0])
-    pair = Pair(runners[0].name, runners[1].name)
+    pairs = [Pair(runners[0].name, runners[1].name)]
+    if compiled:  # compiled against compiled, and what compiling gains meshtron
+        pairs += [Pair(runners[2].name, runners[3].name), Pair(runners[2].name, runners[0].name)]
     result = harness.run_rounds(
-        runners, lambda _: batch, [pair], s["warmup"], s["steps"], measure=False, op_tables=profile
+        runners, lambda _: batch, pairs, s["warmup"], s["steps"], measure=False, op_tables=profile
     )
     samples = report.add([result])
     n_params = sum(p.numel() for p in runners[0].model.parameters())
@@ -146,7 +167,12 @@ def run_preset(
         parts = [sample.phase(p) for p in ("forward", "backward", "optimizer")]
         split = " / ".join(f"{ms(p)} ({p / sum(parts):.0%})" for p in parts)
         rows.append(
-            [*sample.name.split(), *sample.timing(), f"{s['batch'] * s['seq'] / sample.median:,.0f}", split]
+            [
+                *sample.name.split(" ", 1),
+                *sample.timing(),
+                f"{s['batch'] * s['seq'] / sample.median:,.0f}",
+                split,
+            ]
         )
     return rows
 
@@ -164,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"--{flag.replace('_', '-')}", type=int, dest=flag, help="overrides the preset's value"
         )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument("--compile", action="store_true", help="also both models with compiled blocks")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
@@ -172,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     report, rows = reporting.Report(__file__, TITLE), []
     for preset in presets:
         shape = PRESETS[preset] | overrides
-        rows += run_preset(f"{preset}-custom" if custom else preset, shape, args.seed, args.profile, report)
+        name = f"{preset}-custom" if custom else preset
+        rows += run_preset(name, shape, args.seed, args.profile, report, args.compile)
     report.facts.insert(
         0, f"transformers {transformers.__version__}; `torch.set_num_threads({args.threads})`"
     )

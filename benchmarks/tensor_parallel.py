@@ -128,8 +128,11 @@ class TorchTP(TensorParallel):
         if sp:
             block_plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         if sp or shared:  # torch-shared: the projections share one Replicate DTensor input
-            prepare = dict(desired_input_layouts=(Replicate(), None, None), use_local_output=not shared)
-            block_plan["attention"] = PrepareModuleInput(input_layouts=(residual, None, None), **prepare)
+            # Attention takes (x, cos, sin, cache): only x is laid out.
+            prepare = dict(desired_input_layouts=(Replicate(), None, None, None), use_local_output=not shared)
+            block_plan["attention"] = PrepareModuleInput(
+                input_layouts=(residual, None, None, None), **prepare
+            )
             prepare["desired_input_layouts"] = (Replicate(),)
             block_plan["feed_forward"] = PrepareModuleInput(input_layouts=(residual,), **prepare)
         for block in model.layers.values():

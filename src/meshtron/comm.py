@@ -198,8 +198,11 @@ class Comm:
         # Contiguous, so consumers (several projections read a gathered sequence) share one copy.
         return out.movedim(0, dim).contiguous()
 
-    def reduce_scatter_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
-        """Sum over ranks, then keep this rank's 1/n chunk along `dim` (size must divide evenly)."""
+    def reduce_scatter_tensor(
+        self, x: torch.Tensor, group: CommGroup, dim: int = 0, consume: bool = False
+    ) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/n chunk along `dim` (size must divide evenly). With
+        `consume`, x is the caller's scratch: gloo's path may reduce it in place instead of a copy."""
         if group.size == 1:
             return x
         if x.shape[dim] % group.size:
@@ -208,7 +211,7 @@ class Comm:
                 f"is not divisible by the group size {group.size}"
             )
         moved = x.movedim(dim, 0).contiguous()
-        if moved.data_ptr() == x.data_ptr():
+        if moved.data_ptr() == x.data_ptr() and not consume:
             moved = moved.clone()  # the async path reduces its input in place; never the caller's tensor
         out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.reduce_scatter_async(out, moved, group).wait()
@@ -357,6 +360,7 @@ class Comm:
         return _AllGather.apply(x, self, group, dim) if group.size > 1 else x
 
     def reduce_scatter(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
+        """Differentiable; consumes `x` (a partial sum no one else reads: a row-parallel or MoE output)."""
         return _ReduceScatter.apply(x, self, group, dim) if group.size > 1 else x
 
     def all_to_all(self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -375,7 +379,11 @@ class Comm:
         return _CopyToGroup.apply(x, self, group) if group.size > 1 else x
 
     def reduce_from_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        return _ReduceFromGroup.apply(x, self, group) if group.size > 1 else x
+        """Differentiable all-reduce in place of `x` (a partial sum no one else reads: a row-parallel,
+        vocab-parallel embedding or MoE output), returned as the sum; a leaf tensor is copied first."""
+        if group.size == 1:
+            return x
+        return _ReduceFromGroup.apply(x.clone() if x.is_leaf else x, self, group)
 
     def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         return _SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
@@ -407,7 +415,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
         ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.reduce_scatter_tensor(x, group, dim)
+        return comm.reduce_scatter_tensor(x, group, dim, consume=not x.is_leaf)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -466,7 +474,10 @@ class _CopyToGroup(torch.autograd.Function):
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
-        return comm.all_reduce_(x.clone(), group)
+        # In place: the input is a partial sum only this reduction reads (no clone, no new buffer);
+        # marked dirty, so autograd raises if anything had saved it for backward.
+        ctx.mark_dirty(x)
+        return comm.all_reduce_(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

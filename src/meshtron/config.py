@@ -198,6 +198,7 @@ class TrainingConfig:
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_skipped_steps: int = non_negative(5)
     recompute: Recompute = "none"
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
     eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages
 

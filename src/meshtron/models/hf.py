@@ -271,19 +271,12 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
     return model.eval()
 
 
-def save(model: Transformer, path: str | Path) -> None:
-    """Write config.json and model.safetensors in the classic HF naming (per-expert tensors).
-
-    Expects a plain single-device model; gather a sharded one into a full state first.
-    """
-    path = Path(path)
+def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The transformers config.json dict and state dict (classic HF names, per-expert tensors, on CPU,
+    each tensor its own storage) of a plain single-device model."""
     cfg = model.cfg
     hf_config = config_to_hf(cfg, next(model.parameters()).dtype)
     model_type = hf_config["model_type"]
-    if (path / "model.safetensors.index.json").exists():
-        raise FileExistsError(
-            f"{path} holds a sharded checkpoint whose index would shadow the new weights; save elsewhere"
-        )
     block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     expert_names = dict(MIXTRAL_EXPERT_NAMES if model_type == "mixtral" else QWEN_EXPERT_NAMES)
     renames = {ours: theirs.format(moe=block) for ours, theirs in LAYER_RENAMES}
@@ -303,6 +296,20 @@ def save(model: Transformer, path: str | Path) -> None:
                 tensors[f"{layer}{block}.experts.{j}.{expert_names[w]}.weight"] = tensor[j].clone()
         else:
             tensors[layer + renames[suffix]] = tensor.clone()
+    return hf_config, tensors
+
+
+def save(model: Transformer, path: str | Path) -> None:
+    """Write config.json and model.safetensors in the classic HF naming (per-expert tensors).
+
+    Expects a plain single-device model; gather a sharded one into a full state first.
+    """
+    path = Path(path)
+    if (path / "model.safetensors.index.json").exists():
+        raise FileExistsError(
+            f"{path} holds a sharded checkpoint whose index would shadow the new weights; save elsewhere"
+        )
+    hf_config, tensors = hf_state_dict(model)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

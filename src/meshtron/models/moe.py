@@ -200,6 +200,9 @@ def combine(y_ND: torch.Tensor, order: torch.Tensor, weights_Tk: torch.Tensor, n
     return weighted.new_zeros(n_tokens, y_ND.shape[1]).index_add(0, order // top_k, weighted)
 
 
+# Eager even inside compiled blocks: the compiler has no fp32 grouped_mm (torch 2.13's meta kernel
+# takes bf16 only), and the loop reads the counts on the host.
+@torch.compiler.disable
 def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] W_e^T for the expert e of row n (rows sorted by expert, counts_E of each): one grouped
     matmul (torch's grouped_mm, in the autocast dtype), or a loop over experts where it does not apply

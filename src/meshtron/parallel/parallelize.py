@@ -7,8 +7,10 @@
                          (context.py)
   4  expert              each rank keeps its experts; tokens reach the others by all-to-all or
                          all-gather over ep (expert.py)
-  5  recompute           what each block keeps for backward (recompute.py)
-  6  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
+  5  compile             each block's forward through torch.compile, as the steps above left it
+                         (`training.compile`; compile.py)
+  6  recompute           what each block keeps for backward (recompute.py)
+  7  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
                          pp it runs per stage, over the chunks the pipeline runtime groups
 
 A parallelism of degree 1 changes nothing (its step is skipped or does nothing), so the same code runs
@@ -28,6 +30,7 @@ from meshtron.config import Config
 from meshtron.mesh import PP_ENDS, ParallelMesh
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import cross_entropy_per_token
+from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data_parallel import apply_data_parallel
 from meshtron.parallel.engine import DataParallelEngine
@@ -88,6 +91,8 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
     layout = apply_context_parallel(model, comm, mesh.group("cp"), cfg, ring, ulysses)
     apply_expert_parallel(model, comm, mesh.group("ep"), cfg)
+    if cfg.training.compile:
+        compile_blocks(model)
     apply_recompute(model, cfg.training.recompute)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules

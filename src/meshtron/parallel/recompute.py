@@ -16,6 +16,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
@@ -41,6 +42,9 @@ def _entered(modes: list[Any]) -> Iterator[None]:
 
 
 def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Never traced by torch.compile (its checkpoint cannot take this context_fn): compiled blocks call
+    # it eagerly, around the compiled forward (full) or as a break in the block's graph (selective).
+    @torch.compiler.disable
     def run(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(fn, *args, use_reentrant=False, context_fn=_replay_function_modes, **kwargs)
 
