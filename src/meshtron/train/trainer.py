@@ -452,8 +452,18 @@ def kill_if_asked(rank: int, step: int) -> None:
 
 def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]:
     """Run cfg.training.steps optimizer steps; returns the metric rows (on rank 0; [] elsewhere)."""
+    owns_world = not dist.is_initialized()  # this call starts the process group, so it ends it
     trainer = Trainer(cfg, mesh)
+    finished = False
     try:
-        return trainer.run()
+        rows = trainer.run()
+        finished = True
+        return rows
     finally:
+        if owns_world and finished:  # no rank closes a connection a peer still uses
+            trainer.comm.barrier(trainer.place.world)
         trainer.close()
+        if owns_world and dist.is_initialized():
+            # Release the backend's threads and sockets before the interpreter exits: left to exit-time
+            # destructors, a group can abort the process after a finished run.
+            dist.destroy_process_group()
