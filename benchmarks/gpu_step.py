@@ -139,10 +139,10 @@ def prepare(case: Case, cfg: ModelConfig, device: torch.device) -> tuple[nn.Modu
     ours = build_model(cfg, seed=0)
     if case.impl == "meshtron":
         model = ours.to(device)
+        if case.compiled:  # before recompute, as parallelize orders them: the checkpoint wraps it
+            compile_blocks(model)
         if case.recompute:
             apply_recompute(model, "full")
-        if case.compiled:
-            compile_blocks(model)
         return model, model
     theirs = transformers_model(cfg, ours)
     del ours
