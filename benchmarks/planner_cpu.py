@@ -170,6 +170,21 @@ def probe_text(label: str, m: Measurement) -> str:
     )
 
 
+# The probe's figures as the report states them: (label, Measurement field, scale, unit, what it is).
+FIGURES = (
+    ("fp32 matmul", "matmul_flops_per_s", 1e-9, "GFLOP/s", ""),
+    ("SDPA", "attention_share", 1.0, "of matmul's rate", ""),
+    ("copy", "memory_bytes_per_s", 1e-9, "GB/s", ""),
+    ("eager elementwise (AdamW)", "elementwise_share", 1.0, "of the copy's rate", ""),
+    ("gloo all-reduce", "all_reduce_bytes_per_s", 1e-9, "GB/s", " bus bandwidth"),
+    ("idle latency", "all_reduce_latency_s", 1e6, "us", " per message"),
+    ("all-gather", "all_gather_bytes_per_s", 1e-9, "GB/s", " (the planner's link bandwidth)"),
+    ("latency per message between compute", "loaded_latency_s", 1e6, "us", " (the planner's)"),
+    ("pair exchange between compute", "p2p_bytes_per_s", 1e-9, "GB/s", ""),
+    ("after", "p2p_latency_s", 1e6, "us", " (ring hops, pipeline messages)"),
+)
+
+
 def spread(probes: list[Measurement], name: str, scale: float, unit: str) -> str:
     values = [getattr(m, name) * scale for m in probes]
     return f"{min(values):.2f}-{max(values):.2f} {unit} (median {statistics.median(values):.2f})"
@@ -185,27 +200,11 @@ def report(outcomes: list[Outcome], probes: list[Measurement], args: argparse.Na
         f"{launcher_threads(RANKS)} threads (`meshtron train --nproc {RANKS}`'s default)",
         f"the machine, probed {len(probes)} times (before every run and after the last; each prediction "
         f"uses the mean of the probes just before and just after its run), per rank with all {RANKS} ranks "
-        "at once: fp32 matmul "
-        + spread(probes, "matmul_flops_per_s", 1e-9, "GFLOP/s")
-        + ", SDPA "
-        + spread(probes, "attention_share", 1.0, "of matmul's rate")
-        + ", copy "
-        + spread(probes, "memory_bytes_per_s", 1e-9, "GB/s")
-        + ", eager elementwise (AdamW) "
-        + spread(probes, "elementwise_share", 1.0, "of the copy's rate")
-        + ", gloo all-reduce "
-        + spread(probes, "all_reduce_bytes_per_s", 1e-9, "GB/s")
-        + " bus bandwidth (idle latency "
-        + spread(probes, "all_reduce_latency_s", 1e6, "us")
-        + " per message), all-gather "
-        + spread(probes, "all_gather_bytes_per_s", 1e-9, "GB/s")
-        + " (the planner's link bandwidth), latency per message between compute "
-        + spread(probes, "loaded_latency_s", 1e6, "us")
-        + " (the planner's), pair exchange between compute "
-        + spread(probes, "p2p_bytes_per_s", 1e-9, "GB/s")
-        + " after "
-        + spread(probes, "p2p_latency_s", 1e6, "us")
-        + " (ring hops, pipeline messages)",
+        "at once: "
+        + ", ".join(
+            f"{label} {spread(probes, name, scale, unit)}{after}"
+            for label, name, scale, unit, after in FIGURES
+        ),
         f"runs: `meshtron train --nproc {RANKS}`, {args.steps} steps each; measured = median `step_time_s` "
         f"(rank 0's metrics.jsonl) of the last {args.steps - args.warmup} (p10-p90 in brackets)",
         f"other jobs' cores: the CPU the rest of the machine used during the run (of {os.cpu_count()}; "

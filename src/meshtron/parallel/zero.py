@@ -39,7 +39,7 @@ from meshtron.parallel.shard import FlatLayout
 
 
 class _ShardedBucket:
-    def __init__(self, params: list[nn.Parameter], shard: CommGroup, stage: int):
+    def __init__(self, params: list[nn.Parameter], shard: CommGroup, stage: int, reduce_dtype: torch.dtype):
         self.params = params
         self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
         self.row_ranges = [s.row_range(shard.rank) for s in self.layout.shapes]
@@ -56,7 +56,7 @@ class _ShardedBucket:
             for owned, view in zip(self.owned, views, strict=True):
                 owned.grad = view
         self.pending: Pending | None = None
-        self.received = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        self.received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=like.device)
         self.segment = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
 
 
@@ -111,7 +111,10 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.reduce_dtype = reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_dtype = self.params[0].dtype
-        self.buckets = [_ShardedBucket(b, shard, stage) for b in make_buckets(self.params, bucket_bytes)]
+        reduce = reduce_dtype or self.grad_dtype
+        self.buckets = [
+            _ShardedBucket(b, shard, stage, reduce) for b in make_buckets(self.params, bucket_bytes)
+        ]
         full = max(b.layout.shard_numel for b in self.buckets) * shard.size
         self.staging = _Staging(full, self.params[0].device)
         self._watch_buckets()
@@ -143,8 +146,6 @@ class ZeroShardedOptimizer(BucketedEngine):
         if self.stage == 2:
             for p in bucket.params:
                 p.grad = None  # the full gradient lives only until it is packed
-        if bucket.received.dtype != dtype:
-            bucket.received = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=send.device)
         bucket.pending = self.comm.reduce_scatter_async(bucket.received, send, self.shard)
         self.staging.hold(lambda: self._wait(bucket))
 
