@@ -235,7 +235,7 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
     else:
         stage = int(name[-1])
         engine = ZeroShardedOptimizer(
-            model, comm, shard, replicate, stage, bucket_bytes, None, mesh.mesh("dp_shard")
+            model, comm, shard, replicate, stage, bucket_bytes, None, mesh.mesh("dp_shard"), blocks
         )
     return Ours(name, engine, comm)
 

@@ -218,6 +218,34 @@ def test_first_bucket_launches_before_backward_ends(workers, parallel):
         assert log[-1] == 0
 
 
+def gather_probe(overrides: list[str]) -> dict:
+    trainer = trainer_for(overrides)
+    trainer.step(0)
+    engine = trainer.engine
+    in_flight = [unit.pending is not None for unit in engine.units]
+    trainer.compute_gradients()
+    return {"in_flight": in_flight, "log": engine.gather_log, "left": [u.pending for u in engine.units]}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_param_gather_overlaps_next_forward(workers, zero):
+    """After the step two units' all-gathers are in flight and the rest wait; when forward reaches a unit,
+    the gathers of the two after it have started (parity with the gathers finished there: above)."""
+    layers = [
+        "--model.n_layers=4",
+        "--parallel.dp_shard=2",
+        f"--parallel.zero={zero}",
+        "--training.micro_batch=4",
+    ]
+    results = workers(2).run(gather_probe, [*TINY, *layers])
+    for r in results:
+        units = len(r["in_flight"])
+        assert units == 5  # the root's parameters and each block's
+        assert r["in_flight"] == [True, True] + [False] * (units - 2)
+        assert r["log"] == [min(i + 3, units) for i in range(units)]
+        assert r["left"] == [None] * units
+
+
 def test_checkpoint_written_by_zero3_resumes_on_other_layouts(workers, tmp_path):
     """Save under ZeRO-3 on 2 ranks; resume under ZeRO-1 on 4 ranks and on a single device: each continues
     exactly as the uninterrupted run does (the checkpoint holds row shards of logical tensors)."""

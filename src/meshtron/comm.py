@@ -69,10 +69,12 @@ class CommStats:
     bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, group: str, op: str, nbytes: float) -> None:
+    def record(self, group: str, op: str, nbytes: float, issued: bool = True) -> None:
+        """`issued`: the call starts now (the flight recorder counts it); False books one to come."""
         self.bytes[(group, op)] += nbytes
         self.calls[(group, op)] += 1
-        recorder().note(group, op, nbytes)
+        if issued:
+            recorder().note(group, op, nbytes)
 
     def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
         return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))
@@ -342,14 +344,25 @@ class Comm:
         work = _reduce_scatter_single(out, inp, group=group.process_group, async_op=True)
         return Pending(self, work, "reduce_scatter", group)
 
-    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
-        """out (numel n * size) = every rank's inp (numel n), in rank order."""
+    def all_gather_async(
+        self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup, booked: bool = False
+    ) -> Pending:
+        """out (numel n * size) = every rank's inp (numel n), in rank order. `booked`: its bytes were
+        counted earlier by `book_all_gather` (in the step whose update it carries)."""
         if group.size == 1:
             out.view_as(inp).copy_(inp)
             return Pending(self, None, "all_gather", group)
-        self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
+        if booked:
+            recorder().note(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
+        else:
+            self.book_all_gather(_nbytes(out), group)
         work = _all_gather_single(out, inp, group=group.process_group, async_op=True)
         return Pending(self, work, "all_gather", group)
+
+    def book_all_gather(self, out_nbytes: int, group: CommGroup) -> None:
+        """Count the bytes and the call of an all-gather (into `out_nbytes` bytes) to be issued later."""
+        if group.size > 1:
+            self.stats.record(group.name, "all_gather", out_nbytes * (group.size - 1) / group.size, False)
 
     # -- differentiable wrappers --
 

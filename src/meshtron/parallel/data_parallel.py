@@ -101,7 +101,16 @@ def _engine(
         return DistributedDataParallel(model, comm, mesh.group(whole_dim), bucket_bytes, reduce_dtype)
     if p.zero in (1, 2):
         return ZeroShardedOptimizer(
-            model, comm, shard, replicate, p.zero, bucket_bytes, reduce_dtype, mesh.mesh(shard_dim)
+            model,
+            comm,
+            shard,
+            replicate,
+            p.zero,
+            bucket_bytes,
+            reduce_dtype,
+            mesh.mesh(shard_dim),
+            blocks,
+            root,
         )
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)

@@ -11,7 +11,7 @@ Per step the loop calls, in order:
   finish_gradients()             after the last backward: every reduction waited for
   grad_norm_sq_parts / scale_grads_   exact clipping over the rows this rank owns
   optimizer.step() on optimizer_params()
-  after_step()                   e.g. all-gather the updated shards
+  after_step()                   e.g. start all-gathering the updated shards (forward waits for them)
   zero_grad()
 """
 
@@ -118,7 +118,10 @@ class DataParallelEngine:
         return []
 
     def after_step(self) -> None:
-        """Called after the optimizer step (e.g. to all-gather updated shards)."""
+        """Called after the optimizer step (e.g. to start all-gathering updated shards)."""
+
+    def finish_params(self) -> None:
+        """Whole parameters current now (an engine may finish its post-step gathers in the next forward)."""
 
     def zero_grad(self) -> None:
         raise NotImplementedError

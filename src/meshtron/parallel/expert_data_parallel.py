@@ -90,6 +90,10 @@ class ExpertDataParallel(DataParallelEngine):
         for engine in self.engines:
             engine.after_step()
 
+    def finish_params(self) -> None:
+        for engine in self.engines:
+            engine.finish_params()
+
     def zero_grad(self) -> None:
         for engine in self.engines:
             engine.zero_grad()

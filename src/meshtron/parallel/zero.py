@@ -10,7 +10,10 @@ AdamW state exists for 1/dp_shard of the model. A step:
              stage 2: on every micro-batch, into a sharded accumulator, full gradients freed at once)
   replicas   with dp_replicate > 1 (hybrid), the reduced shards are all-reduced across replicas
   step       AdamW on the owned rows
-  after_step updated rows all-gathered, bucket by bucket, into the whole parameters
+  after_step updated rows all-gathered unit by unit (the root's parameters, then each block) into the
+             whole parameters: two units in flight; the next forward waits for a unit in the unit's
+             forward pre-hook and launches the one after the two in flight, so the gathers overlap the
+             end of this step, the data of the next and the forward of the blocks before
 
 Per step that moves a reduce-scatter and an all-gather of every parameter: 2Ψ(n-1)/n, like DDP.
 
@@ -22,6 +25,11 @@ of the reduce-scatter's input and the all-gather's output is two bucket-sized bu
 the memory ZeRO-2 exists to save. A bucket taking a buffer first finishes the collective of the bucket
 that used it two turns before (gloo and NCCL run a group's collectives in order, so that one is done or
 next in line).
+
+The whole parameters are current once forward has reached them, or after `finish_params()` (the Trainer
+calls it at the end of a run; reading parameters outside a forward needs it). Gathering per unit rather
+than per gradient bucket follows forward order (buckets follow backward order, and one 25 MiB bucket can
+hold a whole small model).
 """
 
 from __future__ import annotations
@@ -57,7 +65,42 @@ class _ShardedBucket:
                 owned.grad = view
         self.pending: Pending | None = None
         self.received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=like.device)
+
+
+class _GatherUnit:
+    """Parameters one module's forward reads, all-gathered together after the step."""
+
+    def __init__(self, params: list[nn.Parameter], shard: CommGroup):
+        self.params = params
+        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
+        like = params[0].data
         self.segment = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        self.pending: Pending | None = None
+        self.gathered: torch.Tensor | None = None  # the staging buffer the gather writes
+        self.full_numel = self.layout.shard_numel * shard.size
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self.layout.unpack(self.gathered, [p.data for p in self.params])
+            self.gathered = None
+
+
+def gather_units(
+    model: nn.Module | Any, params: list[nn.Parameter], blocks: list[nn.Module], root: nn.Module | None
+) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module whose forward pre-hook waits, its parameters) in forward order: the root's parameters
+    (embedding, final norm, head: read first and last) and each block's."""
+    mine = {id(p) for p in params}
+    in_blocks = [[p for p in b.parameters() if id(p) in mine] for b in blocks]
+    in_any = {id(p) for group in in_blocks for p in group}
+    rest = [p for p in params if id(p) not in in_any]
+    hooked = root if root is not None else model
+    if rest and not isinstance(hooked, nn.Module):
+        raise ValueError("ZeRO-1/2: parameters outside the blocks need a root module to wait in")
+    units = [(hooked, rest), *zip(blocks, in_blocks, strict=True)]
+    return [(module, group) for module, group in units if group]
 
 
 class _Staging:
@@ -102,7 +145,11 @@ class ZeroShardedOptimizer(BucketedEngine):
         bucket_bytes: int = 25 * 2**20,
         reduce_dtype: torch.dtype | None = None,
         shard_mesh: Any = None,
+        blocks: list[nn.Module] | None = None,
+        root: nn.Module | None = None,
     ):
+        """`blocks`: modules whose parameters are gathered as a unit each, waited for in their forward
+        pre-hooks; the other parameters are waited for when `root` (default: the model) runs."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroShardedOptimizer handles stages 1 and 2, not {stage}")
         self.model, self.comm, self.shard, self.replicate, self.stage = model, comm, shard, replicate, stage
@@ -115,8 +162,16 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.buckets = [
             _ShardedBucket(b, shard, stage, reduce) for b in make_buckets(self.params, bucket_bytes)
         ]
-        full = max(b.layout.shard_numel for b in self.buckets) * shard.size
-        self.staging = _Staging(full, self.params[0].device)
+        self.units = []
+        for index, (module, group) in enumerate(gather_units(model, self.params, blocks or [], root)):
+            self.units.append(_GatherUnit(group, shard))
+            module.register_forward_pre_hook(lambda _m, _a, i=index: self._wait_for_unit(i))
+        self.launched = len(self.units)  # units whose gather has started (none is running now)
+        # Per unit reached by forward: units whose gather had started once it could compute (> its
+        # index + 1 means later units' gathers ran behind its forward).
+        self.gather_log: list[int] = []
+        full = max(b.layout.shard_numel * shard.size for b in self.buckets)
+        self.staging = _Staging(max(full, *(u.full_numel for u in self.units)), self.params[0].device)
         self._watch_buckets()
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -132,6 +187,7 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def load_owned_rows(self) -> None:
         self.after_step()  # every rank loaded only its rows; gather the whole parameters again
+        self.finish_params()
 
     def prepare_micro_batch(self, is_last: bool) -> None:
         self._collect()  # stage 2: fold the previous micro-batch's reduced rows into the accumulator
@@ -160,7 +216,8 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def _collect(self) -> None:
         if self.stage == 2:
-            self.staging.drain()
+            for bucket in self.buckets:  # reduce-scatters only: the parameter gathers wait for forward
+                self._wait(bucket)
 
     def finish_gradients(self) -> None:
         for bucket in self.buckets:
@@ -183,19 +240,41 @@ class ZeroShardedOptimizer(BucketedEngine):
                 owned.grad = p.grad[slice(*rows)]  # this rank's reduced rows, inside the full gradient
                 owned.grad.copy_(view)
 
-    @torch.no_grad()
     def after_step(self) -> None:
-        for bucket in self.buckets:
-            params = [p.data for p in bucket.params]
-            bucket.layout.pack_local(params, bucket.segment)
-            gathered = self.staging.take(bucket.segment.dtype, bucket.segment.numel() * self.shard.size)
-            handle = self.comm.all_gather_async(gathered, bucket.segment, self.shard)
+        self.finish_params()  # a unit no forward read since the last step
+        for unit in self.units:  # counted in this step, whose update the gathers carry
+            self.comm.book_all_gather(unit.full_numel * unit.segment.element_size(), self.shard)
+        self.launched = 0
+        self.gather_log: list[int] = []
+        for _ in range(2):
+            self._launch_gather()
 
-            def unpack(bucket=bucket, gathered=gathered, handle=handle, params=params) -> None:
-                handle.wait()
-                bucket.layout.unpack(gathered, params)
+    @torch.no_grad()
+    def _launch_gather(self) -> None:
+        if self.launched == len(self.units):
+            return
+        unit = self.units[self.launched]
+        self.launched += 1
+        unit.layout.pack_local([p.data for p in unit.params], unit.segment)
+        unit.gathered = self.staging.take(unit.segment.dtype, unit.full_numel)
+        unit.pending = self.comm.all_gather_async(unit.gathered, unit.segment, self.shard, booked=True)
+        self.staging.hold(unit.finish)
 
-            self.staging.hold(unpack)
+    @torch.compiler.disable  # a forward pre-hook: inside a compiled block it would be traced
+    def _wait_for_unit(self, index: int) -> None:
+        """Forward reached unit `index`: its gather (and every earlier one) finished, the next launched."""
+        if self.units[index].pending is None and index < self.launched:
+            return
+        while self.launched <= index:
+            self._launch_gather()
+        for unit in self.units[: index + 1]:
+            unit.finish()  # in launch order, as the group runs them
+        self._launch_gather()
+        self.gather_log.append(self.launched)
+
+    def finish_params(self) -> None:
+        while self.launched < len(self.units):
+            self._launch_gather()
         self.staging.drain()
 
     def zero_grad(self) -> None:

@@ -416,6 +416,7 @@ class Trainer:
             if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
                 self.save(step + 1)
             kill_if_asked(rank, step + 1)
+        self.engine.finish_params()  # e.g. ZeRO-1/2's last gathers: the model is whole when the run ends
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {self.n_params:,} parameters, {self.dims.summary()}"
             plot_loss(logger.rows, run_dir / "loss.png", title, logger.eval_rows)
