@@ -115,13 +115,15 @@ def cmd_mesh(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from meshtron.pipeline.schedules import build_schedule, simulate
+    from meshtron.pipeline.schedules import SPLIT_BACKWARD, V_SCHEDULES, build_schedule, simulate
 
+    if args.vpp is None:  # chunks per rank: two for a V schedule, else one
+        args.vpp = 2 if args.schedule in V_SCHEDULES else 1
     try:
         schedule = build_schedule(args.pp, args.vpp, args.microbatches, args.schedule)
     except ValueError as err:
         raise ConfigError([str(err)]) from None
-    split = args.schedule == "zero_bubble"
+    split = args.schedule in SPLIT_BACKWARD
     sim = simulate(schedule, 1.0, 2.0, 1.0 if split else 0.0, vpp=args.vpp)
     print(
         f"{args.schedule}: pp={args.pp} vpp={args.vpp} micro-batches={args.microbatches}; costs forward 1, "
@@ -340,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = sub.add_parser("schedule", help="simulate and draw a pipeline schedule")
     sched.add_argument("--pp", type=int, required=True)
-    sched.add_argument("--vpp", type=int, default=1)
+    sched.add_argument(
+        "--vpp", type=int, default=None, help="chunks per rank (default: 2 for zbv and dualpipev, else 1)"
+    )
     sched.add_argument("--microbatches", type=int, required=True)
     sched.add_argument("--schedule", default="1f1b", help=", ".join(typing.get_args(PipelineSchedule)))
     sched.add_argument("--out", help="write a PNG of the timeline here")

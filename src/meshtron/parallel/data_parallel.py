@@ -53,17 +53,18 @@ def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
 
 
 def apply_data_parallel(
-    model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config, root: nn.Module | None = None
+    model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config, roots: list[nn.Module] | None = None
 ) -> DataParallelEngine:
-    """The engine for this layout over `model` (already cut by the earlier steps). `root`: the module whose
-    forward uses the parameters outside the blocks, when it is not the model (a pipeline stage's chunk).
+    """The engine for this layout over `model` (already cut by the earlier steps). `roots`: the modules
+    whose forwards use the parameters outside the blocks, when it is not the model (a pipeline stage's
+    chunks that hold the embedding or the head).
     With expert parallel, the experts get an engine of their own over edp (expert_data_parallel.py)."""
     refuse(data_parallel_unsupported(cfg, mesh.dims.world_size))
     shard_dim = mesh.with_cp("dp_shard")
     blocks = list(model.layers.values())
     experts = expert_parameter_names(model) if mesh.size("ep") > 1 else frozenset()
     if not experts:
-        return _engine(model, blocks, comm, cfg, mesh, shard_dim, mesh.with_cp("dp"), root)
+        return _engine(model, blocks, comm, cfg, mesh, shard_dim, mesh.with_cp("dp"), roots)
     dense = _engine(
         ParameterSubset(model, experts, keep=False),
         blocks,
@@ -72,7 +73,7 @@ def apply_data_parallel(
         mesh,
         shard_dim,
         mesh.with_cp("dp"),
-        root if root is not None else model,
+        roots or [model],
     )
     expert_modules = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
     expert_engine = _engine(
@@ -89,7 +90,7 @@ def _engine(
     mesh: ParallelMesh,
     shard_dim: str,
     whole_dim: str,
-    root: nn.Module | None = None,
+    roots: list[nn.Module] | None = None,
 ) -> DataParallelEngine:
     """The engine of the table above for `model`'s parameters: sharded over `shard_dim` (all-reduced
     across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
@@ -110,7 +111,7 @@ def _engine(
             reduce_dtype,
             mesh.mesh(shard_dim),
             blocks,
-            root,
+            roots,
         )
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
@@ -125,5 +126,5 @@ def _engine(
         reduce_dtype,
         p.reshard_after_forward,
         mesh.mesh(shard_dim),
-        root=root,
+        roots=roots,
     )

@@ -97,10 +97,11 @@ class FullyShardedDataParallel(DataParallelEngine):
         reduce_dtype: torch.dtype = torch.float32,
         reshard_after_forward: bool = True,
         shard_mesh: Any = None,
-        root: nn.Module | None = None,
+        roots: list[nn.Module] | None = None,
     ):
-        """`root`: the module whose forward uses the parameters outside `blocks` (embedding, final norm,
-        head): the model itself, or under pipeline parallel the stage's chunk that holds them."""
+        """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
+        head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
+        the first rank of a V schedule: each gathers the root unit before it runs)."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.shard_mesh = shard_mesh
         self.norm_group = shard
@@ -111,18 +112,16 @@ class FullyShardedDataParallel(DataParallelEngine):
         for name, p in model.named_parameters():
             named[block_of.get(id(p), -1) + 1].append((name, p))
         # A middle pipeline stage has no root parameters, and so no root unit.
-        modules = [
-            (module, group)
-            for module, group in zip([model if root is None else root, *blocks], named, strict=True)
-            if group
-        ]
+        hooked = [roots or [model], *([b] for b in blocks)]
+        modules = [(mods, group) for mods, group in zip(hooked, named, strict=True) if group]
         self.has_root = bool(named[0])
         self.units = [
             FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype) for _, group in modules
         ]
-        for index, ((module, _), unit) in enumerate(zip(modules, self.units, strict=True)):
-            module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
-            module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
+        for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
+            for module in mods:
+                module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
+                module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
 

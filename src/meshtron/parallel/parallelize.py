@@ -100,13 +100,13 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
         pipeline = PipelineRuntime(
             model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards
         )
-    root = pipeline.boundary_chunk() if pipeline is not None else None
-    engine = apply_data_parallel(model, comm, mesh, cfg, root)
+    roots = pipeline.boundary_chunks() if pipeline is not None else None
+    engine = apply_data_parallel(model, comm, mesh, cfg, roots)
     token_loss = (
         cross_entropy_per_token
         if tp_plan is None
         else partial(vocab_parallel_cross_entropy, plan=tp_plan, comm=comm)
     )
-    tied_ends = mesh.group(PP_ENDS) if pipeline is not None and pipeline.holds_tied_weight() else None
+    tied_ends = mesh.group(PP_ENDS) if pipeline is not None and pipeline.tied_across_ranks() else None
     positions = layout.positions(mesh.group("cp").rank) if layout is not None else None
     return ParallelModel(model, engine, tp_plan, pipeline, token_loss, comm, tied_ends, positions)

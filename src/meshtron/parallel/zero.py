@@ -88,19 +88,19 @@ class _GatherUnit:
 
 
 def gather_units(
-    model: nn.Module | Any, params: list[nn.Parameter], blocks: list[nn.Module], root: nn.Module | None
-) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    model: nn.Module | Any, params: list[nn.Parameter], blocks: list[nn.Module], roots: list[nn.Module] | None
+) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
     """(module whose forward pre-hook waits, its parameters) in forward order: the root's parameters
     (embedding, final norm, head: read first and last) and each block's."""
     mine = {id(p) for p in params}
     in_blocks = [[p for p in b.parameters() if id(p) in mine] for b in blocks]
     in_any = {id(p) for group in in_blocks for p in group}
     rest = [p for p in params if id(p) not in in_any]
-    hooked = root if root is not None else model
-    if rest and not isinstance(hooked, nn.Module):
+    hooked = roots or [model]
+    if rest and not all(isinstance(m, nn.Module) for m in hooked):
         raise ValueError("ZeRO-1/2: parameters outside the blocks need a root module to wait in")
-    units = [(hooked, rest), *zip(blocks, in_blocks, strict=True)]
-    return [(module, group) for module, group in units if group]
+    units = [(hooked, rest), *(([b], group) for b, group in zip(blocks, in_blocks, strict=True))]
+    return [(modules, group) for modules, group in units if group]
 
 
 class _Staging:
@@ -146,10 +146,10 @@ class ZeroShardedOptimizer(BucketedEngine):
         reduce_dtype: torch.dtype | None = None,
         shard_mesh: Any = None,
         blocks: list[nn.Module] | None = None,
-        root: nn.Module | None = None,
+        roots: list[nn.Module] | None = None,
     ):
         """`blocks`: modules whose parameters are gathered as a unit each, waited for in their forward
-        pre-hooks; the other parameters are waited for when `root` (default: the model) runs."""
+        pre-hooks; the other parameters are waited for when one of `roots` (default: the model) runs."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroShardedOptimizer handles stages 1 and 2, not {stage}")
         self.model, self.comm, self.shard, self.replicate, self.stage = model, comm, shard, replicate, stage
@@ -163,9 +163,10 @@ class ZeroShardedOptimizer(BucketedEngine):
             _ShardedBucket(b, shard, stage, reduce) for b in make_buckets(self.params, bucket_bytes)
         ]
         self.units = []
-        for index, (module, group) in enumerate(gather_units(model, self.params, blocks or [], root)):
+        for index, (modules, group) in enumerate(gather_units(model, self.params, blocks or [], roots)):
             self.units.append(_GatherUnit(group, shard))
-            module.register_forward_pre_hook(lambda _m, _a, i=index: self._wait_for_unit(i))
+            for module in modules:
+                module.register_forward_pre_hook(lambda _m, _a, i=index: self._wait_for_unit(i))
         self.launched = len(self.units)  # units whose gather has started (none is running now)
         # Per unit reached by forward: units whose gather had started once it could compute (> its
         # index + 1 means later units' gathers ran behind its forward).

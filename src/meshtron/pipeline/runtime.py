@@ -16,9 +16,14 @@ buckets while the pipeline goes on; ZeRO-2/3 reduce every micro-batch anyway).
 
 Tied embeddings: the first stage (embedding) and the last (head) each hold a copy of the one matrix;
 after the step's backward their gradients are summed over the `pp_ends` group (`sum_tied_gradients`),
-so the two copies take identical optimizer steps and stay equal.
+so the two copies take identical optimizer steps and stay equal. Under a V schedule both ends are
+chunks of rank 0, which holds the one matrix.
 
-With the zero-bubble schedule, the linear layers of every chunk but the first defer their weight
+V schedules hand a micro-batch from chunk pp - 1 to chunk pp on the same rank: the "send" keeps the
+output (as fp32, as a message would arrive) for the "receive", which starts the next chunk's graph from
+it; the input gradient goes back the same way.
+
+With a split-backward schedule (zero-bubble, zbv, dualpipev), the linear layers of every chunk but the first defer their weight
 gradients from B to W (zero_bubble.py). The first chunk has no input gradient to hurry: its B is the
 whole backward, as in 1F1B, and its W empty (deferring it would move the first stage's entire backward
 into the end of the step, where nothing can overlap it).
@@ -44,8 +49,17 @@ from meshtron.mesh import dp_size
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
-from meshtron.pipeline.schedules import Action, Kind, build_schedule, schedule_problems, send_release_points
-from meshtron.pipeline.split import chunks_of_rank, split_layers, split_problems
+from meshtron.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    Action,
+    Kind,
+    build_schedule,
+    chunks_of_rank,
+    rank_of_chunk,
+    schedule_problems,
+    send_release_points,
+)
+from meshtron.pipeline.split import split_layers, split_problems
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
 TIED_WEIGHT = "tok_embeddings.weight"
@@ -108,32 +122,48 @@ def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) 
 
 
 class ReceiveAhead:
-    """Posts each receive of a rank's action list as soon as the one before it has arrived, so that a
-    message lands while the rank computes rather than when it asks for it (receives are posted in list
-    order, the order in which each peer sends to this rank)."""
+    """Posts receives ahead, one per peer, in the order that peer sends (from the schedule), so that a
+    message lands while the rank computes rather than when it asks for it. A rank may need a peer's
+    messages in another order than they were sent (a V schedule interleaves activations and gradients
+    between the same two ranks); messages that arrive before they are needed wait in `arrived`. Point-
+    to-point messages between two ranks are matched in the order they are issued (NCCL has no tags)."""
 
     def __init__(
-        self, comm: Comm, pp: CommGroup, actions: list[Action], shape: tuple[int, ...], device: torch.device
+        self,
+        comm: Comm,
+        pp: CommGroup,
+        schedule: list[list[Action]],
+        shape: tuple[int, ...],
+        device: torch.device,
     ):
         self.comm, self.pp, self.shape, self.device = comm, pp, shape, device
-        self.queue = [(i, a.peer) for i, a in enumerate(actions) if a.kind.is_recv][::-1]
-        self.posted: tuple[int, Pending, torch.Tensor] | None = None
-        self._post_next()
+        me = pp.rank
+        # Per peer, what it sends this rank, in its order: (carries, sending chunk, mb).
+        self.expected = {
+            peer: [(a.kind.carries, a.chunk, a.mb) for a in actions if a.kind.is_send and a.peer == me][::-1]
+            for peer, actions in enumerate(schedule)
+            if peer != me
+        }
+        self.posted: dict[int, tuple[tuple[Kind, int, int], Pending, torch.Tensor]] = {}
+        self.arrived: dict[tuple[Kind, int, int], torch.Tensor] = {}
+        for peer in self.expected:
+            self._post_next(peer)
 
-    def _post_next(self) -> None:
-        if self.queue:
-            index, peer = self.queue.pop()
+    def _post_next(self, peer: int) -> None:
+        if self.expected[peer]:
+            key = self.expected[peer].pop()
             pending, buffer = self.comm.irecv(self.shape, torch.float32, self.device, self.pp, peer)
-            self.posted = (index, pending, buffer)
+            self.posted[peer] = (key, pending, buffer)
 
-    def take(self, index: int) -> torch.Tensor:
-        """The message of the receive at `index` in the action list (waiting for it if need be)."""
-        posted_index, pending, buffer = self.posted
-        assert posted_index == index, f"receive {index} taken out of order (next posted: {posted_index})"
-        pending.wait()
-        self.posted = None
-        self._post_next()
-        return buffer
+    def take(self, a: Action) -> torch.Tensor:
+        """The message receive `a` takes (waiting for it, and for the peer's earlier ones, if need be)."""
+        key = (a.kind.carries, a.source_chunk, a.mb)
+        while key not in self.arrived:
+            got, pending, buffer = self.posted.pop(a.peer)
+            pending.wait()
+            self.arrived[got] = buffer
+            self._post_next(a.peer)
+        return self.arrived.pop(key)
 
 
 @dataclass
@@ -162,7 +192,8 @@ class _Step:
         schedule = build_schedule(runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule)
         self.actions = schedule[runtime.pp.rank]
         self.settled_by = send_release_points(schedule, runtime.pp.rank)
-        self.split = runtime.schedule == "zero_bubble"
+        self.split = runtime.schedule in SPLIT_BACKWARD
+        self.local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # hand-offs to this rank's own chunk
         # Each chunk's last B and last W of the step: after them its gradients (of that kind) are final.
         self.last_of = {
             (a.kind, a.chunk): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.W)
@@ -182,7 +213,7 @@ class _Step:
             positions_BS = torch.arange(seq, device=self.device).expand(batch, -1)
         self.positions = positions_BS
         shape = (batch, seq // runtime.seq_shards, runtime.model.cfg.dim)
-        self.receiver = ReceiveAhead(runtime.comm, runtime.pp, self.actions, shape, self.device)
+        self.receiver = ReceiveAhead(runtime.comm, runtime.pp, schedule, shape, self.device)
         self.handlers = {
             Kind.RECV_F: self.recv_forward,
             Kind.F: self.forward,
@@ -193,8 +224,13 @@ class _Step:
             Kind.SEND_B: self.send_backward,
         }
 
+    def _take(self, a: Action) -> torch.Tensor:
+        if a.peer == self.rt.pp.rank:
+            return self.local.pop((a.kind.carries, a.source_chunk, a.mb))
+        return self.receiver.take(a)
+
     def recv_forward(self, index: int, a: Action) -> None:
-        self.inputs[a.chunk, a.mb] = self.receiver.take(index).requires_grad_(True)
+        self.inputs[a.chunk, a.mb] = self._take(a).requires_grad_(True)
 
     def forward(self, index: int, a: Action) -> None:
         key, last = (a.chunk, a.mb), self.rt.n_chunks - 1
@@ -220,10 +256,13 @@ class _Step:
     def send_forward(self, index: int, a: Action) -> None:
         out = self.unsent.pop((a.chunk, a.mb))
         tensor = out.detach().float().contiguous()
+        if a.peer == self.rt.pp.rank:
+            self.local[Kind.F, a.chunk, a.mb] = tensor
+            return
         self.sends.append(Send(self.rt.comm.isend(tensor, self.rt.pp, a.peer), tensor, out, (a.chunk, a.mb)))
 
     def recv_backward(self, index: int, a: Action) -> None:
-        grad = self.receiver.take(index)
+        grad = self._take(a)
         roots, grads = self.outputs[a.chunk, a.mb]
         self.outputs[a.chunk, a.mb] = (roots, [grad, *grads[1:]])
 
@@ -243,6 +282,9 @@ class _Step:
 
     def send_backward(self, index: int, a: Action) -> None:
         tensor = self.input_grads.pop((a.chunk, a.mb)).contiguous()
+        if a.peer == self.rt.pp.rank:
+            self.local[Kind.B, a.chunk, a.mb] = tensor
+            return
         self.sends.append(Send(self.rt.comm.isend(tensor, self.rt.pp, a.peer), tensor, None, (a.chunk, a.mb)))
 
     def release_sent(self, settled: list[tuple[int, int]]) -> None:
@@ -280,18 +322,22 @@ class PipelineRuntime:
         self.n_chunks = pp.size * vpp
         self.chunks = {
             c: PipelineChunk(model, c, layer_split[c], self.n_chunks)
-            for c in chunks_of_rank(pp.rank, pp.size, vpp)
+            for c in chunks_of_rank(pp.rank, pp.size, vpp, schedule)
         }
         # Per compute action of the last step: (action, start, end) in seconds from the step's start.
         self.timeline: list[tuple[Action, float, float]] = []
         self.step_seconds = 0.0
 
-    def boundary_chunk(self) -> PipelineChunk | None:
-        """The chunk of this rank holding the embedding or the head, if any (at most one when pp > 1)."""
-        return next((c for c in self.chunks.values() if c.holds_non_block_params()), None)
+    def boundary_chunks(self) -> list[PipelineChunk]:
+        """The chunks of this rank holding the embedding or the head (both, on rank 0 of a V)."""
+        return [c for c in self.chunks.values() if c.holds_non_block_params()]
 
     def holds_tied_weight(self) -> bool:
         return self.model.cfg.tie_embeddings and self.model.tok_embeddings is not None
+
+    def tied_across_ranks(self) -> bool:
+        """This rank holds one of two copies of a tied embedding (its gradient is summed with the other)."""
+        return self.holds_tied_weight() and not {0, self.n_chunks - 1} <= set(self.chunks)
 
     def is_last_stage(self) -> bool:
         return self.n_chunks - 1 in self.chunks
@@ -299,7 +345,8 @@ class PipelineRuntime:
     def counted_elsewhere(self) -> frozenset[str]:
         """Parameters of this rank whose gradient another stage counts in the norm: the last stage's copy
         of a tied embedding (the first stage counts it)."""
-        return frozenset({TIED_WEIGHT} if self.holds_tied_weight() and self.is_last_stage() else ())
+        counted = self.tied_across_ranks() and self.is_last_stage()
+        return frozenset({TIED_WEIGHT} if counted else ())
 
     def run(
         self,
@@ -347,26 +394,30 @@ class PipelineRuntime:
         if positions_BS is None:
             positions_BS = torch.arange(seq, device=device).expand(batch, -1)
         shape, last = (batch, seq // self.seq_shards, self.model.cfg.dim), self.n_chunks - 1
-        ce_sum, sends = torch.zeros((), device=device), []
+        ce_sum, sends, rank_of = torch.zeros((), device=device), [], self._rank_of
         for tokens, targets in micro_batches:
+            out = None
             for c, chunk in sorted(self.chunks.items()):
                 if c == 0:
                     x = tokens
+                elif rank_of(c - 1) == self.pp.rank:  # the V's turn: the chunk before is this rank's
+                    x = out.float()
                 else:
-                    pending, x = self.comm.irecv(
-                        shape, torch.float32, device, self.pp, (c - 1) % self.pp.size
-                    )
+                    pending, x = self.comm.irecv(shape, torch.float32, device, self.pp, rank_of(c - 1))
                     pending.wait()
                 with loss.autocast():
                     out, aux = chunk(x, positions_BS)
                 if c == last:
                     ce_sum += loss.of(out, aux, targets)[1]
-                else:
+                elif rank_of(c + 1) != self.pp.rank:
                     buffer = out.float().contiguous()
-                    sends.append((self.comm.isend(buffer, self.pp, (c + 1) % self.pp.size), buffer))
+                    sends.append((self.comm.isend(buffer, self.pp, rank_of(c + 1)), buffer))
         for pending, _ in sends:
             pending.wait()
         return ce_sum
+
+    def _rank_of(self, chunk: int) -> int:
+        return rank_of_chunk(chunk, self.pp.size, self.schedule)
 
     def idle_fraction(self) -> float:
         """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""
@@ -383,7 +434,7 @@ def split_pipeline(model: Transformer, pp: CommGroup, cfg: Config) -> list[list[
     layer_split = split_layers(
         cfg.model.n_layers, pp.size * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
     )
-    keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp), layer_split)
+    keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp, p.pp_schedule), layer_split)
     return layer_split
 
 

@@ -15,6 +15,9 @@ runtime, the simulator (`simulate`) and the pictures.
                shrinks by vpp at vpp times the messages
   zero_bubble  ZB-H1 (Qi et al. 2023): backward split into B (input gradient, on the critical path) and
                W (weight gradient, deferrable); W fills the pipeline bubbles, at 1F1B's memory
+  zbv          ZB-V and DualPipeV on a V placement (two chunks per rank, vpp = 2: rank r holds chunks r
+  dualpipev    and 2·pp − 1 − r): v_schedules.py. The hand-off between a rank's own chunks (pp − 1 to
+               pp) is a send and receive to itself, which the runtime keeps in memory.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from dataclasses import dataclass
 from meshtron.config import PipelineSchedule, suggest
 
 SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
+SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # schedules with W actions
+
+
+def rank_of_chunk(chunk: int, pp: int, name: PipelineSchedule) -> int:
+    """The rank holding global chunk `chunk`: round-robin (r, r + pp, ...), or in a V for V schedules."""
+    if name in V_SCHEDULES:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def chunks_of_rank(rank: int, pp: int, vpp: int, name: PipelineSchedule) -> list[int]:
+    """The global chunk indices rank `rank` holds, in forward order."""
+    if name in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [v * pp + rank for v in range(vpp)]
 
 
 class Kind(str, enum.Enum):
@@ -92,15 +111,31 @@ def schedule_problems(pp: int, vpp: int, microbatches: int | None, name: Pipelin
     """What a schedule needs of the pipeline degree, the virtual stages and the micro-batches per step
     (None: not known, so the rule about them is left out)."""
     problems = []
+    if name in V_SCHEDULES:
+        return _v_problems(pp, vpp, microbatches, name)
     if name != "interleaved" and vpp != 1:
         problems.append(
-            f"parallel.vpp={vpp} needs the interleaved schedule (parallel.pp_schedule='interleaved')"
+            f"parallel.vpp={vpp} needs the interleaved schedule (parallel.pp_schedule='interleaved') or a "
+            f"V schedule ('zbv', 'dualpipev'; vpp=2)"
         )
     if name == "interleaved" and pp > 1 and vpp < 2:
         problems.append("parallel.pp_schedule='interleaved' needs parallel.vpp >= 2")
     if name == "interleaved" and microbatches is not None and microbatches % pp:
         problems.append(
             f"interleaved 1F1B needs micro-batches per step ({microbatches}) to be a multiple of pp={pp}"
+        )
+    return problems
+
+
+def _v_problems(pp: int, vpp: int, microbatches: int | None, name: PipelineSchedule) -> list[str]:
+    problems = []
+    if vpp != 2:
+        problems.append(f"parallel.pp_schedule={name!r} holds two chunks per rank in a V: set parallel.vpp=2")
+    least = 2 * pp if name == "dualpipev" else 1
+    if microbatches is not None and microbatches < least:
+        problems.append(
+            f"dualpipev needs at least 2*pp={least} micro-batches per step (it has {microbatches}): raise "
+            "training.global_batch or lower training.micro_batch"
         )
     return problems
 
@@ -147,6 +182,10 @@ def _compute_order(
         for k in range(total - warmup):
             order += [forward(warmup + k), backward(k)]
         return order + [backward(k) for k in range(total - warmup, total)]
+    if name == "zbv":
+        return zbv_order(pp, m, rank)
+    if name == "dualpipev":
+        return dualpipev_order(pp, m, rank)
     raise ValueError(name)
 
 
@@ -194,23 +233,25 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[Kind, int, int]]]:
     return orders
 
 
-def with_p2p(order: list[tuple[Kind | str, int, int]], rank: int, pp: int, vpp: int) -> list[Action]:
+def with_p2p(
+    order: list[tuple[Kind | str, int, int]], rank: int, pp: int, vpp: int, name: PipelineSchedule = "1f1b"
+) -> list[Action]:
     """A rank's actions from its compute order [(kind, chunk, mb)]: receives right before the compute
     that needs them, sends right after the compute that makes them (also for orders recorded elsewhere,
-    e.g. another runtime's, to simulate them)."""
+    e.g. another runtime's, to simulate them). `name` places the chunks (`rank_of_chunk`)."""
     last = pp * vpp - 1
     actions: list[Action] = []
-    for name, chunk, mb in order:
-        kind = Kind(name)
+    for kind_name, chunk, mb in order:
+        kind = Kind(kind_name)
         if kind == Kind.F and chunk > 0:
-            actions.append(Action(Kind.RECV_F, chunk, mb, (chunk - 1) % pp))
+            actions.append(Action(Kind.RECV_F, chunk, mb, rank_of_chunk(chunk - 1, pp, name)))
         if kind == Kind.B and chunk < last:
-            actions.append(Action(Kind.RECV_B, chunk, mb, (chunk + 1) % pp))
+            actions.append(Action(Kind.RECV_B, chunk, mb, rank_of_chunk(chunk + 1, pp, name)))
         actions.append(Action(kind, chunk, mb))
         if kind == Kind.F and chunk < last:
-            actions.append(Action(Kind.SEND_F, chunk, mb, (chunk + 1) % pp))
+            actions.append(Action(Kind.SEND_F, chunk, mb, rank_of_chunk(chunk + 1, pp, name)))
         if kind == Kind.B and chunk > 0:
-            actions.append(Action(Kind.SEND_B, chunk, mb, (chunk - 1) % pp))
+            actions.append(Action(Kind.SEND_B, chunk, mb, rank_of_chunk(chunk - 1, pp, name)))
     return actions
 
 
@@ -221,7 +262,7 @@ def build_schedule(pp: int, vpp: int, microbatches: int, name: PipelineSchedule)
         orders = _zero_bubble_orders(pp, microbatches)
     else:
         orders = [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
-    return [with_p2p(order, r, pp, vpp) for r, order in enumerate(orders)]
+    return [with_p2p(order, r, pp, vpp, name) for r, order in enumerate(orders)]
 
 
 def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, list[tuple[int, int]]]:
@@ -232,7 +273,7 @@ def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, li
     received_at = {(a.kind, a.chunk, a.mb): i for i, a in enumerate(schedule[rank]) if a.kind.is_recv}
     points: dict[int, list[tuple[int, int]]] = {}
     for a in schedule[rank]:
-        if a.kind != Kind.SEND_F:
+        if a.kind != Kind.SEND_F or a.peer == rank:  # a hand-off to this rank's own next chunk
             continue
         peer = schedule[a.peer]
         taken = peer.index(Action(Kind.RECV_F, a.chunk + 1, a.mb, rank))
@@ -389,3 +430,6 @@ def idle_fraction(timeline: list[list[tuple[Action, float, float]]]) -> float:
     makespan = max(end for rank in timeline for _, _, end in rank)
     busy = sum(end - start for rank in timeline for _, start, end in rank)
     return 1 - busy / (len(timeline) * makespan)
+
+
+from meshtron.pipeline.v_schedules import dualpipev_order, zbv_order  # noqa: E402 (it uses Kind, above)

@@ -1,6 +1,6 @@
 """Which transformer layers each pipeline chunk holds.
 
-The model is cut into pp·vpp chunks (rank r holds chunks r, r + pp, ...). The embedding sits on the
+The model is cut into pp·vpp chunks (which rank holds which: schedules.chunks_of_rank). The embedding sits on the
 first chunk and the final norm, output head and loss on the last. An even split can count the embedding
 and the head+loss as `embedding_weight` and `head_weight` layers' worth of work, so the first and last
 chunks get fewer transformer layers; or the caller gives the layer count of every chunk explicitly.
@@ -75,8 +75,3 @@ def _balanced(n_layers: int, chunks: int, embedding_weight: float, head_weight: 
         i = min(range(chunks), key=lambda i: counts[i] + extra[i])
         counts[i] += 1
     return counts
-
-
-def chunks_of_rank(rank: int, pp: int, vpp: int) -> list[int]:
-    """The global chunk indices rank `rank` holds, in forward order."""
-    return [v * pp + rank for v in range(vpp)]

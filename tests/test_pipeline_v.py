@@ -1,0 +1,74 @@
+"""V-shaped pipeline schedules (zbv, dualpipev) against the single-device run (tolerances in parity.py):
+two chunks per rank in a V (rank 0 holds the embedding and the head), pp 2 and 4, dense and MoE, tied
+embeddings, and composed with DDP, ZeRO-3, tensor + sequence parallel and expert parallel."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.testing.parity import assert_parity, merged, reference, run_layout
+from meshtron.testing.tiny import MOE, TINY
+
+MODEL = ["--model.n_layers=8"]
+MOE_4 = [*MOE, "--model.n_layers=4"]
+
+
+def v_pipeline(pp: int, schedule: str, micro_batch: int, *extra: str) -> list[str]:
+    return [
+        f"--parallel.pp={pp}",
+        f"--parallel.pp_schedule={schedule}",
+        "--parallel.vpp=2",
+        "--parallel.dp_shard=1",
+        f"--training.micro_batch={micro_batch}",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_match_single_device(workers, schedule, pp):
+    """8 layers in 2·pp chunks; dualpipev needs 2·pp micro-batches, so both run 8 // micro_batch."""
+    micro_batch = 1 if pp == 4 else 2
+    results = workers(pp).run(run_layout, [*TINY, *MODEL, *v_pipeline(pp, schedule, micro_batch)])
+    assert_parity(merged(results), reference(workers(1), MODEL))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_moe_under_v_schedules(workers, schedule):
+    results = workers(2).run(run_layout, [*TINY, *MOE_4, *v_pipeline(2, schedule, 2)])
+    assert_parity(merged(results), reference(workers(1), MOE_4, micro_batch=2))
+
+
+@pytest.mark.parametrize("pp, schedule", [(2, "zbv"), (4, "dualpipev")])
+def test_tied_embeddings_on_the_first_rank(workers, pp, schedule):
+    """Embedding and head are chunks of rank 0: one matrix, no sum across stages (the losses would drift
+    if its gradient were counted twice or the clipping norm missed it)."""
+    model = [*MODEL, "--model.tie_embeddings=true"]
+    results = workers(pp).run(run_layout, [*TINY, *model, *v_pipeline(pp, schedule, 8 // (2 * pp))])
+    assert_parity(merged(results), reference(workers(1), model))
+
+
+COMPOSED = {
+    "ddp": ["--parallel.dp_replicate=2"],
+    "zero3": ["--parallel.dp_shard=2", "--parallel.zero=3"],
+    "zero1": ["--parallel.dp_shard=2", "--parallel.zero=1"],
+    "tp2_sp": ["--parallel.tp=2", "--parallel.sp=true"],
+}
+
+
+@pytest.mark.parametrize(
+    "schedule, composed", [("zbv", "ddp"), ("dualpipev", "zero3"), ("zbv", "zero1"), ("dualpipev", "tp2_sp")]
+)
+def test_v_schedules_composed(workers, schedule, composed):
+    """pp=2 is the outermost mesh dim: ranks 0 and 1 hold the V's first rank, 2 and 3 its second. Under
+    ZeRO-3 the first rank's two boundary chunks both gather the root unit (embedding, norm, head)."""
+    layout = v_pipeline(2, schedule, 1, *COMPOSED[composed])
+    results = workers(4).run(run_layout, [*TINY, *MODEL, *layout])
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), MODEL))
+
+
+def test_dualpipev_with_expert_parallel(workers):
+    """MoE experts split over ep=2 inside each stage of a dualpipev pipeline."""
+    layout = v_pipeline(2, "dualpipev", 1, "--parallel.ep=2", "--parallel.dp_shard=2")
+    results = workers(4).run(run_layout, [*TINY, *MOE_4, *layout])
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), MOE_4, micro_batch=1))
