@@ -3,7 +3,8 @@
 One pipeline step (every micro-batch's forward and backward, cross-entropy on the last stage, no
 optimizer) of the same Llama model on the same batches, pp=2, for 1F1B (`Schedule1F1B`), interleaved
 1F1B with two stages per rank (`ScheduleInterleaved1F1B`) and zero-bubble (meshtron's ZB-H1 vs
-`ScheduleInterleavedZeroBubble` with one stage per rank). Both sides run the same pruned `PipelineChunk`s.
+`ScheduleInterleavedZeroBubble` with one stage per rank), and the V schedules (`ScheduleZBVZeroBubble`,
+`ScheduleDualPipeV`; two stages per rank in a V). Both sides run the same pruned `PipelineChunk`s.
 The bubble is measured alike on both sides from each compute action's time, and set against the theory
 for equal stages and the bound from compute (`simulate` running each side's own order at its measured
 action costs, communication free).
@@ -29,8 +30,10 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from meshtron.comm import Comm, CommGroup
@@ -39,8 +42,15 @@ from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
-from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
-from meshtron.pipeline.split import chunks_of_rank, split_layers
+from meshtron.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    Simulation,
+    build_schedule,
+    chunks_of_rank,
+    simulate,
+    with_p2p,
+)
+from meshtron.pipeline.split import split_layers
 
 TITLE = "## Pipeline parallel: meshtron vs torch.distributed.pipelining (2 gloo ranks, CPU)"
 PP = 2  # one rank per core of this 2-core machine
@@ -48,8 +58,14 @@ PP = 2  # one rank per core of this 2-core machine
 MODEL = ModelConfig(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn_dim=1024, vocab_size=4096)
 SEQ, MICRO_BATCH, MICROBATCHES = 128, 2, 8
 TOKENS = SEQ * MICRO_BATCH * MICROBATCHES  # each micro-batch's loss is divided by the step's tokens
-SCHEDULE_VPP = {"1f1b": 1, "interleaved": 2, "zero_bubble": 1}
-TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULE_VPP = {"1f1b": 1, "interleaved": 2, "zero_bubble": 1, "zbv": 2, "dualpipev": 2}
+TORCH_SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 ActionTime = tuple[str, int, int, float]  # a compute action: kind F / B / W, chunk, micro-batch, seconds
 
 
@@ -60,6 +76,9 @@ def pairs_of(schedules: Sequence[str]) -> list[Pair]:
     if "zero_bubble" in schedules:
         pairs += [Pair("zero_bubble meshtron", "1f1b meshtron")]
         pairs += [Pair(f"zero_bubble {i}", "1f1b torch", check=False) for i in ("meshtron", "torch")]
+        pairs += [
+            Pair(f"{v} meshtron", "zero_bubble meshtron") for v in ("zbv", "dualpipev") if v in schedules
+        ]
     return pairs
 
 
@@ -69,7 +88,7 @@ def batch_of(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def theory_bubble(schedule: str) -> float:
     """Equal stages, free communication, backward = 2 x forward (B = W when split)."""
-    vpp, cost_w = SCHEDULE_VPP[schedule], 1.0 if schedule == "zero_bubble" else 0.0
+    vpp, cost_w = SCHEDULE_VPP[schedule], 1.0 if schedule in SPLIT_BACKWARD else 0.0
     return simulate(build_schedule(PP, vpp, MICROBATCHES, schedule), 1.0, 2.0, cost_w, vpp).bubble_fraction
 
 
@@ -82,7 +101,7 @@ class Pipeline(Runner):
     def __init__(self, impl: str, schedule: str, seed: int, pp: CommGroup):
         self.name, self.schedule, self.vpp = f"{schedule} {impl}", schedule, SCHEDULE_VPP[schedule]
         self.layer_split = split_layers(MODEL.n_layers, PP * self.vpp)
-        self.chunk_ids = chunks_of_rank(pp.rank, pp.size, self.vpp)
+        self.chunk_ids = chunks_of_rank(pp.rank, pp.size, self.vpp, schedule)
         self.model = build_model(MODEL, seed=seed)
         keep_rank_chunks(self.model, self.chunk_ids, self.layer_split)
 
@@ -179,7 +198,7 @@ class TorchPipeline(Pipeline):
             for c in self.chunk_ids
         ]
         # scale_grads=False: the loss is already divided by the global token count, as meshtron's is.
-        cls = TORCH_SCHEDULES.get(schedule, ScheduleInterleavedZeroBubble)
+        cls = TORCH_SCHEDULES[schedule]
         stages_arg = stages[0] if cls is Schedule1F1B else stages
         self.pipeline = cls(stages_arg, MICROBATCHES, loss_fn=self.loss, scale_grads=False)
 
@@ -249,9 +268,10 @@ def bound(s: reporting.Samples) -> Simulation:
     """This implementation's own order on each rank, every action at its measured cost, communication
     free: what the order and the stages' compute alone force."""
     orders = [[a[:3] for a in rank[0]["actions"]] for rank in s.notes]  # the same every step
-    vpp = SCHEDULE_VPP[s.name.split()[0]]
+    schedule = s.name.split()[0]
+    vpp = SCHEDULE_VPP[schedule]
     return simulate(
-        [with_p2p(o, rank, PP, vpp) for rank, o in enumerate(orders)], chunk_costs=action_costs(s)
+        [with_p2p(o, rank, PP, vpp, schedule) for rank, o in enumerate(orders)], chunk_costs=action_costs(s)
     )
 
 

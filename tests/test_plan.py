@@ -53,6 +53,7 @@ LAYOUTS = {
     "cp4_alltoall_tp1": (4, ["--parallel.cp=4", "--parallel.cp_impl=alltoall", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
     "tp2_sp_full_recompute_mqa": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.recompute=full", "--model.n_kv_heads=1"]),
     "pp2_interleaved_ddp": (2, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=4", "--training.micro_batch=2"]),
+    "pp2_zbv_zero1_tied_cost": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=zbv", "--parallel.zero=1", "--model.tie_embeddings=true", "--model.n_layers=4", "--parallel.pp_balance=cost", "--training.micro_batch=2"]),
     "moe_tp2_qk_norm": (2, [*MOE, "--parallel.tp=2", "--model.qk_norm=true", "--model.qkv_bias=true"]),
     "moe_ep2_zero3_edp2": (4, [*MOE, "--parallel.ep=2", "--training.micro_batch=2"]),
     "moe_ep2_zero1_tp2_etp1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--training.micro_batch=4"]),
@@ -93,6 +94,7 @@ def latency_only(cfg, world: int) -> dict[str, float]:
 MESSAGES = {
     # FSDP: one gather forward, one backward, one reduce-scatter per unit (2 blocks and the root); 1 clip
     "zero3_4": lambda c: {"dp": (c["dp_shard"] - 1) * 3 + 6 + c["dp"] * 6},
+    # ZeRO-2: one bucket's reduce-scatter, a post-step gather per unit (3), clipping's all-reduce.
     "cp2_zero2": lambda c: {"dp": (c["dp_shard_cp"] - 1) * 1 + 2 + c["dp_cp"] * 2, "cp": c["cp"] / 2},
     "tp2_zero3_2": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "tp": (c["tp"] - 1) * 2},
     "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},

@@ -77,6 +77,26 @@ def test_the_bubble_is_the_simulators_on_the_uneven_layer_split():
     assert abs(pipeline - even) / even > 0.02
 
 
+def test_v_schedules_place_both_ends_on_the_first_stage():
+    """zbv on 4 stages: stage 0 holds the embedding and the head (its state and memory say so), the V's
+    turn sends nothing, and the simulated bubble is below ZB-H1's on the same layers."""
+    from meshtron.plan.comm import step_bytes
+    from meshtron.plan.state import rank_parameters
+
+    cluster = Cluster(accelerator("h100"), 4)
+    base = config([*LLAMA_1B, "--model.n_layers=16"], batch=16)
+    zbv = Layout(pp=4, vpp=2, dp_shard=1, micro_batch=1, pp_schedule="zbv").apply(base)
+    h1 = Layout(pp=4, dp_shard=1, micro_batch=1, pp_schedule="zero_bubble").apply(base)
+    names = [{x.name for x in rank_parameters(zbv, r)} for r in range(4)]
+    assert {"tok_embeddings.weight", "norm.weight"} <= names[0]
+    assert not any("tok_embeddings.weight" in n or "norm.weight" in n for n in names[1:])
+    pp_bytes = [step_bytes(zbv, 4, r)["pp"] for r in range(4)]
+    # Two remote chunk edges at either end, four inside (besides a few bytes of the loss's all-reduce).
+    assert pp_bytes[0] == pytest.approx(pp_bytes[1] / 2, rel=1e-6)
+    assert pp_bytes[3] == pytest.approx(pp_bytes[2] / 2, rel=1e-6)
+    assert estimate(zbv, cluster).bubble_fraction < estimate(h1, cluster).bubble_fraction
+
+
 def test_estimate_parts_add_up_and_mfu_counts_model_flops_only():
     cluster = Cluster(accelerator("h100"), 16)
     base = config(LLAMA_1B)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.pipeline.split import chunks_of_rank, split_layers
+from meshtron.pipeline.schedules import chunks_of_rank
+from meshtron.pipeline.split import split_layers
 
 
 def test_even_split_covers_every_layer_once_in_order():
@@ -39,5 +40,5 @@ def test_too_many_chunks_is_a_clear_error():
 
 
 def test_interleaved_chunk_ownership():
-    assert chunks_of_rank(1, pp=4, vpp=2) == [1, 5]
-    assert sorted(c for r in range(4) for c in chunks_of_rank(r, 4, 3)) == list(range(12))
+    assert chunks_of_rank(1, pp=4, vpp=2, name="interleaved") == [1, 5]
+    assert sorted(c for r in range(4) for c in chunks_of_rank(r, 4, 3, "interleaved")) == list(range(12))

@@ -26,7 +26,6 @@ Tensor parallel also needs the pairs whose other side is replicated (Megatron's 
 from __future__ import annotations
 
 import datetime
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.comm_record import recorder
+from meshtron.comm_record import CommStats, recorder
 
 # Recent torch releases name the single-tensor collectives *_single and deprecate the older names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -60,43 +59,6 @@ class CommGroup:
     @property
     def rank(self) -> int:
         return self.ranks.index(dist.get_rank())
-
-
-@dataclass
-class CommStats:
-    """Bytes and calls per (group, collective), since the last `reset`."""
-
-    bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-
-    def record(self, group: str, op: str, nbytes: float, issued: bool = True) -> None:
-        """`issued`: the call starts now (the flight recorder counts it); False books one to come."""
-        self.bytes[(group, op)] += nbytes
-        self.calls[(group, op)] += 1
-        if issued:
-            recorder().note(group, op, nbytes)
-
-    def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
-        return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))
-
-    def total_calls(self, group: str | None = None, op: str | None = None) -> int:
-        return sum(c for (g, o), c in self.calls.items() if group in (None, g) and op in (None, o))
-
-    def by_group(self) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for (g, _), b in self.bytes.items():
-            out[g] += b
-        return dict(out)
-
-    def calls_by_group(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (g, _), c in self.calls.items():
-            out[g] += c
-        return dict(out)
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -13,7 +13,8 @@ own state at once, gives the others a moment to publish theirs, and reads every 
   - a rank with no state never communicated (or its process is gone).
 
 This is PyTorch's flight recorder idea (a ring of recent collectives per rank) reduced to what names the
-culprit, and put in the error message rather than in dump files.
+culprit, and put in the error message rather than in dump files. `CommStats` is the other record: bytes
+and calls per group and collective, for the step's metrics and the checks against theory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 POINT_TO_POINT = ("send", "recv")
@@ -114,3 +116,40 @@ _RECORDER = FlightRecorder()
 
 def recorder() -> FlightRecorder:
     return _RECORDER
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per (group, collective), since the last `reset`."""
+
+    bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, group: str, op: str, nbytes: float, issued: bool = True) -> None:
+        """`issued`: the call starts now (the flight recorder counts it); False books one to come."""
+        self.bytes[(group, op)] += nbytes
+        self.calls[(group, op)] += 1
+        if issued:
+            recorder().note(group, op, nbytes)
+
+    def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
+        return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))
+
+    def total_calls(self, group: str | None = None, op: str | None = None) -> int:
+        return sum(c for (g, o), c in self.calls.items() if group in (None, g) and op in (None, o))
+
+    def by_group(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (g, _), b in self.bytes.items():
+            out[g] += b
+        return dict(out)
+
+    def calls_by_group(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (g, _), c in self.calls.items():
+            out[g] += c
+        return dict(out)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()

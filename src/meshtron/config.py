@@ -53,6 +53,7 @@ CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
+PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
 Recompute = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
 CorpusTokenizer = Literal["bpe", "byte"]
@@ -174,6 +175,8 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)
     pp_embedding_layers: float = non_negative(0.0)
     pp_head_layers: float = non_negative(0.0)
+    pp_balance: PipelineBalance = "layers"  # "cost": minimise the largest chunk's FLOPs (embedding, head,
+    # loss and MoE active experts counted), instead of even counts
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
     etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1

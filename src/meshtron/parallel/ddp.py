@@ -51,7 +51,7 @@ class BucketedEngine(DataParallelEngine):
         self.launch_log: list[int] = []
         self._ready_total = 0
         for index, bucket in enumerate(self.buckets):
-            bucket.ready, bucket.launched = 0, False
+            bucket.ready, bucket.launched, bucket.expected = 0, False, len(bucket.params)
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
 
@@ -67,11 +67,18 @@ class BucketedEngine(DataParallelEngine):
         self._ready_total += 1
         bucket = self.buckets[index]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == bucket.expected:
             self.launch_log.append(len(self.params) - self._ready_total)
             bucket.ready = 0
             bucket.launched = True
             self._launch(bucket)
+
+    def expect_grad_uses(self, param: nn.Parameter, uses: int) -> None:
+        """`param` gets its final gradient in `uses` separate backward calls (the tied embedding on the
+        first rank of a V pipeline: the head's chunk and the embedding's): its bucket waits for all."""
+        for bucket in self.buckets:
+            if any(p is param for p in bucket.params):
+                bucket.expected += uses - 1
 
     def _needs_final_launch(self, bucket: Any) -> bool:
         """At the end of the step: a bucket some of whose parameters got no gradient (or none did) was

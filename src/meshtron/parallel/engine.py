@@ -120,6 +120,10 @@ class DataParallelEngine:
     def after_step(self) -> None:
         """Called after the optimizer step (e.g. to start all-gathering updated shards)."""
 
+    def expect_grad_uses(self, param: nn.Parameter, uses: int) -> None:
+        """`param`'s gradient accumulates in `uses` separate backward calls per micro-batch (an engine
+        that reduces when a gradient is final waits for all of them)."""
+
     def finish_params(self) -> None:
         """Whole parameters current now (an engine may finish its post-step gathers in the next forward)."""
 

@@ -90,6 +90,9 @@ class ExpertDataParallel(DataParallelEngine):
         for engine in self.engines:
             engine.after_step()
 
+    def expect_grad_uses(self, param: nn.Parameter, uses: int) -> None:
+        self.dense.expect_grad_uses(param, uses)
+
     def finish_params(self) -> None:
         for engine in self.engines:
             engine.finish_params()

@@ -102,6 +102,8 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
         )
     roots = pipeline.boundary_chunks() if pipeline is not None else None
     engine = apply_data_parallel(model, comm, mesh, cfg, roots)
+    if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
+        engine.expect_grad_uses(model.tok_embeddings.weight, 2)  # a V's first rank: head and embedding
     token_loss = (
         cross_entropy_per_token
         if tp_plan is None

@@ -49,6 +49,7 @@ from meshtron.mesh import dp_size
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
+from meshtron.pipeline.balance import layer_split_of
 from meshtron.pipeline.schedules import (
     SPLIT_BACKWARD,
     Action,
@@ -59,7 +60,7 @@ from meshtron.pipeline.schedules import (
     schedule_problems,
     send_release_points,
 )
-from meshtron.pipeline.split import split_layers, split_problems
+from meshtron.pipeline.split import split_problems
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
 TIED_WEIGHT = "tok_embeddings.weight"
@@ -431,9 +432,7 @@ def split_pipeline(model: Transformer, pp: CommGroup, cfg: Config) -> list[list[
     p = cfg.parallel
     if pp.size == 1:
         return None
-    layer_split = split_layers(
-        cfg.model.n_layers, pp.size * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
-    )
+    layer_split = layer_split_of(cfg)
     keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp, p.pp_schedule), layer_split)
     return layer_split
 
@@ -449,6 +448,11 @@ def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
         None if batch_problems(cfg, world_size) else micro_batches_per_step(t.global_batch, t.micro_batch, dp)
     )
     problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
+    if p.pp_balance == "cost" and (p.pp_layers or p.pp_embedding_layers or p.pp_head_layers):
+        problems.append(
+            "parallel.pp_balance='cost' weighs the embedding and the head by their FLOPs; drop "
+            "parallel.pp_layers, pp_embedding_layers and pp_head_layers, or use pp_balance='layers'"
+        )
     if p.pp > 1 and microbatches is not None and microbatches < p.pp:
         problems.append(
             f"{microbatches} micro-batch(es) per step cannot fill pp={p.pp} stages; raise "

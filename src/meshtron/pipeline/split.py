@@ -75,3 +75,34 @@ def _balanced(n_layers: int, chunks: int, embedding_weight: float, head_weight: 
         i = min(range(chunks), key=lambda i: counts[i] + extra[i])
         counts[i] += 1
     return counts
+
+
+def split_by_cost(
+    costs: Sequence[float], chunks: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
+    """Layer counts (each at least 1) of the contiguous split of layers with `costs` into `chunks` chunks
+    whose largest chunk cost is least; chunk 0 also costs `first_extra` and the last `last_extra`."""
+    n = len(costs)
+    problems = split_problems(n, chunks)
+    if problems:
+        raise ValueError("; ".join(problems))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(chunk: int, start: int, stop: int) -> float:
+        extra = (first_extra if chunk == 0 else 0.0) + (last_extra if chunk == chunks - 1 else 0.0)
+        return prefix[stop] - prefix[start] + extra
+
+    # best[k][i]: (largest chunk cost, start of the last chunk) splitting layers [0, i) into k chunks.
+    best = [[(float("inf"), 0)] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, chunks + 1):
+        for i in range(k, n - (chunks - k) + 1):
+            best[k][i] = min((max(best[k - 1][j][0], cost(k - 1, j, i)), j) for j in range(k - 1, i))
+    counts, i = [], n
+    for k in range(chunks, 0, -1):
+        j = best[k][i][1]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]

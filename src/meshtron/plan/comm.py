@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config import Config
+from meshtron.pipeline.schedules import chunks_of_rank, rank_of_chunk
 from meshtron.plan.state import rank_parameters
 
 
@@ -125,7 +126,8 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     add(f"dp{cp}", 2 * 4 * _ring(dp * p.cp))  # the loss
     if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
         add("pp", 2 * 4 * _ring(p.pp) + 2 * 8 * _ring(p.pp))
-    if m.tie_embeddings and p.pp > 1 and pp_rank in (0, p.pp - 1):  # the two copies' gradients summed
+    first, last = _holds_ends(cfg, pp_rank)
+    if m.tie_embeddings and p.pp > 1 and first != last:  # the two stages' copies' gradients summed
         rows = math.ceil(m.vocab_size / p.tp)
         owned = rows if shard == 1 else math.ceil(rows / shard)
         owned = owned if p.zero == 3 or shard == 1 else min(owned, rows)
@@ -142,13 +144,13 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     if p.tp > 1:
         per_layer = 6 if t.recompute == "full" else 4
         activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
-        ends = (pp_rank == 0) + (pp_rank == p.pp - 1)
+        first, last = _holds_ends(cfg, pp_rank)
         add(
             "tp",
             micro
             * (
-                (per_layer * layers + ends) * activation
-                + (3 * 2 * tokens * 4 * _ring(p.tp) if pp_rank == p.pp - 1 else 0)
+                (per_layer * layers + first + last) * activation
+                + (3 * 2 * tokens * 4 * _ring(p.tp) if last else 0)
             ),
         )
     if p.cp > 1 and not m.is_moe:  # (an MoE layer adds its routing statistics' all-reduce)
@@ -164,6 +166,25 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     if p.pp > 1:
         seq_shards = p.tp if p.sp else 1
         message = t.micro_batch * t.seq_len // p.cp // seq_shards * m.dim * 4
-        boundaries = 2 * p.vpp - (pp_rank == 0) - (pp_rank == p.pp - 1)  # chunk edges this rank sends across
+        boundaries = _remote_edges(cfg, pp_rank)
         add("pp", micro * 2 * 2 * boundaries * message)  # forward and backward; sends and receives counted
     return out  # fmt: skip
+
+
+def _holds_ends(cfg: Config, pp_rank: int) -> tuple[bool, bool]:
+    """Whether stage `pp_rank` holds the first chunk (embedding) and the last (head and loss)."""
+    p = cfg.parallel
+    chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+    return 0 in chunks, p.pp * p.vpp - 1 in chunks
+
+
+def _remote_edges(cfg: Config, pp_rank: int) -> int:
+    """Chunk boundaries this rank sends across to another rank (a V's turn stays on its rank)."""
+    p = cfg.parallel
+    n = p.pp * p.vpp
+    return sum(
+        rank_of_chunk(other, p.pp, p.pp_schedule) != pp_rank
+        for c in chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+        for other in (c - 1, c + 1)
+        if 0 <= other < n
+    )

@@ -23,12 +23,13 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
         scatter them (ZeRO-2 every micro-batch) and all-gather the     micro-batch's backward, bar the
         updated parameters; ZeRO-3 all-gathers every layer forward     last bucket; ZeRO-1/2's gather:
-        and backward and reduce-scatters backward; replicas            no (meshtron, `Overlap.dp_gather`
-        all-reduce the shard. ZeRO-3 pays the latency once per         otherwise); ZeRO-3: prefetched
-        unit (each layer, and the root of embedding and head on the    behind each layer's compute
-        end stages); DDP's and ZeRO-1/2's buckets go back to back
-        and pay it once. Every step also all-reduces the loss and
-        the clipping norm's sums (over dp·cp, and pp)
+        and backward and reduce-scatters backward; replicas            behind the next forward (unit by
+        all-reduce the shard. ZeRO-3 pays the latency once per         unit, `Overlap.dp_gather`);
+        unit (each layer, and the root of embedding and head on the    ZeRO-3: prefetched behind each
+        end stages), and so do ZeRO-1/2's post-step gathers; DDP's     layer's compute
+        and ZeRO-1/2's reduction buckets go back to back and pay it
+        once. Every step also all-reduces the loss and the clipping
+        norm's sums (over dp·cp, and pp)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Overlap:
     """Which communication runs behind compute (meshtron's behaviour by default)."""
 
     dp_reduce: bool = True
-    dp_gather: bool = False
+    dp_gather: bool = True
     fsdp_prefetch: bool = True
     tp: bool = False
     cp_ring: bool = True
@@ -155,7 +156,8 @@ def _engine_time(
     shapes: list[tuple[int, ...]], shard: Group, replicas: Group, cfg: Config, net: Network, units: int
 ):
     """(per micro-batch forward, per micro-batch backward, after the last backward, after the step)
-    seconds of one data-parallel engine's collectives, before any overlap; `units` is ZeRO-3's."""
+    seconds of one data-parallel engine's collectives, before any overlap; `units`: the gather units
+    (each layer, and the root), which ZeRO-3 and ZeRO-1/2's post-step gathers pay the latency of."""
     p, t = cfg.parallel, cfg.training
     reduce = 2 if p.reduce_dtype == "bf16" else 4
     full = sum(math.prod(s) for s in shapes)
@@ -175,7 +177,7 @@ def _engine_time(
         gather = timed("all_gather", (2 if t.dtype == "bf16" else 4) * padded, shard)
         backward = gather * (1 if p.reshard_after_forward else 0) + scatter
         return gather, backward, replica, 0.0
-    gather = timed("all_gather", 4 * padded, shard)
+    gather = collective_time("all_gather", 4 * padded, shard, net.gpu, net.eff, units)
     return 0.0, (scatter if p.zero == 2 else 0.0), (0.0 if p.zero == 2 else scatter) + replica, gather
 
 

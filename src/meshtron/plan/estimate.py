@@ -20,13 +20,22 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshtron.config import Config
-from meshtron.pipeline.schedules import CheckedSchedule, Kind, build_schedule, checked_schedule, simulate
+from meshtron.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    CheckedSchedule,
+    Kind,
+    build_schedule,
+    checked_schedule,
+    chunks_of_rank,
+    simulate,
+)
 from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, pp_p2p
 from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
-from meshtron.plan.gpu_memory import MemoryOverhead, layer_split, stage_memory
+from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
 from meshtron.plan.network import LinkEfficiency
+from meshtron.plan.state import layer_split
 
 OPTIMIZER_BYTES_PER_ELEMENT = 32
 
@@ -120,7 +129,7 @@ def _schedule(pp: int, vpp: int, micro: int, schedule: str) -> CheckedSchedule:
 @lru_cache(maxsize=4096)
 def _pipeline(pp: int, vpp: int, micro: int, schedule: str, costs: tuple[tuple[float, float, float], ...]):
     """(makespan, per-rank peak in-flight) of the schedule on these per-chunk (F, B, W) costs."""
-    split = schedule == "zero_bubble"
+    split = schedule in SPLIT_BACKWARD
     chunk_costs = {}
     for c, (f, b, w) in enumerate(costs):
         chunk_costs[(Kind.F, c)] = f
@@ -144,22 +153,31 @@ def _run_pipeline(cfg: Config, totals: list[PassTimes], micro: int, simulated: b
     return makespan * scale, in_flight, bubble
 
 
+def _chunks(cfg: Config, pp_rank: int) -> list[int]:
+    p = cfg.parallel
+    return chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+
+
 def _screen_pipeline(cfg: Config, totals: list[PassTimes], micro: int):
     """The published closed forms, for screening many layouts before the simulator times the best:
     bubble (pp−1)·(F+B+W) of a chunk over vpp for GPipe, 1F1B and interleaved (Narayanan et al. 2021),
     (pp−1)·(F+B−2W) for ZB-H1 (Qi et al. 2023); in flight pp−r (1F1B, ZB-H1), all m (GPipe), and
     Megatron's interleaved warm-up 2·(pp−r−1) + (vpp−1)·pp, plus one."""
     p = cfg.parallel
-    ranks = [sum((totals[v * p.pp + r] for v in range(p.vpp)), PassTimes()) for r in range(p.pp)]
+    ranks = [sum((totals[c] for c in _chunks(cfg, r)), PassTimes()) for r in range(p.pp)]
     stage = max(ranks, key=lambda x: x.total)
     chunk = max(totals, key=lambda x: x.total)
     if p.pp_schedule == "zero_bubble":
         bubble = (p.pp - 1) * max(0.0, chunk.f + chunk.b - chunk.w)
+    elif p.pp_schedule in ("zbv", "dualpipev"):  # the forward ramp (docs/pipeline.md#v-shaped-schedules)
+        bubble = (p.pp - 1) * max(chunk.f, chunk.f + chunk.b - chunk.w)
     else:
         bubble = (p.pp - 1) * chunk.total
     makespan = micro * stage.total + bubble
     if p.pp_schedule == "gpipe":
         in_flight = [micro] * p.pp
+    elif p.pp_schedule in ("zbv", "dualpipev"):  # chunk activations: 2·pp, DualPipe's one more
+        in_flight = [min(2 * micro, 2 * p.pp + (p.pp_schedule == "dualpipev"))] * p.pp
     elif p.pp_schedule == "interleaved":
         in_flight = [min(micro * p.vpp, 2 * (p.pp - r - 1) + (p.vpp - 1) * p.pp + 1) for r in range(p.pp)]
     else:
@@ -175,7 +193,7 @@ def _shared_cores(cfg: Config, totals: list[PassTimes], micro: int, makespan: fl
     p = cfg.parallel
     if speedup <= 1.0 or p.pp == 1:
         return makespan
-    busy = [micro * sum(totals[v * p.pp + r].total for v in range(p.vpp)) for r in range(p.pp)]
+    busy = [micro * sum(totals[c].total for c in _chunks(cfg, r)) for r in range(p.pp)]
     return max(sum(busy) / p.pp, makespan / speedup)
 
 
@@ -209,7 +227,7 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: f
     memory: dict[str, float] = {}
     split = layer_split(cfg)
     for r in range(p.pp):
-        chunks = [v * p.pp + r for v in range(p.vpp)]
+        chunks = _chunks(cfg, r)
         mb = sum((totals[c] for c in chunks), PassTimes())
         layers = sum(len(split[c]) for c in chunks)
         stage = stage_memory(cfg, world, r, in_flight[r], cluster.memory)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshtron.config import Config
-from meshtron.pipeline.split import split_layers
+from meshtron.pipeline.schedules import chunks_of_rank
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
-from meshtron.plan.state import rank_parameters, stage_key, state_bytes
+from meshtron.plan.state import layer_split, rank_parameters, stage_key, state_bytes
 
 GiB = 2**30
 
@@ -38,20 +38,6 @@ class MemoryOverhead:
 
     context_bytes: float = 2.0 * GiB  # CUDA context, cuBLAS / NCCL workspaces
     fragmentation: float = 0.05  # of the counted bytes, the allocator's unusable gaps
-
-
-def layer_split(cfg: Config) -> list[list[int]]:
-    """The layers of every chunk (pipeline/split.py), cached per layout."""
-    p, m = cfg.parallel, cfg.model
-    key = (m.n_layers, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers, tuple(p.pp_layers))
-    if key not in _SPLITS:
-        _SPLITS[key] = split_layers(
-            m.n_layers, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None
-        )
-    return _SPLITS[key]
-
-
-_SPLITS: dict[tuple, list[list[int]]] = {}
 
 
 _SUMS: dict[tuple, int] = {}
@@ -130,7 +116,7 @@ def stage_memory(
     `in_flight` chunk-micro-batches kept at once (the simulator's peak for the rank)."""
     p = cfg.parallel
     split = layer_split(cfg)
-    chunks = [v * p.pp + pp_rank for v in range(p.vpp)]
+    chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     last_chunk = p.pp * p.vpp - 1
     largest = max(chunk_activation_bytes(cfg, pp_rank, split[c], c == last_chunk) for c in chunks)
     out: dict[str, float] = dict(state_bytes(cfg, world_size, pp_rank))

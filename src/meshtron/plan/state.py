@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config import Config, ModelConfig
-from meshtron.pipeline.split import split_layers
+from meshtron.pipeline.balance import layer_split_of
+from meshtron.pipeline.schedules import chunks_of_rank
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,29 @@ def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
     return list(_STAGES[key])
 
 
+def layer_split(cfg: Config) -> list[list[int]]:
+    """The layers of every chunk (pipeline/balance.py), cached per layout."""
+    p, m = cfg.parallel, cfg.model
+    key = (repr(m), cfg.training.seq_len, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers,
+           tuple(p.pp_layers), p.pp_balance)  # fmt: skip
+    if key not in _SPLITS:
+        _SPLITS[key] = layer_split_of(cfg)
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple, list[list[int]]] = {}
+
+
 def stage_key(cfg: Config, pp_rank: int) -> tuple:
-    """What decides a stage's parameters: the model (by its repr: the model config is not hashable)
-    and the tp / ep / pp cuts. The planner caches per-stage sums on it."""
+    """What decides a stage's parameters: the model (by its repr: the model config is not hashable),
+    the tp / ep cuts, and the layers, embedding and head the stage holds. The planner caches per-stage
+    sums on it."""
     p = cfg.parallel
-    return (repr(cfg.model), p.tp, p.ep, p.etp, p.pp, p.vpp, tuple(p.pp_layers), p.pp_embedding_layers,
-            p.pp_head_layers, pp_rank)  # fmt: skip
+    split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+    layers = tuple(layer for c in chunks for layer in split[c])
+    first, last = 0 in chunks, p.pp * p.vpp - 1 in chunks
+    tied_copy = cfg.model.tie_embeddings and last and not first  # the head's copy of the embedding
+    return (repr(cfg.model), p.tp, p.ep, p.etp, layers, first, last, tied_copy, pp_rank)
 
 
 _STAGES: dict[tuple, tuple[RankParameter, ...]] = {}
@@ -113,25 +131,22 @@ def _stage_parameters(
     tp: int,
     ep: int,
     etp: int,
-    pp: int,
-    vpp: int,
-    pp_layers: tuple[int, ...],
-    embedding_weight: float,
-    head_weight: float,
+    layers: tuple[int, ...],
+    first: bool,
+    last: bool,
+    tied_copy: bool,
     pp_rank: int,
 ) -> tuple[RankParameter, ...]:
     """rank_parameters' work, for the fields it reads."""
-    chunks = split_layers(m.n_layers, pp * vpp, embedding_weight, head_weight, pp_layers or None)
-    layers = [layer for c in range(vpp) for layer in chunks[c * pp + pp_rank]]
     vocab_rows = math.ceil(m.vocab_size / tp)
     out = []
-    if pp_rank == 0:
+    if first:
         out.append(RankParameter("tok_embeddings.weight", (vocab_rows, m.dim)))
     for layer in layers:
         out += _block_parameters(m, layer, tp, ep, etp in (0, tp))
-    if pp_rank == pp - 1:
+    if last:
         out.append(RankParameter("norm.weight", (m.dim,)))
-        if not m.tie_embeddings or pp > 1:  # tied: one tensor, unless the last stage keeps a copy
+        if not m.tie_embeddings or tied_copy:  # tied: one tensor, unless the last stage keeps a copy
             out.append(RankParameter("output.weight", (vocab_rows, m.dim)))
     return tuple(out)  # fmt: skip
 

@@ -8,6 +8,7 @@ each rank's result. An exception on any rank is re-raised in the caller with tha
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -113,6 +114,16 @@ class WorkerPool:
                 self.close()
                 raise WorkerError(f"{fn.__qualname__} failed on rank {rank}:\n{value}")
         return [outcomes[r][1] for r in range(self.world_size)]
+
+    def threads(self) -> int:
+        """The most threads any rank runs, 0 where /proc cannot tell. A rank keeps gloo's threads of every
+        process group it made (about 9 per ParallelMesh, even after `close()` and a collection), and
+        each of them polls: a pool that has built hundreds of meshes spends cores on them while idle."""
+        counts = [0]
+        for p in self._procs:
+            with contextlib.suppress(OSError):
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+        return max(counts)
 
     def close(self) -> None:
         close_pools([self])

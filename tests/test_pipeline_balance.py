@@ -1,0 +1,108 @@
+"""parallel.pp_balance = "cost": the layer split minimising the largest chunk's predicted training FLOPs
+(pipeline/balance.py), exact against brute force, better than even counts where the head or MoE layers
+weigh, refused with explicit splits, and a run on it equal to the single-device run."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from meshtron.config import load_config, validate
+from meshtron.pipeline.balance import layer_costs, layer_split_of
+from meshtron.pipeline.schedules import Kind, build_schedule, simulate
+from meshtron.pipeline.split import split_by_cost
+from meshtron.testing.parity import assert_parity, merged, reference, run_layout
+from meshtron.testing.tiny import MOE, TINY
+
+WIDE_VOCAB = ["--model.n_layers=8", "--model.vocab_size=2048"]  # a head worth ~2.7 layers
+
+
+def brute_force(costs: list[float], chunks: int, first: float, last: float) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), chunks - 1):
+        bounds = [0, *cuts, len(costs)]
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[0] += first
+        loads[-1] += last
+        best = min(best, max(loads))
+    return best
+
+
+def largest(costs: list[float], counts: list[int], first: float, last: float) -> float:
+    bounds = list(itertools.accumulate([0, *counts]))
+    loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+    loads[0] += first
+    loads[-1] += last
+    return max(loads)
+
+
+def test_split_by_cost_is_the_exact_optimum():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        chunks = rng.randint(1, n)
+        costs = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        first, last = rng.uniform(0, 2), rng.uniform(0, 4)
+        counts = split_by_cost(costs, chunks, first, last)
+        assert len(counts) == chunks and min(counts) >= 1 and sum(counts) == n
+        assert largest(costs, counts, first, last) == pytest.approx(brute_force(costs, chunks, first, last))
+
+
+def chunk_costs(cfg, split) -> dict:
+    layers, embedding, head = layer_costs(cfg.model, cfg.training.seq_len)
+    out = {}
+    for c, chunk in enumerate(split):
+        cost = (
+            sum(layers[i] for i in chunk)
+            + (embedding if c == 0 else 0)
+            + (head if c == len(split) - 1 else 0)
+        )
+        for kind, share in ((Kind.F, 1), (Kind.B, 1), (Kind.W, 1)):
+            out[kind, c] = share * cost / 3
+    return out
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        (WIDE_VOCAB, ["--parallel.pp=2"]),
+        (WIDE_VOCAB, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=zbv"]),
+        ([*MOE, "--model.n_layers=8", "--model.dense_layers=[0, 1, 2]"], ["--parallel.pp=4"]),
+    ],
+    ids=["head", "zbv", "moe_after_dense"],
+)
+def test_cost_split_beats_even_counts_in_the_simulator(model, layout):
+    """The largest chunk is cheaper than under even counts, and the simulated step with each chunk's
+    predicted costs is shorter (the bubble before and after)."""
+    base = load_config(None, [*TINY, *model, *layout, "--training.micro_batch=1"])
+    cost = load_config(
+        None, [*TINY, *model, *layout, "--training.micro_batch=1", "--parallel.pp_balance=cost"]
+    )
+    p = base.parallel
+    name, vpp = p.pp_schedule, p.vpp
+    even, balanced = layer_split_of(base), layer_split_of(cost)
+    assert [len(c) for c in balanced] != [len(c) for c in even]
+    sims = [
+        simulate(build_schedule(p.pp, vpp, 8, name), chunk_costs=chunk_costs(base, split))
+        for split in (even, balanced)
+    ]
+    assert max(chunk_costs(base, balanced).values()) < max(chunk_costs(base, even).values())
+    assert sims[1].makespan < sims[0].makespan
+
+
+def test_cost_balance_refuses_an_explicit_split():
+    overrides = [*TINY, "--parallel.pp=2", "--parallel.pp_balance=cost", "--parallel.pp_layers=[1, 1]"]
+    assert any("pp_balance='cost'" in problem for problem in validate(load_config(None, overrides), 2))
+
+
+def test_cost_balanced_pipeline_matches_single_device(workers):
+    layout = [
+        "--parallel.pp=2",
+        "--parallel.pp_balance=cost",
+        "--parallel.dp_shard=1",
+        "--training.micro_batch=2",
+    ]
+    results = workers(2).run(run_layout, [*TINY, *WIDE_VOCAB, *layout])
+    assert_parity(merged(results), reference(workers(1), WIDE_VOCAB))
