@@ -4,11 +4,9 @@ activations against the published figures (docs/pipeline.md#v-shaped-schedules).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from meshtron.cli import main
 from meshtron.pipeline.schedules import (
     build_schedule,
     chunks_of_rank,
@@ -104,25 +102,9 @@ def test_sent_activations_are_settled_before_their_gradient_returns(name):
         assert all(settled[key] <= back[key] for key in remote if key[1] > 0)
 
 
-def test_schedule_command_draws_a_v(tmp_path):
+def test_schedule_command_draws_a_v(tmp_path, capsys):
     out = tmp_path / "zbv.png"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshtron.cli",
-            "schedule",
-            "--pp",
-            "4",
-            "--microbatches",
-            "8",
-            "--schedule",
-            "zbv",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "zbv: pp=4 vpp=2" in done.stdout and "rank 0: F0.0" in done.stdout and out.exists()
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zbv", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "zbv: pp=4 vpp=2" in printed and "bubble 5.9%" in printed and "rank 0: F0.0" in printed
+    assert out.read_bytes()[:4] == b"\x89PNG"

@@ -44,24 +44,25 @@ class _RankOrder:
         self.count: dict[tuple[Kind, int], int] = {}
         self.deferred: deque[tuple[int, int]] = deque()  # (chunk, mb) of Bs whose W waits
 
-    def _next(self, kind: Kind, chunk: int) -> int:
+    def started(self, kind: Kind, chunk: int) -> int:
+        """How many micro-batches of `chunk` have had their `kind` action added."""
         return self.count.get((kind, chunk), 0)
 
     def _add(self, kind: Kind, chunk: int) -> None:
-        mb = self._next(kind, chunk)
+        mb = self.started(kind, chunk)
         self.order.append((kind, chunk, mb))
         self.count[kind, chunk] = mb + 1
         if kind == Kind.B:
             self.deferred.append((chunk, mb))
 
     def forward(self, chunk: int) -> None:
-        if self._next(Kind.F, chunk) < self.m:
+        if self.started(Kind.F, chunk) < self.m:
             self._add(Kind.F, chunk)
 
     def backward(self, chunk: int, full: bool = False) -> None:
         """B of the chunk's oldest micro-batch not yet back-propagated (if its forward ran); `full`: with
         its W at once."""
-        if self._next(Kind.B, chunk) < self._next(Kind.F, chunk):
+        if self.started(Kind.B, chunk) < self.started(Kind.F, chunk):
             self._add(Kind.B, chunk)
             if full:
                 self.order.append((Kind.W, *self.deferred.pop()))
@@ -74,9 +75,15 @@ class _RankOrder:
                 self.order.append((Kind.W, c, mb))
                 return
 
+    def one_f_one_b(self, chunk: int) -> None:
+        """F, B and W of `chunk` in a row (ZB-V's steady state)."""
+        self.forward(chunk)
+        self.backward(chunk)
+        self.weights(chunk)
+
     def finish(self, down: int, up: int) -> Order:
         """Whatever the phases left (few micro-batches): backwards up chunk first, then the Ws."""
-        while self._next(Kind.B, up) < self.m or self._next(Kind.B, down) < self.m:
+        while self.started(Kind.B, up) < self.m or self.started(Kind.B, down) < self.m:
             self.backward(up)
             self.backward(down)
         while self.deferred:
@@ -98,16 +105,10 @@ def zbv_order(pp: int, m: int, rank: int) -> Order:
         o.forward(up)
         o.forward(down)
     for _ in range(pp - rank):
-        o.forward(up)
-        o.backward(up)
-        o.weights(up)
-    while o._next(Kind.F, down) < m or o._next(Kind.F, up) < o._next(Kind.F, down):
-        o.forward(down)
-        o.backward(down)
-        o.weights(down)
-        o.forward(up)
-        o.backward(up)
-        o.weights(up)
+        o.one_f_one_b(up)
+    while o.started(Kind.F, down) < m or o.started(Kind.F, up) < o.started(Kind.F, down):
+        o.one_f_one_b(down)
+        o.one_f_one_b(up)
     for _ in range(rank):
         o.backward(down)
         o.backward(up)
