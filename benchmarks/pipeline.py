@@ -76,8 +76,11 @@ def pairs_of(schedules: Sequence[str]) -> list[Pair]:
     if "zero_bubble" in schedules:
         pairs += [Pair("zero_bubble meshtron", "1f1b meshtron")]
         pairs += [Pair(f"zero_bubble {i}", "1f1b torch", check=False) for i in ("meshtron", "torch")]
+        # Other placements (other parameters per rank): timed side by side; each is checked against torch's.
         pairs += [
-            Pair(f"{v} meshtron", "zero_bubble meshtron") for v in ("zbv", "dualpipev") if v in schedules
+            Pair(f"{v} meshtron", "zero_bubble meshtron", check=False)
+            for v in ("zbv", "dualpipev")
+            if v in schedules
         ]
     return pairs
 
