@@ -4,9 +4,18 @@ embeddings, and composed with DDP, ZeRO-3, tensor + sequence parallel and expert
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from meshtron.testing.parity import assert_parity, merged, reference, run_layout
+from meshtron.testing.parity import (
+    assert_losses_match,
+    assert_parity,
+    merged,
+    reference,
+    run_layout,
+    train_rows,
+)
 from meshtron.testing.tiny import MOE, TINY
 
 MODEL = ["--model.n_layers=8"]
@@ -72,3 +81,25 @@ def test_dualpipev_with_expert_parallel(workers):
     layout = v_pipeline(2, "dualpipev", 1, "--parallel.ep=2", "--parallel.dp_shard=2")
     results = workers(4).run(run_layout, [*TINY, *MOE_4, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers(1), MOE_4, micro_batch=1))
+
+
+def test_checkpoint_written_under_a_v_resumes_elsewhere(workers, tmp_path):
+    """Save under zbv pp 2 with tied embeddings (one copy, on rank 0); resume on one device and under 1F1B
+    pp 2 (where both end stages hold a copy): each continues as the uninterrupted single-device run."""
+    base = [*TINY, "--model.n_layers=4", "--model.tie_embeddings=true", "--training.steps=6"]
+    saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
+    straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
+    first = [
+        *base,
+        *saving,
+        *v_pipeline(2, "zbv", 2),
+        "--training.steps=3",
+        f"--run.dir={tmp_path / 'first'}",
+    ]
+    assert [r["step"] for r in workers(2).run(train_rows, first)[0]] == [1, 2, 3]
+    one_f_one_b = ["--parallel.pp=2", "--parallel.dp_shard=1"]
+    for name, world, layout in [("single", 1, ["--parallel.dp_shard=1"]), ("1f1b", 2, one_f_one_b)]:
+        shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
+        resume = [*base, *saving, *layout, "--checkpoint.resume=true", f"--run.dir={tmp_path / name}"]
+        rows = workers(world).run(train_rows, [*resume, "--training.micro_batch=2"])[0]
+        assert_losses_match(rows, straight[3:])
