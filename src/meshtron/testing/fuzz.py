@@ -1,6 +1,6 @@
 """Layout fuzzing: random valid layouts over every dim, each compared with the single-device run.
 
-A drawn layout picks degrees for pp (with vpp and every schedule), dp_replicate, dp_shard (ZeRO 1/2/3),
+A drawn layout picks degrees for pp (with vpp and every schedule, V ones included), dp_replicate, dp_shard (ZeRO 1/2/3),
 cp (every implementation), tp (with or without sp), ep (both dispatchers, etp 1 or tp), a recompute mode,
 a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
 config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 10 steps and is
@@ -53,9 +53,9 @@ def _parallel(rng: random.Random, moe: bool) -> tuple[list[str], int]:
     if degrees["tp"] > 1 and rng.random() < 0.5:
         p.append("--parallel.sp=true")
     if degrees["pp"] > 1:
-        schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zero_bubble"])
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"])
         p += [f"--parallel.pp_schedule={schedule}"] + (
-            ["--parallel.vpp=2"] if schedule == "interleaved" else []
+            ["--parallel.vpp=2"] if schedule in ("interleaved", "zbv", "dualpipev") else []
         )
     if moe:
         folded = degrees["dp_shard"] * degrees["cp"]
