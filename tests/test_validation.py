@@ -91,6 +91,16 @@ def test_val_loss_equals_single_device(workers, layout):
             assert relative(loss, want_loss) <= 1e-5 and relative(val, want_val) <= 1e-5, (got, single)
 
 
+def test_val_loss_under_a_v_pipeline_equals_single_device(workers):
+    """Evaluation walks a V too: chunk 0 and the head on rank 0, the turn on rank 1 kept in memory."""
+    base = [*TINY, *VAL, "--training.micro_batch=8", "--model.n_layers=4"]
+    single = workers(1).run(val_losses, base)[0]
+    v = ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.vpp=2", "--training.micro_batch=2"]
+    for got in workers(2).run(val_losses, [*base, *v]):
+        for (loss, val), (want_loss, want_val) in zip(got, single, strict=True):
+            assert relative(loss, want_loss) <= 1e-5 and relative(val, want_val) <= 1e-5, (got, single)
+
+
 def test_evaluating_changes_nothing_of_training(workers):
     """ZeRO-3 without resharding after forward (a forward-only pass must free the gathered units itself)."""
     run = [

@@ -17,19 +17,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import Recompute
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
+from meshtron.pipeline.zero_bubble import active_deferrals
 
 
 def _replay_function_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """Recompute under the torch-function modes the forward ran under (zero-bubble's deferral of weight
-    gradients is one), so that the rerun saves the same tensors the forward did; an MoE layer's expert
-    loads were counted by the forward, so the rerun does not count them again."""
-    return contextlib.nullcontext(), _entered(_get_current_function_mode_stack())
+    """Recompute under the weight-gradient deferrals the forward ran under (a split-backward pipeline's),
+    so that the rerun saves the same tensors the forward did; an MoE layer's expert loads were counted
+    by the forward, so the rerun does not count them again."""
+    return contextlib.nullcontext(), _entered(active_deferrals())
 
 
 @contextlib.contextmanager

@@ -8,7 +8,9 @@ dW = dYᵀ·X. W hands those to autograd through `_Accumulate`, so parameter gra
 (tensor-parallel sums, data-parallel reductions) run for them as for any other gradient.
 
 What lives between B and W is each linear layer's input and output gradient, as in Qi et al. (2023).
-The mode stays on during B too, so that activation recompute reruns the same `_Linear` forward.
+The mode stays on during B too, so that activation recompute reruns the same `_Linear` forward; a
+checkpoint taken inside it replays `active_deferrals()` (tracked here, not read from torch's private
+mode stack).
 """
 
 from __future__ import annotations
@@ -56,8 +58,24 @@ class _Accumulate(torch.autograd.Function):
         return ctx.grad, None
 
 
+_ACTIVE: list[DeferWeightGrads] = []  # entered and not yet left, innermost last
+
+
+def active_deferrals() -> list[DeferWeightGrads]:
+    """The DeferWeightGrads modes on now, outermost first (for activation recompute to replay)."""
+    return list(_ACTIVE)
+
+
 class DeferWeightGrads(TorchFunctionMode):
     """One per (chunk, micro-batch): on around its forward and its B; `weight_grads()` is its W."""
+
+    def __enter__(self) -> DeferWeightGrads:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.pop()
+        super().__exit__(*exc)
 
     def __init__(self) -> None:
         super().__init__()

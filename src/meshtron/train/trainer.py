@@ -156,6 +156,11 @@ class Trainer:
         """`mesh`: reuse the process groups of an earlier job with the same layout in this process."""
         self.started = time.perf_counter()  # the summary's wall time counts set-up and data preparation
         rank, world_size, device = init_distributed(cfg)
+        # First, so that any report of a problem says which torch and backend ran it.
+        say(
+            rank,
+            f"torch {torch.__version__}, {dist.get_backend()} backend, {world_size} rank(s) on {device.type}",
+        )
         check(cfg, world_size)
         for directory in [Path(cfg.run.dir)] + ([checkpoint_root(cfg)] if cfg.checkpoint.every else []):
             why = unwritable(directory, rank)
