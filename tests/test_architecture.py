@@ -112,10 +112,6 @@ PRIVATE_TORCH = {
     # foreach kernels have no public alias; torch's own optimizers and clipping use them
     "parallel/engine.py": {"torch._foreach_norm", "torch._foreach_mul_"},
     "probe_ranks.py": {"torch._foreach_norm", "torch._foreach_mul_", "torch._foreach_zero_"},
-    # ShardedTensor for tensor-parallel shards DTensor cannot describe (issue 18 replaces it)
-    "train/checkpoint.py": {"torch.distributed._shard"},
-    # a DTensor's local shape and global offset
-    "train/init_from_hf.py": {"torch.distributed.tensor._utils"},
 }
 
 

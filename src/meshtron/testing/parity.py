@@ -10,6 +10,7 @@ device (computed once per model and data config and reused); `assert_parity` com
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,10 +30,11 @@ GRAD_RTOL = 1e-5
 _MESHES: dict[ParallelDims, ParallelMesh] = {}
 
 
-def trainer_for(overrides: list[str]) -> Trainer:
-    """A Trainer on this worker's mesh for the layout, built once per layout and process: every gloo
-    process group holds threads, and a worker runs hundreds of jobs."""
-    cfg = load_config(None, overrides)
+def trainer_for(overrides: list[str], config: Path | None = None) -> Trainer:
+    """A Trainer on this worker's mesh for the layout (`config` a TOML file the overrides apply to), its
+    mesh built once per layout and process: every gloo process group holds threads, and a worker runs
+    hundreds of jobs."""
+    cfg = load_config(config, overrides)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size() if dist.is_initialized() else 1)
     if dims not in _MESHES and dist.is_initialized():
         _MESHES[dims] = ParallelMesh(dims, "cpu")
@@ -66,8 +68,8 @@ def comm_by_op(overrides: list[str], groups: tuple[str, ...], ops: tuple[str, ..
     return {op: sum(stats.total_bytes(group=g, op=op) for g in groups) for op in ops}
 
 
-def train_rows(overrides: list[str]) -> list[dict[str, Any]]:
-    return trainer_for(overrides).run()
+def train_rows(overrides: list[str], config: Path | None = None) -> list[dict[str, Any]]:
+    return trainer_for(overrides, config).run()
 
 
 def val_losses(overrides: list[str], steps: int = 2, evaluate: bool = True) -> list[tuple[float, float]]:

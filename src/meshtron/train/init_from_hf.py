@@ -61,7 +61,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.comm import CommGroup
 from meshtron.config import ConfigError, ModelConfig, model_preset
@@ -165,10 +164,9 @@ def _local_rows(entry: OwnedRows) -> tuple[torch.Tensor, int, int, tuple[int, ..
     parameter as tensor and expert parallel left it, that parameter's shape)."""
     param = entry.param
     if isinstance(param, DTensor):  # fully_shard: the DTensor's placements say where its rows sit
-        shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
-        return param.to_local(), offset[0], shape[0], tuple(param.shape)
+        # DTensor's side of DCP's checkpoint protocol: the box of the logical tensor this rank holds.
+        (box,) = param.__create_chunk_list__()
+        return param.to_local(), box.offsets[0], box.sizes[0], tuple(param.shape)
     return param.data, entry.start, entry.rows, entry.shape
 
 

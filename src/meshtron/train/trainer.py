@@ -38,11 +38,11 @@ from meshtron.records import write_run_records
 from meshtron.train.checkpoint import (
     CheckpointError,
     CheckpointInfo,
-    ShardBlocks,
     complete_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from meshtron.train.checkpoint_blocks import ShardBlocks
 from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
 from meshtron.train.evaluate import Evaluator
 from meshtron.train.expert_load import ExpertLoads, draw_expert_load
