@@ -48,7 +48,8 @@ DType = Literal["fp32", "bf16"]
 RopeScaling = Literal["none", "llama3"]
 RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
-FsdpImpl = Literal["meshtron", "torch"]  # ZeRO-3 implementation: meshtron's, or PyTorch's fully_shard
+# ZeRO-3 implementation: meshtron's unit hooks, PyTorch's fully_shard, or SimpleFSDP's parametrization
+FsdpImpl = Literal["meshtron", "torch", "simple"]
 CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's

@@ -7,6 +7,7 @@ ranks in every gradient reduction, and sharding runs over dp_shard x cp (as torc
   dp_shard·cp > 1, zero = 1 or 2  ZeRO-1/2 over dp_shard·cp, all-reduce across dp_replicate   zero.py
   dp_shard·cp > 1, zero = 3       meshtron's FSDP (HSDP with dp_replicate > 1)                fsdp.py
                                   or PyTorch's fully_shard with fsdp_impl = "torch"
+                                  or SimpleFSDP (a parametrization) with fsdp_impl = "simple"  simple_fsdp.py
 
 With expert parallel (ep > 1) the experts' weights get a second engine of the same kind over their
 expert-data-parallel group edp (DDP over dp_replicate when edp = 1); expert_data_parallel.py.
@@ -31,6 +32,7 @@ from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.expert_data_parallel import ExpertDataParallel, ParameterSubset
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.parallel.simple_fsdp import SimpleFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
 
 DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
@@ -42,14 +44,35 @@ def uses_torch_fsdp(cfg: Config, world_size: int) -> bool:
     return resolve_dp_shard(p, world_size) * p.cp > 1 and p.zero == 3 and p.fsdp_impl == "torch"
 
 
+# Schedules whose split backward computes weight gradients outside the autograd graph of the gather.
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
+
+
 def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
     """The engine choices this version cannot run yet."""
-    if uses_torch_fsdp(cfg, world_size) and cfg.parallel.pp > 1:
+    p = cfg.parallel
+    if uses_torch_fsdp(cfg, world_size) and p.pp > 1:
         return [
             "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
             "with parallel.pp > 1"
         ]
-    return []
+    if p.fsdp_impl != "simple":
+        return []
+    problems = []
+    if p.zero != 3:
+        problems.append(
+            f"parallel.fsdp_impl='simple' is ZeRO-3 (parameters sharded); set parallel.zero=3, not {p.zero}"
+        )
+    if p.ep > 1:
+        problems.append(
+            "parallel.fsdp_impl='simple' does not shard expert-parallel experts yet; use 'meshtron' with ep > 1"
+        )
+    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
+        problems.append(
+            f"parallel.fsdp_impl='simple' with pp_schedule={p.pp_schedule!r}: a split backward computes weight "
+            "gradients outside the gather's autograd; use gpipe, 1f1b or interleaved, or fsdp_impl='meshtron'"
+        )
+    return problems
 
 
 def apply_data_parallel(
@@ -113,6 +136,9 @@ def _engine(
             blocks,
             roots,
         )
+    if p.fsdp_impl == "simple":
+        hooked = [*(roots or [model]), *blocks]
+        return SimpleFSDP(model, hooked, comm, shard, replicate, dtype, reduce_dtype, mesh.mesh(shard_dim))
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
         return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)

@@ -256,7 +256,12 @@ class _Sharder:
         )
 
     def sum_gradient(self, param: nn.Parameter) -> None:
-        param.register_hook(lambda grad: self.comm.all_reduce_(grad.clone(), self.tp))
+        def summed(grad: torch.Tensor) -> torch.Tensor:
+            return self.comm.all_reduce_(grad.clone(), self.tp)
+
+        param.register_hook(summed)
+        # An engine that stores the parameter as a new tensor re-registers it there (simple_fsdp.py).
+        param.grad_hooks = [*getattr(param, "grad_hooks", []), summed]
 
     def entering(self, norm: RMSNorm, name: str) -> None:
         norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out))
