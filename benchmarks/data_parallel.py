@@ -36,6 +36,7 @@ from meshtron.models.llama import build_model
 from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.parallel.simple_fsdp import SimpleFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
 from meshtron.train.metrics import model_state_bytes, state_bytes
 from meshtron.train.optim import build_optimizer, clip_grad_norm_
@@ -53,12 +54,15 @@ NAMES = (
     "torch ZeRO-1",
     "meshtron ZeRO-2",
     "torch FSDP2 no-reshard",
+    "meshtron SimpleFSDP",
 )
 PAIRS = [Pair("meshtron DDP", "torch DDP"), Pair("meshtron ZeRO-3", "torch FSDP2")]
 # Like for like: ZeroRedundancyOptimizer around DDP shards the optimizer state (ZeRO-1); fully_shard
 # keeping the gathered parameters after forward shards gradients and state, not parameters (ZeRO-2).
 PAIRS += [Pair("meshtron ZeRO-1", "torch ZeRO-1"), Pair("meshtron ZeRO-2", "torch FSDP2 no-reshard")]
 PAIRS += [Pair(f"meshtron ZeRO-{stage}", "torch DDP") for stage in (1, 2)]  # against the unsharded floor
+# SimpleFSDP (eager: a gather per parameter read, nothing bucketed) against the two hook-driven ZeRO-3s.
+PAIRS += [Pair("meshtron SimpleFSDP", "torch FSDP2"), Pair("meshtron SimpleFSDP", "meshtron ZeRO-3")]
 MODEL = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 SEQ, BATCH_PER_RANK = 128, 2
 TOKENS = WORLD * BATCH_PER_RANK * SEQ  # global tokens per step: every rank's loss is divided by it
@@ -227,6 +231,11 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
         return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, reshard), name)
     if name == "meshtron DDP":
         engine: DataParallelEngine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes)
+    elif name == "meshtron SimpleFSDP":
+        fp32 = torch.float32
+        engine = SimpleFSDP(
+            model, [model, *blocks], comm, shard, replicate, fp32, fp32, mesh.mesh("dp_shard")
+        )
     elif name == "meshtron ZeRO-3":
         fp32 = torch.float32
         engine = FullyShardedDataParallel(

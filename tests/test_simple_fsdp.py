@@ -19,6 +19,7 @@ from meshtron.testing.parity import (
     ring,
     run_layout,
     train_rows,
+    trainer_for,
 )
 from meshtron.testing.tiny import TINY
 
@@ -137,3 +138,26 @@ def test_unsupported_compositions_are_refused(overrides, message):
     )
     with pytest.raises(ConfigError, match=message):
         check(cfg, world)
+
+
+def gathered_alive_after_forward(overrides: list[str]) -> list[int]:
+    """Gathered weights still alive when the model's forward returns (autograd holds what it saved),
+    then when the step's backward is done."""
+    trainer = trainer_for(overrides)
+    saved = trainer.engine.saved
+    counts = []
+
+    def alive() -> int:
+        return sum(ref() is not None for ref, _ in list(saved.live.values()))
+
+    trainer.model.register_forward_hook(lambda _m, _a, _o: counts.append(alive()))
+    trainer.compute_gradients()
+    return [*counts, alive()]
+
+
+def test_no_gathered_weight_is_kept_for_backward(workers):
+    """Every gathered weight is freed as soon as its forward use ends: backward gathers it again (the
+    bytes test counts those gathers), so no rank ever holds more than the weights in use."""
+    overrides = [*TINY, *SIMPLE, "--parallel.dp_shard=2", "--training.micro_batch=2"]
+    for counts in workers(2).run(gathered_alive_after_forward, overrides):
+        assert counts == [0, 0, 0]  # two micro-batches' forwards, then the end of the step
