@@ -178,10 +178,9 @@ def test_dispatchers_match_local_experts(workers, skew):
     for dispatch in ("alltoall", "allgather"):
         results = pool.run(run_moe, MODULE_CFG, dispatch, skew)
         for rank, (got, want) in enumerate(zip(results, local, strict=True)):
-            for key in ("out", "x_grad"):
-                torch.testing.assert_close(
-                    got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{dispatch} {key} rank {rank}"
-                )
+            for key in ("out", "x_grad"):  # fp32 sums in another order: relative L2 error <= 1e-5
+                error = float((got[key] - want[key]).norm() / want[key].norm())
+                assert error <= 1e-5, (dispatch, key, rank, error)
             for name, grad in summed.items():
                 torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-4, msg=f"{dispatch} {name}")
         if skew:
