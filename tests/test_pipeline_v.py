@@ -1,6 +1,7 @@
 """V-shaped pipeline schedules (zbv, dualpipev) against the single-device run (tolerances in parity.py):
 two chunks per rank in a V (rank 0 holds the embedding and the head), pp 2 and 4, dense and MoE, tied
-embeddings, and composed with DDP, ZeRO-3, tensor + sequence parallel and expert parallel."""
+embeddings, and each composed with DDP, ZeRO-1, ZeRO-3, tensor + sequence parallel, ring context
+parallel and expert parallel."""
 
 from __future__ import annotations
 
@@ -42,13 +43,16 @@ def test_v_schedules_match_single_device(workers, schedule, pp):
     assert_parity(merged(results), reference(workers(1), MODEL))
 
 
+@pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_moe_under_v_schedules(workers, schedule):
-    results = workers(2).run(run_layout, [*TINY, *MOE_4, *v_pipeline(2, schedule, 2)])
-    assert_parity(merged(results), reference(workers(1), MOE_4, micro_batch=2))
+def test_moe_under_v_schedules(workers, schedule, pp):
+    model = MOE_4 if pp == 2 else [*MOE, "--model.n_layers=8"]  # 2·pp chunks of layers
+    micro_batch = 2 if pp == 2 else 1
+    results = workers(pp).run(run_layout, [*TINY, *model, *v_pipeline(pp, schedule, micro_batch)])
+    assert_parity(merged(results), reference(workers(1), model, micro_batch=micro_batch))
 
 
-@pytest.mark.parametrize("pp, schedule", [(2, "zbv"), (4, "dualpipev")])
+@pytest.mark.parametrize("pp, schedule", [(2, "zbv"), (4, "dualpipev"), (4, "zbv"), (2, "dualpipev")])
 def test_tied_embeddings_on_the_first_rank(workers, pp, schedule):
     """Embedding and head are chunks of rank 0: one matrix, no sum across stages (the losses would drift
     if its gradient were counted twice or the clipping norm missed it)."""
@@ -62,12 +66,12 @@ COMPOSED = {
     "zero3": ["--parallel.dp_shard=2", "--parallel.zero=3"],
     "zero1": ["--parallel.dp_shard=2", "--parallel.zero=1"],
     "tp2_sp": ["--parallel.tp=2", "--parallel.sp=true"],
+    "ring_cp2": ["--parallel.cp=2"],
 }
 
 
-@pytest.mark.parametrize(
-    "schedule, composed", [("zbv", "ddp"), ("dualpipev", "zero3"), ("zbv", "zero1"), ("dualpipev", "tp2_sp")]
-)
+@pytest.mark.parametrize("composed", list(COMPOSED))
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedules_composed(workers, schedule, composed):
     """pp=2 is the outermost mesh dim: ranks 0 and 1 hold the V's first rank, 2 and 3 its second. Under
     ZeRO-3 the first rank's two boundary chunks both gather the root unit (embedding, norm, head)."""
@@ -76,15 +80,17 @@ def test_v_schedules_composed(workers, schedule, composed):
     assert_parity(merged([results[0], results[2]]), reference(workers(1), MODEL))
 
 
-def test_dualpipev_with_expert_parallel(workers):
-    """MoE experts split over ep=2 inside each stage of a dualpipev pipeline."""
-    layout = v_pipeline(2, "dualpipev", 1, "--parallel.ep=2", "--parallel.dp_shard=2")
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_with_expert_parallel(workers, schedule):
+    """MoE experts split over ep=2 inside each stage of a V pipeline."""
+    layout = v_pipeline(2, schedule, 1, "--parallel.ep=2", "--parallel.dp_shard=2")
     results = workers(4).run(run_layout, [*TINY, *MOE_4, *layout])
     assert_parity(merged([results[0], results[2]]), reference(workers(1), MOE_4, micro_batch=1))
 
 
-def test_checkpoint_written_under_a_v_resumes_elsewhere(workers, tmp_path):
-    """Save under zbv pp 2 with tied embeddings (one copy, on rank 0); resume on one device and under 1F1B
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_checkpoint_written_under_a_v_resumes_elsewhere(workers, tmp_path, schedule):
+    """Save under a V at pp 2 with tied embeddings (one copy, on rank 0); resume on one device and under 1F1B
     pp 2 (where both end stages hold a copy): each continues as the uninterrupted single-device run."""
     base = [*TINY, "--model.n_layers=4", "--model.tie_embeddings=true", "--training.steps=6"]
     saving = ["--checkpoint.every=3", "--checkpoint.keep=1"]
@@ -92,7 +98,7 @@ def test_checkpoint_written_under_a_v_resumes_elsewhere(workers, tmp_path):
     first = [
         *base,
         *saving,
-        *v_pipeline(2, "zbv", 2),
+        *v_pipeline(2, schedule, 2),
         "--training.steps=3",
         f"--run.dir={tmp_path / 'first'}",
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -432,5 +433,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
+def exit_rank(code: int) -> None:
+    """End a process: a rank that torch's elastic launcher started (torchrun, `--nproc`) leaves without
+    the interpreter's exit-time destructors, once its output is flushed. Its process group is destroyed
+    already; tearing down gloo's threads again at exit has aborted ranks of finished pipeline runs
+    ("terminate called without an active exception"), failing a run that had finished."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def entry() -> None:
+    """The `meshtron` command."""
+    exit_rank(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
