@@ -101,8 +101,7 @@ class _SavedGathers:
         if isinstance(packed, torch.Tensor):
             return packed
         spec, size, stride, offset = packed
-        padded = spec.comm.all_gather_tensor(spec.block.detach().to(spec.param_dtype), spec.group)
-        return padded.as_strided(size, stride, offset)
+        return spec.gather(spec.block).as_strided(size, stride, offset)  # offsets count from the storage
 
     def enter(self) -> None:
         if self.depth == 0:
