@@ -51,7 +51,7 @@ class _Gather(torch.autograd.Function):
         padded = grad.new_zeros((rows, *spec.shape.shape[1:]), dtype=spec.reduce_dtype)
         padded[: spec.shape.shape[0]] = grad
         block = spec.comm.reduce_scatter_tensor(padded, spec.group, consume=True)
-        return block.to(spec.block_dtype), None
+        return block.to(spec.block.dtype), None
 
 
 class ShardedParam:
@@ -69,7 +69,7 @@ class ShardedParam:
     ):
         self.name, self.block, self.shape = name, block, shape
         self.comm, self.group = comm, group
-        self.param_dtype, self.reduce_dtype, self.block_dtype = param_dtype, reduce_dtype, block.dtype
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def gather(self, block: torch.Tensor) -> torch.Tensor:
         """The logical tensor (a view of the padded all-gather result), no autograd."""
