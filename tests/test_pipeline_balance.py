@@ -11,8 +11,8 @@ import pytest
 
 from meshtron.config import load_config, validate
 from meshtron.pipeline.balance import layer_costs, layer_split_of
-from meshtron.pipeline.schedules import Kind, build_schedule, simulate
-from meshtron.pipeline.split import split_by_cost
+from meshtron.pipeline.schedules import Kind, build_schedule, rank_of_chunk, simulate
+from meshtron.pipeline.split import split_by_cost, split_by_cost_v
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
 
@@ -88,8 +88,49 @@ def test_cost_split_beats_even_counts_in_the_simulator(model, layout):
         simulate(build_schedule(p.pp, vpp, 8, name), chunk_costs=chunk_costs(base, split))
         for split in (even, balanced)
     ]
-    assert max(chunk_costs(base, balanced).values()) < max(chunk_costs(base, even).values())
+    assert busiest_rank(base, balanced) < busiest_rank(base, even)
     assert sims[1].makespan < sims[0].makespan
+
+
+def busiest_rank(cfg, split) -> float:
+    costs, p = chunk_costs(cfg, split), cfg.parallel
+    loads = [0.0] * p.pp
+    for (_kind, chunk), cost in costs.items():
+        loads[rank_of_chunk(chunk, p.pp, p.pp_schedule)] += cost
+    return max(loads)
+
+
+def v_busiest_rank(costs: list[float], counts: list[int], pp: int, first: float, last: float) -> float:
+    bounds = list(itertools.accumulate([0, *counts]))
+    loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+    loads[0] += first
+    loads[-1] += last
+    return max(loads[r] + loads[2 * pp - 1 - r] for r in range(pp))
+
+
+def test_v_split_minimises_the_busiest_rank_exactly():
+    """Under a V a rank runs chunks r and 2·pp−1−r: split_by_cost_v's busiest rank equals brute force's
+    over every contiguous split into 2·pp chunks, and can beat the split with the cheapest largest chunk."""
+    rng = random.Random(1)
+    for _ in range(150):
+        pp = rng.randint(1, 3)
+        n = rng.randint(2 * pp, 2 * pp + 5)
+        costs = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        first, last = rng.uniform(0, 2), rng.uniform(0, 4)
+        counts = split_by_cost_v(costs, pp, first, last)
+        assert len(counts) == 2 * pp and min(counts) >= 1 and sum(counts) == n
+        best = min(
+            v_busiest_rank(costs, [b - a for a, b in itertools.pairwise([0, *cuts, n])], pp, first, last)
+            for cuts in itertools.combinations(range(1, n), 2 * pp - 1)
+        )
+        assert v_busiest_rank(costs, counts, pp, first, last) == pytest.approx(best, rel=1e-9)
+    # Seven equal layers and a head worth three, pp 2: the cheapest largest chunk (2, 2, 2, 1 + head)
+    # leaves rank 0 with 2 + 4 = 6; the V's own split (1, 2, 3, 1 + head) gives both ranks 5.
+    costs, head = [1.0] * 7, 3.0
+    assert split_by_cost(costs, 4, 0.0, head) == [2, 2, 2, 1]
+    assert split_by_cost_v(costs, 2, 0.0, head) == [1, 2, 3, 1]
+    assert v_busiest_rank(costs, [2, 2, 2, 1], 2, 0.0, head) == 6.0
+    assert v_busiest_rank(costs, [1, 2, 3, 1], 2, 0.0, head) == 5.0
 
 
 def test_cost_balance_refuses_an_explicit_split():

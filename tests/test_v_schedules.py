@@ -4,6 +4,8 @@ activations against the published figures (docs/pipeline.md#v-shaped-schedules).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from meshtron.cli import main
@@ -77,6 +79,28 @@ def test_dualpipev_keeps_pp_plus_one_activations(pp):
         idle, peak = idle_per_rank("dualpipev", pp, m, 1.0, 1.0, 1.0)
         assert peak == [2 * pp + 1] * pp
         assert idle == pytest.approx(pp - 1)
+
+
+def test_dualpipev_bubble_stays_within_deepseeks_figure_at_any_costs():
+    """DeepSeek-V3's table gives DualPipe's bubble as (PP/2 − 1)·(F&B + B − 3W) over PP ranks (B a full
+    backward, F&B an overlapped forward + backward pair); on a V of pp ranks that is (pp − 1)·(...) per
+    chunk. The simulator overlaps nothing, so F&B = F + B there. Over random chunk costs, meshtron's
+    dualpipev idles per rank at most that figure (0 where it goes negative) plus the forward ramp
+    (pp − 1)·F that a synchronous optimizer step keeps (see the ZB-V test above). Where F&B + B = 3W
+    the published bubble is zero, and only the ramp is left."""
+    rng = random.Random(0)
+    gaps = []
+    for _ in range(200):
+        pp = rng.choice([2, 3, 4, 8])
+        m = rng.choice([2 * pp, 3 * pp, 4 * pp])
+        f, b, w = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.5), rng.uniform(0.2, 2.0)
+        idle, _ = idle_per_rank("dualpipev", pp, m, f, b, w)
+        full = b + w
+        published = max(0.0, (pp - 1) * ((f + full) + full - 3 * w))
+        gaps.append((pp - 1) * f + published - idle)
+    assert min(gaps) >= -1e-9
+    for pp in (2, 4, 8):  # F = 1, B = 0.5 + 2, W = 2: F&B + B − 3W = 3.5 + 2.5 − 6 = 0
+        assert idle_per_rank("dualpipev", pp, 4 * pp, 1.0, 0.5, 2.0)[0] == pytest.approx(pp - 1)
 
 
 def test_v_schedule_rules_are_named():

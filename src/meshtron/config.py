@@ -176,8 +176,8 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)
     pp_embedding_layers: float = non_negative(0.0)
     pp_head_layers: float = non_negative(0.0)
-    pp_balance: PipelineBalance = "layers"  # "cost": minimise the largest chunk's FLOPs (embedding, head,
-    # loss and MoE active experts counted), instead of even counts
+    pp_balance: PipelineBalance = "layers"  # "cost": minimise the busiest rank's FLOPs (its chunk, or its
+    # two under a V; embedding, head, loss and MoE active experts counted), instead of even counts
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
     etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1

@@ -1,6 +1,7 @@
 """The layers of every pipeline chunk for a config: split.py's even counts (optionally weighing the
 embedding and the head as layers), the counts the config gives, or, with `parallel.pp_balance = "cost"`,
-the split whose most expensive chunk is cheapest by predicted training FLOPs per token:
+the split whose busiest rank is least busy by predicted training FLOPs per token (a rank's one chunk,
+or under a V schedule its two: split.split_by_cost_v):
 
   transformer layer   attention projections + attention core (causal, at training.seq_len) + FFN,
                       or for an MoE layer its router and the experts a token visits (top-k + shared)
@@ -15,7 +16,8 @@ show it (docs/pipeline.md#balanced-splits).
 from __future__ import annotations
 
 from meshtron.config import Config, ModelConfig
-from meshtron.pipeline.split import split_by_cost, split_layers
+from meshtron.pipeline.schedules import V_SCHEDULES
+from meshtron.pipeline.split import split_by_cost, split_by_cost_v, split_layers
 from meshtron.plan.flops import TRAINING_PASSES, head_flops, layer_flops
 
 
@@ -34,5 +36,8 @@ def layer_split_of(cfg: Config) -> list[list[int]]:
     if p.pp_balance != "cost" or p.pp_layers:
         return split_layers(m.n_layers, chunks, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None)
     layers, embedding, head = layer_costs(m, cfg.training.seq_len)
-    counts = split_by_cost(layers, chunks, embedding, head)
+    if p.pp_schedule in V_SCHEDULES:
+        counts = split_by_cost_v(layers, p.pp, embedding, head)
+    else:  # one chunk per rank, or interleaved: the largest chunk (a rank's sum is not searched)
+        counts = split_by_cost(layers, chunks, embedding, head)
     return split_layers(m.n_layers, chunks, explicit=counts)

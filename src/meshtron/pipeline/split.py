@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 
 def split_problems(
     n_layers: int,
@@ -106,3 +108,88 @@ def split_by_cost(
         counts.append(i - j)
         i = j
     return counts[::-1]
+
+
+def split_by_cost_v(
+    costs: Sequence[float], pp: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
+    """Layer counts of the 2·pp chunks of a V (rank r holds chunks r and 2·pp−1−r, so chunk 0's
+    `first_extra` and the last chunk's `last_extra` both land on rank 0) whose busiest *rank* is least.
+
+    Rank k < pp−1 takes layers [a_k, a_k+1) on the way down and [b_k+1, b_k) on the way back, so with
+    h[a, b] = cost of layers [a, b) its load is h[a_k, b_k] − h[a_k+1, b_k+1]; the last rank takes the
+    middle [a, b) whole. Bisection on the answer T; for a given T the boundary pairs reachable by rank
+    k+1 are those (a', b') whose quadrant a < a', b > b' holds a reachable pair with
+    h[a, b] <= T + h[a', b'], a running minimum over the quadrant (O(pp·n²) per T)."""
+    n = len(costs)
+    problems = split_problems(n, 2 * pp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if pp == 1:
+        return split_by_cost(costs, 2, first_extra, last_extra)
+    prefix = torch.tensor([0.0, *costs], dtype=torch.float64).cumsum(0)
+    h = prefix[None, :] - prefix[:, None]  # h[a, b] = cost of layers [a, b)
+    index = torch.arange(n + 1)
+    width = index[None, :] - index[:, None]
+    total = float(prefix[-1]) + first_extra + last_extra
+    lo, hi = 0.0, total
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if _v_reach(h, width, pp, first_extra + last_extra, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    reach = _v_reach(h, width, pp, first_extra + last_extra, hi)
+    assert reach is not None
+    return _v_counts(h, reach, pp, first_extra + last_extra, hi, costs)
+
+
+def _v_reach(
+    h: torch.Tensor, width: torch.Tensor, pp: int, extra: float, limit: float
+) -> list[torch.Tensor] | None:
+    """Per rank k, the boundary pairs (a_k, b_k) reachable with every earlier rank's load <= limit,
+    as h where reachable and +inf elsewhere; None if the last rank cannot stay under `limit`."""
+    n = h.shape[0] - 1
+    start = torch.full_like(h, float("inf"))
+    start[0, n] = h[0, n]
+    reach = [start]
+    for k in range(pp - 1):
+        quadrant = _quadrant_min(reach[-1])
+        fits = quadrant <= limit - (extra if k == 0 else 0.0) + h
+        room = width >= 2 * (pp - k - 1)  # two layers at least per chunk still to come
+        reach.append(torch.where(fits & room, h, torch.full_like(h, float("inf"))))
+    if not bool((reach[-1] <= limit).any()):
+        return None
+    return reach
+
+
+def _quadrant_min(values: torch.Tensor) -> torch.Tensor:
+    """out[a', b'] = min of values[a, b] over a < a' and b > b' (+inf where there is none)."""
+    inf = torch.full_like(values[:1], float("inf"))
+    down = torch.cat([inf, values[:-1]]).cummin(0).values  # a < a'
+    left = torch.cat([down[:, 1:], inf.T[:1].expand(values.shape[0], 1)], dim=1)  # b > b'
+    return left.flip(1).cummin(1).values.flip(1)
+
+
+def _v_counts(
+    h: torch.Tensor, reach: list[torch.Tensor], pp: int, extra: float, limit: float, costs: Sequence[float]
+) -> list[int]:
+    """Walk back from a feasible middle to rank 0, then list the 2·pp chunks' layer counts."""
+    slack = 1e-9 * (limit + 1.0)
+    n = h.shape[0] - 1
+    a, b = (int(i) for i in torch.nonzero(reach[-1] <= limit + slack)[0])
+    lefts, rights = [a], [b]
+    for k in range(pp - 2, -1, -1):
+        bound = limit + slack - (extra if k == 0 else 0.0) + float(h[a, b])
+        ok = reach[k] <= bound
+        ok[a:, :] = False  # a_k < a_k+1 and b_k > b_k+1
+        ok[:, : b + 1] = False
+        a, b = (int(i) for i in torch.nonzero(ok)[0])
+        lefts.append(a)
+        rights.append(b)
+    lefts, rights = lefts[::-1], rights[::-1]  # rank 0 first: (0, n), then inwards
+    middle = split_by_cost(list(costs[lefts[-1] : rights[-1]]), 2)
+    down = [lefts[k + 1] - lefts[k] for k in range(pp - 1)]
+    up = [rights[k] - rights[k + 1] for k in range(pp - 1)]
+    assert lefts[0] == 0 and rights[0] == n
+    return [*down, *middle, *up[::-1]]
