@@ -8,9 +8,8 @@ chunks get fewer transformer layers; or the caller gives the layer count of ever
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-
-import torch
 
 
 def split_problems(
@@ -127,69 +126,78 @@ def split_by_cost_v(
         raise ValueError("; ".join(problems))
     if pp == 1:
         return split_by_cost(costs, 2, first_extra, last_extra)
-    prefix = torch.tensor([0.0, *costs], dtype=torch.float64).cumsum(0)
-    h = prefix[None, :] - prefix[:, None]  # h[a, b] = cost of layers [a, b)
-    index = torch.arange(n + 1)
-    width = index[None, :] - index[:, None]
-    total = float(prefix[-1]) + first_extra + last_extra
-    lo, hi = 0.0, total
-    for _ in range(100):
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    h = [[prefix[b] - prefix[a] if b >= a else INF for b in range(n + 1)] for a in range(n + 1)]
+    extra = first_extra + last_extra
+    lo = (prefix[-1] + extra) / pp  # no rank can carry less than the mean
+    hi = _v_load(costs, split_by_cost(costs, 2 * pp, first_extra, last_extra), pp, extra)
+    hi += 1e-9 * hi  # feasible, past the rounding of h's differences
+    while hi - lo > 1e-12 * hi:
         mid = (lo + hi) / 2
-        if _v_reach(h, width, pp, first_extra + last_extra, mid) is not None:
-            hi = mid
-        else:
+        if _v_reach(h, pp, extra, mid) is None:
             lo = mid
-    reach = _v_reach(h, width, pp, first_extra + last_extra, hi)
+        else:
+            hi = mid
+    reach = _v_reach(h, pp, extra, hi)
     assert reach is not None
-    return _v_counts(h, reach, pp, first_extra + last_extra, hi, costs)
+    return _v_counts(h, reach, pp, extra, hi, costs)
 
 
-def _v_reach(
-    h: torch.Tensor, width: torch.Tensor, pp: int, extra: float, limit: float
-) -> list[torch.Tensor] | None:
-    """Per rank k, the boundary pairs (a_k, b_k) reachable with every earlier rank's load <= limit,
-    as h where reachable and +inf elsewhere; None if the last rank cannot stay under `limit`."""
-    n = h.shape[0] - 1
-    start = torch.full_like(h, float("inf"))
-    start[0, n] = h[0, n]
+INF = float("inf")
+
+
+def _v_load(costs: Sequence[float], counts: list[int], pp: int, extra: float) -> float:
+    """The busiest rank's cost of a V split (rank 0 carries `extra`)."""
+    bounds = list(itertools.accumulate(counts, initial=0))
+    chunk = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+    return max(chunk[r] + chunk[2 * pp - 1 - r] + (extra if r == 0 else 0.0) for r in range(pp))
+
+
+def _v_reach(h: list[list[float]], pp: int, extra: float, limit: float) -> list[list[list[float]]] | None:
+    """Per rank k, h at the boundary pairs (a_k, b_k) reachable with every earlier rank's load <= limit
+    (+inf elsewhere); None if the last rank cannot stay under `limit`."""
+    n = len(h) - 1
+    start = [[INF] * (n + 1) for _ in range(n + 1)]
+    start[0][n] = h[0][n]
     reach = [start]
     for k in range(pp - 1):
-        quadrant = _quadrant_min(reach[-1])
-        fits = quadrant <= limit - (extra if k == 0 else 0.0) + h
-        room = width >= 2 * (pp - k - 1)  # two layers at least per chunk still to come
-        reach.append(torch.where(fits & room, h, torch.full_like(h, float("inf"))))
-    if not bool((reach[-1] <= limit).any()):
+        room = 2 * (pp - k - 1)  # two layers at least per chunk still to come
+        bound = limit - (extra if k == 0 else 0.0)
+        above = [INF] * (n + 1)  # min over a < a' of the previous rank's row, column by column
+        rows = []
+        for a2 in range(n + 1):
+            # quadrant[b'] = min over b > b' of above[b]
+            quadrant = list(itertools.accumulate(reversed(above[1:] + [INF]), min))[::-1]
+            rows.append(
+                [hb if b2 - a2 >= room and quadrant[b2] <= bound + hb else INF for b2, hb in enumerate(h[a2])]
+            )
+            above = list(map(min, above, reach[-1][a2]))
+        reach.append(rows)
+    if min(min(row) for row in reach[-1]) > limit:
         return None
     return reach
 
 
-def _quadrant_min(values: torch.Tensor) -> torch.Tensor:
-    """out[a', b'] = min of values[a, b] over a < a' and b > b' (+inf where there is none)."""
-    inf = torch.full_like(values[:1], float("inf"))
-    down = torch.cat([inf, values[:-1]]).cummin(0).values  # a < a'
-    left = torch.cat([down[:, 1:], inf.T[:1].expand(values.shape[0], 1)], dim=1)  # b > b'
-    return left.flip(1).cummin(1).values.flip(1)
-
-
 def _v_counts(
-    h: torch.Tensor, reach: list[torch.Tensor], pp: int, extra: float, limit: float, costs: Sequence[float]
+    h: list[list[float]],
+    reach: list[list[list[float]]],
+    pp: int,
+    extra: float,
+    limit: float,
+    costs: Sequence[float],
 ) -> list[int]:
     """Walk back from a feasible middle to rank 0, then list the 2·pp chunks' layer counts."""
     slack = 1e-9 * (limit + 1.0)
-    n = h.shape[0] - 1
-    a, b = (int(i) for i in torch.nonzero(reach[-1] <= limit + slack)[0])
+    n = len(h) - 1
+    a, b = next((a, b) for a, row in enumerate(reach[-1]) for b, v in enumerate(row) if v <= limit + slack)
     lefts, rights = [a], [b]
     for k in range(pp - 2, -1, -1):
-        bound = limit + slack - (extra if k == 0 else 0.0) + float(h[a, b])
-        ok = reach[k] <= bound
-        ok[a:, :] = False  # a_k < a_k+1 and b_k > b_k+1
-        ok[:, : b + 1] = False
-        a, b = (int(i) for i in torch.nonzero(ok)[0])
+        bound = limit + slack - (extra if k == 0 else 0.0) + h[a][b]
+        a, b = next((a0, b0) for a0 in range(a) for b0 in range(b + 1, n + 1) if reach[k][a0][b0] <= bound)
         lefts.append(a)
         rights.append(b)
     lefts, rights = lefts[::-1], rights[::-1]  # rank 0 first: (0, n), then inwards
     middle = split_by_cost(list(costs[lefts[-1] : rights[-1]]), 2)
     down = [lefts[k + 1] - lefts[k] for k in range(pp - 1)]
     up = [rights[k] - rights[k + 1] for k in range(pp - 1)]
-    assert lefts[0] == 0 and rights[0] == n
     return [*down, *middle, *up[::-1]]
