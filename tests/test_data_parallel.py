@@ -37,9 +37,11 @@ LAYOUTS = {
     "zero3_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=3"]),
     "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]),
     "hybrid_zero2_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=2"]),
-    # Many buckets: each reuses a staging buffer two buckets after another took it (zero.py's _Staging).
+    # Many buckets: each reuses a staging buffer two buckets after another took it (staging.py).
     "zero1_4_buckets": (4, ["--parallel.dp_shard=4", "--parallel.zero=1", "--parallel.bucket_mb=0.02"]),
     "zero2_2x2_buckets": (4, ["--parallel.dp_replicate=2", "--parallel.zero=2", "--parallel.bucket_mb=0.02"]),
+    # With replicas ZeRO-1 packs its gradients rank-major and reduce-scatters them (zero.py).
+    "hybrid_zero1_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=1"]),
 }
 
 
@@ -174,7 +176,8 @@ def test_ddp_comm_bytes_match_theory(workers, world):
 def test_sharded_comm_bytes_match_theory(workers, name):
     """Per step ZeRO-1/2 reduce-scatter every gradient and all-gather the updated parameters, ZeRO-3
     all-gathers in forward and again in backward and reduce-scatters: 2 or 3 times the fp32 bytes of the
-    padded flat buffers the collectives move, times (n-1)/n."""
+    padded flat buffers the collectives move, times (n-1)/n. (On gloo ZeRO-1 all-reduces its whole
+    gradients in place, which is what gloo's reduce-scatter does, and is counted as that reduce-scatter.)"""
     world, zero, model, results = sharded_run(workers, name)
     flat = world * row_block_elements(model, world)
     volume = 3 if zero == 3 else 2
@@ -302,8 +305,12 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32(workers):
 
 @pytest.mark.parametrize(
     "parallel",
-    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=2"]],
-    ids=["ddp", "zero2"],
+    [
+        ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"],
+        ["--parallel.dp_shard=2", "--parallel.zero=1"],
+        ["--parallel.dp_shard=2", "--parallel.zero=2"],
+    ],
+    ids=["ddp", "zero1", "zero2"],
 )
 def test_bf16_gradient_reduction_halves_the_bytes(workers, parallel):
     common = [*TINY, *parallel, "--training.micro_batch=4", "--training.steps=4"]
@@ -316,5 +323,5 @@ def test_bf16_gradient_reduction_halves_the_bytes(workers, parallel):
         by_group = row["comm_bytes_by_group"]
         if "dp_replicate=2" in parallel[0]:  # DDP: the whole all-reduce narrows (the loss shares its group)
             assert by_group["dp"] == (2 * grad_bytes * psi + 2 * LOSS_BYTES) * ring(2)
-        else:  # ZeRO-2: only the reduce-scatter narrows; the updated parameters are gathered in fp32
+        else:  # ZeRO-1/2: only the reduce-scatter narrows; the updated parameters are gathered in fp32
             assert by_group["dp_shard"] == (grad_bytes * psi + 4 * psi + 2 * NORM_BYTES) * ring(2)

@@ -290,6 +290,28 @@ class Comm:
         work = dist.all_reduce(x, group=group.process_group, async_op=True)
         return Pending(self, work, "all_reduce", group)
 
+    def reduce_scatter_is_all_reduce(self, group: CommGroup) -> bool:
+        """Whether the backend runs a reduce-scatter as an all-reduce of the whole input (gloo has none
+        of its own): a caller that keeps the whole sum anyway can then all-reduce in place instead."""
+        return group.size > 1 and dist.get_backend(group.process_group) == "gloo"
+
+    def reduce_scatter_kept_whole_async(
+        self, x: torch.Tensor, group: CommGroup, counted_numel: int
+    ) -> Pending:
+        """A reduce-scatter whose caller keeps the whole sum anyway, on a backend that runs one as an
+        all-reduce (`reduce_scatter_is_all_reduce`): `x` is all-reduced in place. Counted as the
+        reduce-scatter it stands for, of `counted_numel` elements (the padded rank-major buffer it
+        would have packed), as every gloo reduce-scatter is counted (the module docstring)."""
+        if not self.reduce_scatter_is_all_reduce(group):
+            raise ValueError(
+                "reduce_scatter_kept_whole_async needs a backend whose reduce-scatter all-reduces"
+            )
+        self.stats.record(
+            group.name, "reduce_scatter", counted_numel * x.element_size() * (group.size - 1) / group.size
+        )
+        work = dist.all_reduce(x, group=group.process_group, async_op=True)
+        return Pending(self, work, "reduce_scatter", group)
+
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
         """out (numel n) = this rank's n-element chunk of the sum over ranks of inp (numel n * size).
         `inp` is scratch: its contents are undefined afterwards."""

@@ -22,6 +22,7 @@ an all-gather in forward, one in backward and a reduce-scatter: 3Ψ(n-1)/n.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.shard import FlatLayout
+from meshtron.parallel.staging import Staging
 
 
 class FSDPUnit:
@@ -56,19 +58,25 @@ class FSDPUnit:
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
         self.reduced = False  # reduced at least once this step
-        self.reducing: list[tuple[Pending, torch.Tensor]] = []
+        self.reducing: list[Callable[[], None]] = []  # folds of reductions in flight
 
-    def start_gather(self, comm: Comm, shard: CommGroup) -> None:
+    def start_gather(self, comm: Comm, shard: CommGroup, staging: Staging) -> None:
         if self.unsharded or self.gathering is not None:
             return
         send = self.master_flat.to(self.param_dtype)
-        gathered = torch.empty(send.numel() * shard.size, dtype=self.param_dtype, device=send.device)
+        gathered = staging.take(self.param_dtype, send.numel() * shard.size)
         self.gathering = (comm.all_gather_async(gathered, send, shard), gathered)
 
-    def unshard(self, comm: Comm, shard: CommGroup) -> None:
+        def finish() -> None:  # the buffer is needed again: this gather lands in the parameters now
+            if self.gathering is not None:
+                self.unshard(comm, shard, staging)
+
+        staging.hold(finish)
+
+    def unshard(self, comm: Comm, shard: CommGroup, staging: Staging) -> None:
         if self.unsharded:
             return
-        self.start_gather(comm, shard)
+        self.start_gather(comm, shard, staging)
         pending, gathered = self.gathering
         pending.wait()
         self.gathering = None
@@ -118,6 +126,13 @@ class FullyShardedDataParallel(DataParallelEngine):
         self.units = [
             FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype) for _, group in modules
         ]
+        # Gathered units and reduce-scatter inputs (with the received shard after it) in two persistent
+        # buffers each, of the largest block (staging.py; the root unit, often larger, gets its own).
+        blocks_only = self.units[1:] if self.has_root and len(self.units) > 1 else self.units
+        largest = max(u.layout.shard_numel for u in blocks_only)
+        device = self.units[0].master_flat.device
+        self.gathers = Staging(largest * shard.size, device)
+        self.reductions = Staging(largest * (shard.size + 1), device)
         for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
             for module in mods:
                 module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
@@ -136,10 +151,10 @@ class FullyShardedDataParallel(DataParallelEngine):
         return self.units[index - 1] if index > 1 else None  # block 0 is followed by the root, gathered
 
     def _pre_forward(self, index: int) -> None:
-        self.units[index].unshard(self.comm, self.shard)
+        self.units[index].unshard(self.comm, self.shard, self.gathers)
         following = self._next_in_forward(index)
         if following is not None:
-            following.start_gather(self.comm, self.shard)
+            following.start_gather(self.comm, self.shard, self.gathers)
 
     def _post_forward(self, index: int, output: Any) -> None:
         main = output[0] if isinstance(output, tuple) else output
@@ -151,10 +166,10 @@ class FullyShardedDataParallel(DataParallelEngine):
             self.units[index].reshard()
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        self.units[index].unshard(self.comm, self.shard)
+        self.units[index].unshard(self.comm, self.shard, self.gathers)
         following = self._next_in_backward(index)
         if following is not None:
-            following.start_gather(self.comm, self.shard)
+            following.start_gather(self.comm, self.shard, self.gathers)
         return grad
 
     def _on_grad_ready(self, index: int) -> None:
@@ -167,19 +182,27 @@ class FullyShardedDataParallel(DataParallelEngine):
     def _reduce(self, unit: FSDPUnit) -> None:
         device = unit.master_flat.device
         grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=device) for p in unit.params]
-        send = torch.empty(unit.layout.shard_numel * self.shard.size, dtype=self.reduce_dtype, device=device)
+        full = unit.layout.shard_numel * self.shard.size
+        buffer = self.reductions.take(self.reduce_dtype, full + unit.layout.shard_numel)
+        send, received = buffer[:full], buffer[full:]
         unit.layout.pack(grads, send)
         for p in unit.params:
             p.grad = None
         unit.reshard()
-        received = torch.empty(unit.layout.shard_numel, dtype=self.reduce_dtype, device=device)
-        unit.reducing.append((self.comm.reduce_scatter_async(received, send, self.shard), received))
+        pending: list[Pending] = [self.comm.reduce_scatter_async(received, send, self.shard)]
+
+        def fold() -> None:  # the reduced shard into the accumulator, once (the buffer is free after)
+            if pending:
+                pending.pop().wait()
+                unit.grad_flat.add_(received.to(unit.grad_flat.dtype))
+
+        unit.reducing.append(fold)
+        self.reductions.hold(fold)
 
     def _collect(self) -> None:
         for unit in self.units:
-            for pending, received in unit.reducing:
-                pending.wait()
-                unit.grad_flat.add_(received.to(unit.grad_flat.dtype))
+            for fold in unit.reducing:
+                fold()
             unit.reducing.clear()
 
     def optimizer_params(self) -> list[nn.Parameter]:

@@ -18,13 +18,16 @@ AdamW state exists for 1/dp_shard of the model. A step:
 Per step that moves a reduce-scatter and an all-gather of every parameter: 2Ψ(n-1)/n, like DDP.
 
 Buffers are allocated once and reused every step, so a steady-state step allocates nothing for its
-communication (fresh buffers cost a page fault per 4 KiB page on first touch, thousands a step): each
-bucket keeps its received and owned-row segments (1/n of the bucket each), and the full-size staging
-of the reduce-scatter's input and the all-gather's output is two bucket-sized buffers used in turn
-(`_Staging`), not one per bucket: per-bucket full buffers would hold another copy of every gradient,
-the memory ZeRO-2 exists to save. A bucket taking a buffer first finishes the collective of the bucket
-that used it two turns before (gloo and NCCL run a group's collectives in order, so that one is done or
-next in line).
+communication: each bucket keeps its received and owned-row segments (1/n of the bucket each), and the
+full-size staging of the reduce-scatter's input and the all-gather's output is two bucket-sized buffers
+used in turn (staging.py), not one per bucket: per-bucket full buffers would hold another copy of every
+gradient, the memory ZeRO-2 exists to save.
+
+Stage 1 keeps whole gradients anyway. Where the backend's reduce-scatter is an all-reduce of the whole
+input (gloo has none of its own), packing them rank-major only to all-reduce the packed copy is wasted
+work: there (without replicas) stage 1 keeps its gradients in one flat buffer per bucket, as DDP does,
+all-reduces it in place and steps its rows of it, views all: what gloo's reduce-scatter does, without
+the two copies, and counted as that reduce-scatter is.
 
 The whole parameters are current once forward has reached them, or after `finish_params()` (the Trainer
 calls it at the end of a run; reading parameters outside a forward needs it). Gathering per unit rather
@@ -34,7 +37,6 @@ hold a whole small model).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,10 +46,18 @@ from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.ddp import BucketedEngine, make_buckets
 from meshtron.parallel.engine import OwnedRows
 from meshtron.parallel.shard import FlatLayout
+from meshtron.parallel.staging import Staging
 
 
 class _ShardedBucket:
-    def __init__(self, params: list[nn.Parameter], shard: CommGroup, stage: int, reduce_dtype: torch.dtype):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        shard: CommGroup,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        in_place: bool,
+    ):
         self.params = params
         self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
         self.row_ranges = [s.row_range(shard.rank) for s in self.layout.shapes]
@@ -64,6 +74,16 @@ class _ShardedBucket:
             for owned, view in zip(self.owned, views, strict=True):
                 owned.grad = view
         self.pending: Pending | None = None
+        self.flat: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None  # narrowed copy of `flat` when reducing in a smaller dtype
+        if in_place:  # stage 1, all-reduced in place: gradients live in one flat buffer, as DDP's do
+            self.flat = torch.zeros(sum(p.numel() for p in params), dtype=like.dtype, device=like.device)
+            offset = 0
+            for p, owned, rows in zip(params, self.owned, self.row_ranges, strict=True):
+                p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+                owned.grad = p.grad[slice(*rows)]
+                offset += p.numel()
+            return
         self.received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=like.device)
 
 
@@ -103,37 +123,6 @@ def gather_units(
     return [(modules, group) for modules, group in units if group]
 
 
-class _Staging:
-    """Two bucket-sized buffers per dtype, taken in turn: `take` hands one out once its previous
-    user's collective is finished (the callback that user left with `hold`)."""
-
-    def __init__(self, numel: int, device: torch.device):
-        self.numel, self.device = numel, device
-        self.buffers: dict[torch.dtype, list[torch.Tensor]] = {}
-        self.users: list[Callable[[], None] | None] = [None, None]
-        self.turn = 0
-
-    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        slot, self.turn = self.turn, 1 - self.turn
-        if (previous := self.users[slot]) is not None:
-            self.users[slot] = None
-            previous()
-        if dtype not in self.buffers:
-            self.buffers[dtype] = [torch.empty(self.numel, dtype=dtype, device=self.device) for _ in range(2)]
-        return self.buffers[dtype][slot][:numel]
-
-    def hold(self, finish: Callable[[], None]) -> None:
-        """The buffer taken last is in use until `finish` has run."""
-        self.users[1 - self.turn] = finish
-
-    def drain(self) -> None:
-        """Finish every collective still using a buffer."""
-        for slot, finish in enumerate(self.users):
-            if finish is not None:
-                self.users[slot] = None
-                finish()
-
-
 class ZeroShardedOptimizer(BucketedEngine):
     def __init__(
         self,
@@ -159,8 +148,12 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_dtype = self.params[0].dtype
         reduce = reduce_dtype or self.grad_dtype
+        # Stage 1 keeps whole gradients; where a reduce-scatter would be an all-reduce anyway (gloo),
+        # all-reducing them in place skips packing them rank-major and copying the rows back.
+        self.in_place = stage == 1 and replicate.size == 1 and comm.reduce_scatter_is_all_reduce(shard)
         self.buckets = [
-            _ShardedBucket(b, shard, stage, reduce) for b in make_buckets(self.params, bucket_bytes)
+            _ShardedBucket(b, shard, stage, reduce, self.in_place)
+            for b in make_buckets(self.params, bucket_bytes)
         ]
         self.units = []
         for index, (modules, group) in enumerate(gather_units(model, self.params, blocks or [], roots)):
@@ -172,7 +165,7 @@ class ZeroShardedOptimizer(BucketedEngine):
         # index + 1 means later units' gathers ran behind its forward).
         self.gather_log: list[int] = []
         full = max(b.layout.shard_numel * shard.size for b in self.buckets)
-        self.staging = _Staging(max(full, *(u.full_numel for u in self.units)), self.params[0].device)
+        self.staging = Staging(max(full, *(u.full_numel for u in self.units)), self.params[0].device)
         self._watch_buckets()
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -196,6 +189,13 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def _launch(self, bucket: _ShardedBucket) -> None:
         dtype = self.reduce_dtype or self.grad_dtype
+        if bucket.flat is not None:
+            buffer = bucket.flat
+            if dtype != buffer.dtype:
+                bucket.send = buffer = buffer.to(dtype)
+            counted = bucket.layout.shard_numel * self.shard.size
+            bucket.pending = self.comm.reduce_scatter_kept_whole_async(buffer, self.shard, counted)
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         numel = bucket.layout.shard_numel * self.shard.size
         send = self.staging.take(dtype, numel)
@@ -212,6 +212,9 @@ class ZeroShardedOptimizer(BucketedEngine):
             return
         bucket.pending.wait()
         bucket.pending = None
+        if bucket.send is not None:
+            bucket.flat.copy_(bucket.send)
+            bucket.send = None
         if self.stage == 2:
             bucket.grad_segment.add_(bucket.received.to(self.grad_dtype))
 
@@ -228,6 +231,9 @@ class ZeroShardedOptimizer(BucketedEngine):
         self._collect()
         self.staging.drain()
         for bucket in self.buckets:
+            if bucket.flat is not None:  # the whole sum, each owned row block a view of it
+                self._wait(bucket)
+                continue
             if self.stage == 2:
                 self.comm.all_reduce_(bucket.grad_segment, self.replicate)
                 continue
@@ -280,6 +286,9 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
+            if bucket.flat is not None:
+                bucket.flat.zero_()
+                continue
             if self.stage == 2:
                 bucket.grad_segment.zero_()
                 continue
