@@ -33,6 +33,7 @@ from meshtron.comm import Comm
 from meshtron.config import ModelConfig
 from meshtron.mesh import ParallelDims, ParallelMesh
 from meshtron.models.llama import build_model
+from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
@@ -55,6 +56,7 @@ NAMES = (
     "meshtron ZeRO-2",
     "torch FSDP2 no-reshard",
     "meshtron SimpleFSDP",
+    "meshtron SimpleFSDP compiled",
 )
 PAIRS = [Pair("meshtron DDP", "torch DDP"), Pair("meshtron ZeRO-3", "torch FSDP2")]
 # Like for like: ZeroRedundancyOptimizer around DDP shards the optimizer state (ZeRO-1); fully_shard
@@ -63,6 +65,8 @@ PAIRS += [Pair("meshtron ZeRO-1", "torch ZeRO-1"), Pair("meshtron ZeRO-2", "torc
 PAIRS += [Pair(f"meshtron ZeRO-{stage}", "torch DDP") for stage in (1, 2)]  # against the unsharded floor
 # SimpleFSDP (eager: a gather per parameter read, nothing bucketed) against the two hook-driven ZeRO-3s.
 PAIRS += [Pair("meshtron SimpleFSDP", "torch FSDP2"), Pair("meshtron SimpleFSDP", "meshtron ZeRO-3")]
+# Compiled blocks: the gathers in the graph, bucketed by inductor (one per block and pass).
+PAIRS += [Pair("meshtron SimpleFSDP compiled", p) for p in ("meshtron SimpleFSDP", "torch FSDP2")]
 MODEL = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 SEQ, BATCH_PER_RANK = 128, 2
 TOKENS = WORLD * BATCH_PER_RANK * SEQ  # global tokens per step: every rank's loss is divided by it
@@ -231,10 +235,12 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
         return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, reshard), name)
     if name == "meshtron DDP":
         engine: DataParallelEngine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes)
-    elif name == "meshtron SimpleFSDP":
-        fp32 = torch.float32
+    elif name.startswith("meshtron SimpleFSDP"):
+        fp32, compiled = torch.float32, blocks if name.endswith("compiled") else None
+        if compiled:
+            compile_blocks(model, bucket_collectives=True)
         engine = SimpleFSDP(
-            model, [model, *blocks], comm, shard, replicate, fp32, fp32, mesh.mesh("dp_shard")
+            model, [model, *blocks], comm, shard, replicate, fp32, fp32, mesh.mesh("dp_shard"), compiled
         )
     elif name == "meshtron ZeRO-3":
         fp32 = torch.float32
@@ -307,10 +313,21 @@ def tables(results: list[harness.RankResult], report: reporting.Report) -> list[
         reporting.comparison_table(pairs, samples),
         table(
             "implementation | median step ms | p10 ms | p90 ms | state MiB per rank (params / grads / optim) "
-            "| peak step allocations MiB | comm MiB per step per rank",
-            [[s.name, *s.timing(), s.state, mib(s.alloc_peak), comm[s.name]] for s in runs],
+            "| peak step allocations MiB | comm MiB per step per rank | collectives per step, rank 0",
+            [
+                [
+                    s.name,
+                    *s.timing(),
+                    s.state,
+                    mib(s.alloc_peak),
+                    comm[s.name],
+                    str(s.measured[0].collectives),
+                ]
+                for s in runs
+            ],
             "Steps (the slowest rank's); state after the optimizer step (the largest rank's), peak "
-            "allocations and per-rank ring volume, of the measured step:",
+            "allocations, per-rank ring volume and collectives issued (`c10d::` operator calls under the "
+            "profiler, however issued: eager, DTensor or a compiled graph), of the measured step:",
         ),
         table(
             f"implementation | {' | '.join(phases)} | minor page faults per step",

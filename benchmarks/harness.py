@@ -180,6 +180,7 @@ class StepRecord:
     notes: dict[str, Any]
     comm: dict[str, tuple[int, float]]
     alloc_peak: int = 0
+    collectives: int = 0  # c10d dispatcher ops in the measured step: every backend call, traced or not
     op_table: str = ""
 
 
@@ -229,6 +230,10 @@ def measured_step(runner: Runner, batch: Any, op_table: bool) -> StepRecord:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, runner.counting() as c:
         record = run_step(runner, batch, c, measure=True)
     record.alloc_peak = allocation_peak(prof)
+    # Every collective, issued from Python or from a compiled graph, is one `c10d::` operator call.
+    record.collectives = sum(
+        1 for e in prof.events() if e.name.startswith("c10d::") and "barrier" not in e.name
+    )
     if op_table:
         record.op_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     return record

@@ -25,7 +25,7 @@ import reporting
 import torch
 import torch.distributed as dist
 from harness import Clock, Pair, Runner
-from reporting import ms, table
+from reporting import mib, ms, table
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -114,6 +114,7 @@ class Pipeline(Runner):
         loss = self.run(*batch)
         clock.lap("step")
         clock.notes["actions"] = self.actions()
+        clock.notes["grad_bytes"] = sum(p.numel() * p.element_size() for p in self.model.parameters())
         total = torch.tensor(float(loss))
         dist.all_reduce(total)  # only the last stage's share is non-zero
         return float(total)
@@ -239,7 +240,7 @@ def bench_rank(
     with torch.no_grad():  # the whole model's loss on one device
         reference = float(cross_entropy_per_token(build_model(MODEL, seed=seed)(inputs), targets).mean())
     batches, pairs = (lambda step: batch_of(seed, step)), pairs_of(schedules)
-    options = {"reference": [reference], "measure": False, "op_tables": op_tables}
+    options = {"reference": [reference], "measure": True, "op_tables": op_tables}
     result = harness.run_rounds(runners, batches, pairs, warmup, steps, **options)
     mesh.close()
     return result
@@ -286,6 +287,15 @@ def detail_row(s: reporting.Samples) -> list[str]:
     return [s.name, *s.timing(), compute_ms, ms(sim.makespan), *bubbles]
 
 
+def memory_row(s: reporting.Samples) -> list[str]:
+    """Per rank, the measured step's peak allocations, and that less the rank's gradients (allocated
+    in the step, the same whatever the schedule): what activations and temporaries peaked at."""
+    peaks = [m.alloc_peak for m in s.measured]
+    grads = [m.notes["grad_bytes"] for m in s.measured]
+    activations = [p - g for p, g in zip(peaks, grads, strict=True)]
+    return [s.name, " / ".join(mib(p) for p in peaks), " / ".join(mib(a) for a in activations)]
+
+
 def action_row(s: reporting.Samples) -> list[str]:
     costs, late_w = action_costs(s), []
     chunks = sorted({c for _, c in costs})
@@ -316,6 +326,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "| step bound from compute ms | bubble at the bound | measured bubble | theory (equal stages)",
             [detail_row(s) for s in samples.values()],
             "Steps (the slowest rank's wall time of `run` / `schedule.step`) and bubbles:",
+        ),
+        table(
+            "implementation | peak step allocations MiB, rank 0 / rank 1 | less the gradients",
+            [memory_row(s) for s in samples.values()],
+            "Peak allocations of the measured step (`torch.profiler` allocation events, from zeroed "
+            "gradients; the rank's gradients are allocated in it too, so the second column is activations "
+            "and temporaries):",
         ),
         table(
             "implementation | F ms per chunk | B ms per chunk | W ms per chunk | W after the last B, per rank",

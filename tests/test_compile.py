@@ -4,6 +4,8 @@ on this CPU, so the layouts are few and each puts several parallelisms together.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from meshtron.testing.parity import trainer_for
@@ -15,7 +17,6 @@ LAYOUTS = {
     "tp2_sp_zero3": (4, ["--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--training.micro_batch=2"]),
     "pp2_ring_cp2_selective": (4, ["--parallel.pp=2", "--parallel.cp=2", "--training.recompute=selective", "--training.micro_batch=2"]),
     "moe_ep2": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=1", "--training.micro_batch=4"]),
-    "simple_fsdp_dp_shard2": (2, ["--parallel.zero=3", "--parallel.fsdp_impl=simple", "--training.micro_batch=4"]),
 }  # fmt: skip
 
 
@@ -32,3 +33,51 @@ def test_compiled_blocks_give_the_eager_losses(workers, case):
     compiled = workers(world).run(losses, [*overrides, "--training.compile=true"])[0]
     assert len(compiled) == STEPS
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+SIMPLE = [
+    "--parallel.zero=3",
+    "--parallel.fsdp_impl=simple",
+    "--parallel.dp_shard=2",
+    "--training.micro_batch=4",
+]
+CALLS = re.compile(
+    r"torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)(?:_out)?\.default\("
+)
+
+
+def compiled_simple_fsdp(overrides: list[str]) -> dict:
+    """Steps of SimpleFSDP with compiled blocks, the code inductor wrote for them, and the bytes booked."""
+    from torch._inductor.utils import run_and_get_code  # test-only: the generated source
+
+    trainer = trainer_for([*overrides, "--training.compile=true"])
+    rows, codes = run_and_get_code(lambda: [trainer.step(step) for step in range(STEPS)])
+    graphs = [[m.group(1) for m in CALLS.finditer(code)] for code in codes]
+    per_block = len(trainer.engine.traced) // len(trainer.model.layers)
+    return {"rows": rows, "graphs": [g for g in graphs if g], "per_block": per_block}
+
+
+def test_simple_fsdp_compiles_with_its_collectives_bucketed_in_the_graph(workers):
+    """SimpleFSDP's point: with the gathers in the compiled graph, inductor buckets them. Each block's
+    forward graph holds fewer all-gathers than the block has parameters (one, bucketed), its backward
+    graph gathers again (nothing gathered was saved) and reduce-scatters in fewer calls than
+    parameters; losses equal the eager run's, and the bytes booked for the traced collectives equal
+    the eager run's counted bytes."""
+    overrides = [*TINY, *SIMPLE]
+    eager = workers(2).run(trainer_rows, overrides)[0]
+    compiled = workers(2).run(compiled_simple_fsdp, overrides)[0]
+    assert [r["loss"] for r in compiled["rows"]] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
+    assert [r["comm_bytes"] for r in compiled["rows"]] == [r["comm_bytes"] for r in eager]
+    forward = [g for g in compiled["graphs"] if "reduce_scatter_tensor" not in g]
+    backward = [g for g in compiled["graphs"] if "reduce_scatter_tensor" in g]
+    assert forward and backward
+    for graph in forward:
+        assert 1 <= graph.count("all_gather_into_tensor") < compiled["per_block"]
+    for graph in backward:
+        assert 1 <= graph.count("all_gather_into_tensor") < compiled["per_block"]
+        assert 1 <= graph.count("reduce_scatter_tensor") < compiled["per_block"]
+
+
+def trainer_rows(overrides: list[str]) -> list[dict]:
+    trainer = trainer_for(overrides)
+    return [trainer.step(step) for step in range(STEPS)]

@@ -21,6 +21,10 @@ Tensor parallel also needs the pairs whose other side is replicated (Megatron's 
   copy_to_group   forward identity             backward all_reduce
   reduce_from_group forward all_reduce         backward identity
   split_to_group  forward keep own chunk       backward all_gather
+(the rules live in comm_autograd.py; each calls back into its `Comm`). One more, for torch.compile:
+  gather_rows_traced  forward all-gather       backward reduce-scatter, as functional collectives a
+                      compiler traces into its graph (and may bucket and reorder); nothing is counted
+                      per call there, the caller books the bytes (`book`)
 """
 
 from __future__ import annotations
@@ -33,7 +37,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The functional (out-of-place, traceable) collectives torch.compile puts in its graphs have no public
+# module yet; SimpleFSDP's compiled path needs them (gather_rows_traced).
+import torch.distributed._functional_collectives as functional
+
+from meshtron.comm_autograd import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    AllToAllV,
+    Broadcast,
+    CopyToGroup,
+    ReduceFromGroup,
+    ReduceScatter,
+    SplitToGroup,
+)
 from meshtron.comm_record import CommStats, recorder
+
+_gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
+_reduce_scatter_functional = getattr(functional, "reduce_scatter_single", functional.reduce_scatter_tensor)
 
 # Recent torch releases name the single-tensor collectives *_single and deprecate the older names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -351,147 +373,65 @@ class Comm:
     # -- differentiable wrappers --
 
     def all_reduce(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        return _AllReduce.apply(x, self, group) if group.size > 1 else x
+        return AllReduce.apply(x, self, group) if group.size > 1 else x
 
     def all_gather(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
-        return _AllGather.apply(x, self, group, dim) if group.size > 1 else x
+        return AllGather.apply(x, self, group, dim) if group.size > 1 else x
 
     def reduce_scatter(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         """Differentiable; consumes `x` (a partial sum no one else reads: a row-parallel or MoE output)."""
-        return _ReduceScatter.apply(x, self, group, dim) if group.size > 1 else x
+        return ReduceScatter.apply(x, self, group, dim) if group.size > 1 else x
 
     def all_to_all(self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
-        return _AllToAll.apply(x, self, group, split_dim, concat_dim) if group.size > 1 else x
+        return AllToAll.apply(x, self, group, split_dim, concat_dim) if group.size > 1 else x
 
     def all_to_all_v(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
     ) -> torch.Tensor:
         """Differentiable `all_to_all_single`: rows input_splits[j] go to rank j (expert dispatch)."""
-        return _AllToAllV.apply(x, self, group, output_splits, input_splits) if group.size > 1 else x
+        return AllToAllV.apply(x, self, group, output_splits, input_splits) if group.size > 1 else x
 
     def broadcast(self, x: torch.Tensor, group: CommGroup, src: int = 0) -> torch.Tensor:
-        return _Broadcast.apply(x, self, group, src) if group.size > 1 else x
+        return Broadcast.apply(x, self, group, src) if group.size > 1 else x
 
     def copy_to_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        return _CopyToGroup.apply(x, self, group) if group.size > 1 else x
+        return CopyToGroup.apply(x, self, group) if group.size > 1 else x
 
     def reduce_from_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         """Differentiable all-reduce in place of `x` (a partial sum no one else reads: a row-parallel,
         vocab-parallel embedding or MoE output), returned as the sum; a leaf tensor is copied first."""
         if group.size == 1:
             return x
-        return _ReduceFromGroup.apply(x.clone() if x.is_leaf else x, self, group)
+        return ReduceFromGroup.apply(x.clone() if x.is_leaf else x, self, group)
 
     def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
-        return _SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
+        return SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
+
+    # -- traced --
+
+    def gather_rows_traced(
+        self, x: torch.Tensor, group: CommGroup, reduce_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Every rank's `x` concatenated along dim 0, differentiable (backward: the gradient cast to
+        `reduce_dtype`, reduce-scattered, cast back), through functional collectives that torch.compile
+        traces. Counts nothing (a compiled graph runs no Python per call): callers `book` the bytes."""
+        return TracedGather.apply(x, group, reduce_dtype) if group.size > 1 else x
+
+    def book(self, op: str, full_nbytes: int, group: CommGroup) -> None:
+        """Count the bytes of an all-gather or reduce-scatter of `full_nbytes` (unsharded) that runs
+        inside a compiled graph; not as a call (the compiler may have merged it with others)."""
+        if group.size > 1:
+            self.stats.record(group.name, op, full_nbytes * (group.size - 1) / group.size, False, calls=0)
 
 
-class _AllReduce(torch.autograd.Function):
+class TracedGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
-        ctx.comm, ctx.group = comm, group
-        return comm.all_reduce_(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.comm.all_reduce_(grad.clone(), ctx.group), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.all_gather_tensor(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.comm.reduce_scatter_tensor(grad, ctx.group, ctx.dim), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.reduce_scatter_tensor(x, group, dim, consume=not x.is_leaf)
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, reduce_dtype: torch.dtype) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype, ctx.dtype = group, reduce_dtype, x.dtype
+        return _gather_functional(x.contiguous(), 0, group.process_group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.comm.all_gather_tensor(grad, ctx.group, ctx.dim), None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, split_dim: int, concat_dim: int):
-        ctx.comm, ctx.group, ctx.dims = comm, group, (split_dim, concat_dim)
-        return comm.all_to_all_tensor(x, group, split_dim, concat_dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        split_dim, concat_dim = ctx.dims
-        return ctx.comm.all_to_all_tensor(grad, ctx.group, concat_dim, split_dim), None, None, None, None
-
-
-class _AllToAllV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, out_splits: list, in_splits: list):
-        ctx.comm, ctx.group, ctx.splits = comm, group, (out_splits, in_splits)
-        return comm.all_to_all_single(x, group, out_splits, in_splits)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out_splits, in_splits = ctx.splits
-        return ctx.comm.all_to_all_single(grad.contiguous(), ctx.group, in_splits, out_splits), *[None] * 4
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, src: int) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.src = comm, group, src
-        return comm.broadcast_(x.clone(), group, src)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = ctx.comm.reduce_(grad.clone(), ctx.group, ctx.src)
-        if ctx.group.rank != ctx.src:
-            summed = torch.zeros_like(grad)  # only the source's input reached the outputs
-        return summed, None, None, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
-        ctx.comm, ctx.group = comm, group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.comm.all_reduce_(grad.clone(), ctx.group), None, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
-        # In place: the input is a partial sum only this reduction reads (no clone, no new buffer);
-        # marked dirty, so autograd raises if anything had saved it for backward.
-        ctx.mark_dirty(x)
-        return comm.all_reduce_(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return grad, None, None
-
-
-class _SplitToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup, dim: int) -> torch.Tensor:
-        ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        if x.shape[dim] % group.size:
-            raise ValueError(
-                f"split on '{group.name}': dim {dim} of size {x.shape[dim]} is not divisible "
-                f"by the group size {group.size}"
-            )
-        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.comm.all_gather_tensor(grad.contiguous(), ctx.group, ctx.dim), None, None, None
+        send = grad.to(ctx.reduce_dtype).contiguous()
+        shard = _reduce_scatter_functional(send, "sum", 0, ctx.group.process_group)
+        return shard.to(ctx.dtype), None, None

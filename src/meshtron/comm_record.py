@@ -125,10 +125,11 @@ class CommStats:
     bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, group: str, op: str, nbytes: float, issued: bool = True) -> None:
-        """`issued`: the call starts now (the flight recorder counts it); False books one to come."""
+    def record(self, group: str, op: str, nbytes: float, issued: bool = True, calls: int = 1) -> None:
+        """`issued`: the call starts now (the flight recorder counts it); False books one to come.
+        `calls`: how many calls the bytes stand for (0: bytes of calls no one can count, e.g. traced)."""
         self.bytes[(group, op)] += nbytes
-        self.calls[(group, op)] += 1
+        self.calls[(group, op)] += calls
         if issued:
             recorder().note(group, op, nbytes)
 

@@ -16,6 +16,11 @@ as torchtitan compiles, after every other step of `parallelize` has shaped the b
                              and compiles the math between; numerics equal eager's (tests compare
                              losses to 1e-5 in fp32)
 
+  SimpleFSDP's gathers        under `parallel.fsdp_impl = "simple"` a parameter read inside a compiled
+                             block goes through functional collectives (comm.gather_rows_traced), so the
+                             gathers and reduce-scatters are in the graph, and inductor's passes bucket
+                             them (one all-gather for many parameters) and reorder them against compute
+
 What is not compiled: the embedding, the final norm, the head and the loss (outside the blocks).
 """
 
@@ -25,8 +30,26 @@ import torch
 
 from meshtron.models.llama import Transformer
 
+# Inductor's passes over the collectives in a graph: merge neighbouring all-gathers and reduce-scatters
+# into one each, and move collectives to overlap compute. They are configuration of the private
+# torch._inductor; a name this torch lacks is left out.
+COLLECTIVE_PASSES = {
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+}
 
-def compile_blocks(model: Transformer, backend: str = "inductor") -> None:
-    """Replace each block's forward by its compiled version, in place (names and state dicts unchanged)."""
+
+def collective_passes() -> dict[str, object]:
+    """The passes of COLLECTIVE_PASSES this torch's inductor has."""
+    import torch._inductor.config as inductor_config
+
+    return {name: v for name, v in COLLECTIVE_PASSES.items() if hasattr(inductor_config, name)}
+
+
+def compile_blocks(model: Transformer, backend: str = "inductor", bucket_collectives: bool = False) -> None:
+    """Replace each block's forward by its compiled version, in place (names and state dicts unchanged);
+    `bucket_collectives`: with inductor's collective bucketing and reordering passes on."""
+    options = collective_passes() if bucket_collectives and backend == "inductor" else None
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = torch.compile(block.forward, backend=backend, options=options)

@@ -138,7 +138,10 @@ def _engine(
         )
     if p.fsdp_impl == "simple":
         hooked = [*(roots or [model]), *blocks]
-        return SimpleFSDP(model, hooked, comm, shard, replicate, dtype, reduce_dtype, mesh.mesh(shard_dim))
+        compiled = blocks if cfg.training.compile else None
+        return SimpleFSDP(
+            model, hooked, comm, shard, replicate, dtype, reduce_dtype, mesh.mesh(shard_dim), compiled
+        )
     if p.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
         return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)

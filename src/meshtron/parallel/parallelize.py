@@ -91,8 +91,8 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
     layout = apply_context_parallel(model, comm, mesh.group("cp"), cfg, ring, ulysses)
     apply_expert_parallel(model, comm, mesh.group("ep"), cfg)
-    if cfg.training.compile:
-        compile_blocks(model)
+    if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
+        compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     apply_recompute(model, cfg.training.recompute)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules

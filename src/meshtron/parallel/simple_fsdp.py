@@ -17,18 +17,25 @@ Parameter names, `state_dict` and the optimizer's tensors are the row blocks und
 names, so checkpoints hold the same rectangles as meshtron's FSDP and reshard with every layout. Per
 micro-batch this moves an all-gather of each parameter in forward, one in backward for each parameter an
 operator saved (every weight but the embedding table, whose gradient needs only the output's), and a
-reduce-scatter: (3Ψ - Ψ_embedding)(n-1)/n. Because the collectives are plain tensor code inside the
-modules' forwards, a compiler tracing a block sees them (`training.compile`; docs/data-parallel.md says
-what this torch's CPU backend does with them).
+reduce-scatter: (3Ψ - Ψ_embedding)(n-1)/n.
+
+Compiled (`training.compile`): a parameter read while torch.compile traces takes another path, the one
+the design is for. The gather goes through functional collectives (comm.gather_rows_traced), inside a
+selective checkpoint that marks it always-recompute, so the whole of it (cast, all-gather, reduce-scatter
+in backward) lands in the block's graph and the partitioner regathers rather than saves. Inductor's
+passes (compile.py) then bucket a block's gathers into one all-gather per pass and its gradients into
+one reduce-scatter. Nothing counts calls inside a graph, so the engine books those bytes per micro-batch.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
@@ -76,6 +83,24 @@ class ShardedParam:
         padded = self.comm.all_gather_tensor(block.detach().to(self.param_dtype), self.group)
         return padded[: self.shape.shape[0]]
 
+    def gather_traced(self, block: torch.Tensor) -> torch.Tensor:
+        """The logical tensor through functional collectives a compiler traces (autograd included)."""
+        padded = self.comm.gather_rows_traced(block.to(self.param_dtype), self.group, self.reduce_dtype)
+        return padded[: self.shape.shape[0]]
+
+    def full_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the padded logical tensor in `dtype`: what one gather or reduce-scatter moves."""
+        return self.shape.shard_numel * self.group.size * dtype.itemsize
+
+
+def _recompute_all(_ctx: Any, _op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+# Compiled: a gather (cast, all-gather, slice) is never saved for backward; the compiler's partitioner
+# reruns it where backward needs the weight (the paper's policy, as a selective checkpoint).
+_GATHER_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+
 
 class _SavedGathers:
     """Saved-tensor hooks that replace a gathered parameter (or a view of it) saved for backward by a
@@ -120,6 +145,11 @@ def _parametrize(module: nn.Module, specs: dict[str, ShardedParam], saved: _Save
     def getter(name: str) -> property:
         def read(self: nn.Module) -> torch.Tensor:
             spec = specs[name]
+            if torch.compiler.is_compiling():
+                block = self._parameters[name]
+                return checkpoint(
+                    spec.gather_traced, block, use_reentrant=False, context_fn=_GATHER_RECOMPUTED
+                )
             gathered = _Gather.apply(self._parameters[name], spec)
             if torch.is_grad_enabled():
                 saved.track(gathered, spec)
@@ -144,9 +174,12 @@ class SimpleFSDP(DataParallelEngine):
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         shard_mesh: Any = None,
+        compiled: list[nn.Module] | None = None,
     ):
         """`hooked`: the modules whose forwards save gathered weights for backward (the blocks and the
-        modules that run the embedding and the head): the saved-tensor hooks are active inside them."""
+        modules that run the embedding and the head): the saved-tensor hooks are active inside them.
+        `compiled`: modules whose forwards run compiled; their parameters take the traced path, whose
+        bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter)."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.shard_mesh, self.norm_group = shard_mesh, shard
         self.saved = _SavedGathers()
@@ -163,6 +196,9 @@ class SimpleFSDP(DataParallelEngine):
                 specs[n] = self.specs[id(p)]
                 module._parameters[n] = specs[n].block
             _parametrize(module, specs, self.saved)
+        inside = {id(p) for m in compiled or [] for p in m.parameters()}
+        self.traced = [s for s in self.specs.values() if id(s.block) in inside]
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         for module in hooked:
             module.register_forward_pre_hook(lambda _m, _a: self.saved.enter())
             module.register_forward_hook(lambda _m, _a, _o: self.saved.exit(), always_call=True)
@@ -195,7 +231,12 @@ class SimpleFSDP(DataParallelEngine):
         ]
 
     def prepare_micro_batch(self, is_last: bool) -> None:
-        pass  # every micro-batch's backward reduce-scatters as it goes, into the blocks' .grad
+        # Every micro-batch's backward reduce-scatters as it goes, into the blocks' .grad; the traced
+        # collectives of the compiled modules are counted here, since nothing counts inside a graph.
+        for spec in self.traced:
+            for _ in range(2):
+                self.comm.book("all_gather", spec.full_nbytes(self.param_dtype), self.shard)
+            self.comm.book("reduce_scatter", spec.full_nbytes(self.reduce_dtype), self.shard)
 
     def finish_gradients(self) -> None:
         if self.replicate.size == 1:
