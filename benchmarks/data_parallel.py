@@ -57,6 +57,7 @@ NAMES = (
     "torch FSDP2 no-reshard",
     "meshtron SimpleFSDP",
     "meshtron SimpleFSDP compiled",
+    "torch FSDP2 compiled",
 )
 PAIRS = [Pair("meshtron DDP", "torch DDP"), Pair("meshtron ZeRO-3", "torch FSDP2")]
 # Like for like: ZeroRedundancyOptimizer around DDP shards the optimizer state (ZeRO-1); fully_shard
@@ -66,7 +67,10 @@ PAIRS += [Pair(f"meshtron ZeRO-{stage}", "torch DDP") for stage in (1, 2)]  # ag
 # SimpleFSDP (eager: a gather per parameter read, nothing bucketed) against the two hook-driven ZeRO-3s.
 PAIRS += [Pair("meshtron SimpleFSDP", "torch FSDP2"), Pair("meshtron SimpleFSDP", "meshtron ZeRO-3")]
 # Compiled blocks: the gathers in the graph, bucketed by inductor (one per block and pass).
-PAIRS += [Pair("meshtron SimpleFSDP compiled", p) for p in ("meshtron SimpleFSDP", "torch FSDP2")]
+PAIRS += [
+    Pair("meshtron SimpleFSDP compiled", p)
+    for p in ("meshtron SimpleFSDP", "torch FSDP2", "torch FSDP2 compiled")
+]
 MODEL = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 SEQ, BATCH_PER_RANK = 128, 2
 TOKENS = WORLD * BATCH_PER_RANK * SEQ  # global tokens per step: every rank's loss is divided by it
@@ -231,7 +235,9 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
     if name == "torch ZeRO-1":
         return TorchZero1(model, mesh.group("dp").process_group, bucket_mb)
     if name.startswith("torch FSDP2"):
-        fp32, reshard = torch.float32, name == "torch FSDP2"
+        fp32, reshard = torch.float32, name != "torch FSDP2 no-reshard"
+        if name.endswith("compiled"):  # each block's forward, as ours: FSDP2's hooks stay outside
+            compile_blocks(model)
         return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, reshard), name)
     if name == "meshtron DDP":
         engine: DataParallelEngine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes)

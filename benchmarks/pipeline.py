@@ -78,8 +78,9 @@ def pairs_of(schedules: Sequence[str]) -> list[Pair]:
         pairs += [Pair(f"zero_bubble {i}", "1f1b torch", check=False) for i in ("meshtron", "torch")]
         # Other placements (other parameters per rank): timed side by side; each is checked against torch's.
         pairs += [
-            Pair(f"{v} meshtron", "zero_bubble meshtron", check=False)
+            Pair(f"{v} meshtron", base, check=False)
             for v in ("zbv", "dualpipev")
+            for base in ("zero_bubble meshtron", "1f1b meshtron")
             if v in schedules
         ]
     return pairs
