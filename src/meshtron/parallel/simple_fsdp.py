@@ -198,7 +198,6 @@ class SimpleFSDP(DataParallelEngine):
             _parametrize(module, specs, self.saved)
         inside = {id(p) for m in compiled or [] for p in m.parameters()}
         self.traced = [s for s in self.specs.values() if id(s.block) in inside]
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         for module in hooked:
             module.register_forward_pre_hook(lambda _m, _a: self.saved.enter())
             module.register_forward_hook(lambda _m, _a, _o: self.saved.exit(), always_call=True)
@@ -235,8 +234,8 @@ class SimpleFSDP(DataParallelEngine):
         # collectives of the compiled modules are counted here, since nothing counts inside a graph.
         for spec in self.traced:
             for _ in range(2):
-                self.comm.book("all_gather", spec.full_nbytes(self.param_dtype), self.shard)
-            self.comm.book("reduce_scatter", spec.full_nbytes(self.reduce_dtype), self.shard)
+                self.comm.book("all_gather", spec.full_nbytes(spec.param_dtype), self.shard)
+            self.comm.book("reduce_scatter", spec.full_nbytes(spec.reduce_dtype), self.shard)
 
     def finish_gradients(self) -> None:
         if self.replicate.size == 1:

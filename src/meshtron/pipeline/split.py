@@ -109,6 +109,9 @@ def split_by_cost(
     return counts[::-1]
 
 
+INF = float("inf")
+
+
 def split_by_cost_v(
     costs: Sequence[float], pp: int, first_extra: float = 0.0, last_extra: float = 0.0
 ) -> list[int]:
@@ -141,9 +144,6 @@ def split_by_cost_v(
     reach = _v_reach(h, pp, extra, hi)
     assert reach is not None
     return _v_counts(h, reach, pp, extra, hi, costs)
-
-
-INF = float("inf")
 
 
 def _v_load(costs: Sequence[float], counts: list[int], pp: int, extra: float) -> float:
