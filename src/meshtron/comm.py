@@ -29,8 +29,11 @@ Tensor parallel also needs the pairs whose other side is replicated (Megatron's 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +129,44 @@ class Comm:
     def __init__(self, timeout_s: float = 300.0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stats = CommStats()
+        # The pair lane: a second process group per group, for collectives issued by a thread that runs
+        # at the same time as the main one (a DualPipeV pair's forward while its backward runs): each
+        # group's collectives are then issued in one order on every rank, per lane.
+        self._twins: dict[int, Any] = {}
+        self._lane = threading.local()
+        # When a list: every wait as (op, group name, lane, start, end) in perf_counter seconds.
+        self.spans: list[tuple[str, str, str, float, float]] | None = None
+
+    def add_pair_lane(self, twins: dict[int, Any]) -> None:
+        """{id(process group): its twin}: the groups collectives use on the pair lane (`pair_lane`)."""
+        self._twins.update(twins)
+
+    def has_pair_lane(self) -> bool:
+        return bool(self._twins)
+
+    @contextlib.contextmanager
+    def pair_lane(self) -> Iterator[None]:
+        """In this thread, issue every collective on its group's twin (`add_pair_lane`)."""
+        self._lane.on = True
+        try:
+            yield
+        finally:
+            self._lane.on = False
+
+    def lane(self) -> str:
+        return "pair" if getattr(self._lane, "on", False) else "main"
+
+    def _pg(self, group: CommGroup) -> Any:
+        """The process group to issue on: the group's own, or its twin on the pair lane."""
+        if not getattr(self._lane, "on", False):
+            return group.process_group
+        twin = self._twins.get(id(group.process_group))
+        if twin is None:
+            raise RuntimeError(
+                f"group '{group.name}' has no twin on the pair lane: nothing may communicate on it while a "
+                "pipeline pair runs its forward and backward at once"
+            )
+        return twin
 
     def group(self, name: str, ranks: list[int] | tuple[int, ...], process_group: Any) -> CommGroup:
         return CommGroup(name, tuple(ranks), process_group)
@@ -135,12 +176,15 @@ class Comm:
     def wait(self, work: Any, op: str, group: CommGroup) -> None:
         flight = recorder()
         flight.waiting = (op, group.name, flight.issued[group.name])
+        start = time.perf_counter()
         try:
             completed = work.wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._timeout_error(op, group, err) from err
         finally:
             flight.waiting = None
+            if self.spans is not None:
+                self.spans.append((op, group.name, self.lane(), start, time.perf_counter()))
         if completed is False:
             raise self._timeout_error(op, group, None)
 
@@ -165,9 +209,7 @@ class Comm:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}[op]
         if native_avg:
             reduce_op = dist.ReduceOp.AVG
-        self.wait(
-            dist.all_reduce(x, op=reduce_op, group=group.process_group, async_op=True), "all_reduce", group
-        )
+        self.wait(dist.all_reduce(x, op=reduce_op, group=self._pg(group), async_op=True), "all_reduce", group)
         if op == "avg" and not native_avg:
             x.div_(group.size)
         return x
@@ -179,7 +221,7 @@ class Comm:
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
-        work = _all_gather_single(out, moved, group=group.process_group, async_op=True)
+        work = _all_gather_single(out, moved, group=self._pg(group), async_op=True)
         self.wait(work, "all_gather", group)
         # Contiguous, so consumers (several projections read a gathered sequence) share one copy.
         return out.movedim(0, dim).contiguous()
@@ -217,9 +259,7 @@ class Comm:
         self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
         inputs = [c.contiguous() for c in x.chunk(group.size, dim=split_dim)]
         outputs = [torch.empty_like(c) for c in inputs]
-        self.wait(
-            dist.all_to_all(outputs, inputs, group=group.process_group, async_op=True), "all_to_all", group
-        )
+        self.wait(dist.all_to_all(outputs, inputs, group=self._pg(group), async_op=True), "all_to_all", group)
         return torch.cat(outputs, dim=concat_dim)
 
     def all_to_all_single(
@@ -233,7 +273,7 @@ class Comm:
         sent = (x.shape[0] - input_splits[group.rank]) * row
         self.stats.record(group.name, "all_to_all", sent)
         work = dist.all_to_all_single(
-            out, x.contiguous(), output_splits, input_splits, group=group.process_group, async_op=True
+            out, x.contiguous(), output_splits, input_splits, group=self._pg(group), async_op=True
         )
         self.wait(work, "all_to_all", group)
         return out
@@ -243,7 +283,7 @@ class Comm:
         if group.size == 1:
             return x
         self.stats.record(group.name, "broadcast", _nbytes(x) * (group.size - 1) / group.size)
-        work = dist.broadcast(x, src=group.ranks[src], group=group.process_group, async_op=True)
+        work = dist.broadcast(x, src=group.ranks[src], group=self._pg(group), async_op=True)
         self.wait(work, "broadcast", group)
         return x
 
@@ -252,14 +292,14 @@ class Comm:
         if group.size == 1:
             return x
         self.stats.record(group.name, "reduce", _nbytes(x) * (group.size - 1) / group.size)
-        work = dist.reduce(x, dst=group.ranks[dst], group=group.process_group, async_op=True)
+        work = dist.reduce(x, dst=group.ranks[dst], group=self._pg(group), async_op=True)
         self.wait(work, "reduce", group)
         return x
 
     def isend(self, x: torch.Tensor, group: CommGroup, dst: int) -> Pending:
         """Non-blocking send; keep `x` alive until the returned handle has been waited on."""
         self.stats.record(group.name, "send", _nbytes(x))
-        return Pending(self, dist.isend(x, dst=group.ranks[dst], group=group.process_group), "send", group)
+        return Pending(self, dist.isend(x, dst=group.ranks[dst], group=self._pg(group)), "send", group)
 
     def irecv(
         self,
@@ -272,9 +312,7 @@ class Comm:
         """Post a receive; the returned tensor holds the message after the handle's `wait()`."""
         out = torch.empty(shape, dtype=dtype, device=device)
         self.stats.record(group.name, "recv", _nbytes(out))
-        return Pending(
-            self, dist.irecv(out, src=group.ranks[src], group=group.process_group), "recv", group
-        ), out
+        return Pending(self, dist.irecv(out, src=group.ranks[src], group=self._pg(group)), "recv", group), out
 
     def sendrecv(self, x: torch.Tensor, group: CommGroup, dst: int, src: int) -> tuple[Pending, torch.Tensor]:
         """Send `x` to `dst` and receive a tensor of its shape from `src`, posted together (NCCL needs a
@@ -284,8 +322,8 @@ class Comm:
         self.stats.record(group.name, "send", _nbytes(x))
         self.stats.record(group.name, "recv", _nbytes(out))
         ops = [
-            dist.P2POp(dist.isend, x, group.ranks[dst], group.process_group),
-            dist.P2POp(dist.irecv, out, group.ranks[src], group.process_group),
+            dist.P2POp(dist.isend, x, group.ranks[dst], self._pg(group)),
+            dist.P2POp(dist.irecv, out, group.ranks[src], self._pg(group)),
         ]
         return Pending(self, _Works(dist.batch_isend_irecv(ops)), "sendrecv", group), out
 
@@ -295,12 +333,12 @@ class Comm:
         if group.size == 1:
             return [obj]
         out: list[Any] = [None] * group.size
-        dist.all_gather_object(out, obj, group=group.process_group)
+        dist.all_gather_object(out, obj, group=self._pg(group))
         return out
 
     def barrier(self, group: CommGroup) -> None:
         if group.size > 1:
-            self.wait(dist.barrier(group=group.process_group, async_op=True), "barrier", group)
+            self.wait(dist.barrier(group=self._pg(group), async_op=True), "barrier", group)
 
     # -- asynchronous collectives on preallocated buffers, for overlapping communication with compute --
 
@@ -309,7 +347,7 @@ class Comm:
         if group.size == 1:
             return Pending(self, None, "all_reduce", group)
         self.stats.record(group.name, "all_reduce", 2 * _nbytes(x) * (group.size - 1) / group.size)
-        work = dist.all_reduce(x, group=group.process_group, async_op=True)
+        work = dist.all_reduce(x, group=self._pg(group), async_op=True)
         return Pending(self, work, "all_reduce", group)
 
     def reduce_scatter_is_all_reduce(self, group: CommGroup) -> bool:
@@ -331,7 +369,7 @@ class Comm:
         self.stats.record(
             group.name, "reduce_scatter", counted_numel * x.element_size() * (group.size - 1) / group.size
         )
-        work = dist.all_reduce(x, group=group.process_group, async_op=True)
+        work = dist.all_reduce(x, group=self._pg(group), async_op=True)
         return Pending(self, work, "reduce_scatter", group)
 
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Pending:
@@ -344,10 +382,10 @@ class Comm:
         if dist.get_backend(group.process_group) == "gloo":
             # Gloo's reduce-scatter clones its whole input and all-reduces the clone; all-reducing our
             # scratch buffer in place moves the same bytes without the clone.
-            work = dist.all_reduce(inp, group=group.process_group, async_op=True)
+            work = dist.all_reduce(inp, group=self._pg(group), async_op=True)
             own_chunk = inp.view(group.size, -1)[group.rank].view_as(out)
             return Pending(self, work, "reduce_scatter", group, on_done=lambda: out.copy_(own_chunk))
-        work = _reduce_scatter_single(out, inp, group=group.process_group, async_op=True)
+        work = _reduce_scatter_single(out, inp, group=self._pg(group), async_op=True)
         return Pending(self, work, "reduce_scatter", group)
 
     def all_gather_async(
@@ -362,7 +400,7 @@ class Comm:
             recorder().note(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
         else:
             self.book_all_gather(_nbytes(out), group)
-        work = _all_gather_single(out, inp, group=group.process_group, async_op=True)
+        work = _all_gather_single(out, inp, group=self._pg(group), async_op=True)
         return Pending(self, work, "all_gather", group)
 
     def book_all_gather(self, out_nbytes: int, group: CommGroup) -> None:

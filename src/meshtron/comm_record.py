@@ -124,14 +124,17 @@ class CommStats:
 
     bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    # Two threads count at once while a pipeline runs a DualPipeV pair's forward and backward together.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, group: str, op: str, nbytes: float, issued: bool = True, calls: int = 1) -> None:
         """`issued`: the call starts now (the flight recorder counts it); False books one to come.
         `calls`: how many calls the bytes stand for (0: bytes of calls no one can count, e.g. traced)."""
-        self.bytes[(group, op)] += nbytes
-        self.calls[(group, op)] += calls
-        if issued:
-            recorder().note(group, op, nbytes)
+        with self._lock:
+            self.bytes[(group, op)] += nbytes
+            self.calls[(group, op)] += calls
+            if issued:
+                recorder().note(group, op, nbytes)
 
     def total_bytes(self, group: str | None = None, op: str | None = None) -> float:
         return sum(b for (g, o), b in self.bytes.items() if group in (None, g) and op in (None, o))

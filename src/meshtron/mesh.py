@@ -309,6 +309,28 @@ class ParallelMesh:
         self._cp_parts = {}
         if 1 < dims.cp_ulysses < dims.cp:  # hybrid context parallel's subgroups, plain groups too
             self._cp_parts = {d: dist.new_subgroups_by_enumeration(dims.groups(d))[0] for d in CP_PARTS}
+        self._twins: dict[int, Any] | None = None
+        self._twin_groups: list[Any] = []
+
+    def pair_lane(self) -> dict[int, Any]:
+        """A second process group for every group of a dim but pp ({id(group): twin}, `Comm.add_pair_lane`):
+        what a pipeline pair's forward communicates on while its backward uses the first ones. Made on
+        the first call (which every rank makes, in the same order), kept with the mesh."""
+        import torch.distributed as dist
+
+        if self._twins is None:
+            made: dict[tuple[tuple[int, ...], ...], Any] = {}
+            self._twins = {}
+            for dim in (*self.dims.group_table(), *FLAT_DIMS):
+                if dim == "pp" or self.size(dim) == 1:
+                    continue
+                groups = self.dims.groups(dim)
+                key = tuple(map(tuple, groups))
+                if key not in made:  # dims with the same groups (a size-1 dim folded in) share a twin
+                    made[key] = dist.new_subgroups_by_enumeration(groups)[0]
+                self._twins[id(self.group(dim).process_group)] = made[key]
+            self._twin_groups = list(made.values())
+        return self._twins
 
     def close(self) -> None:
         """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
@@ -319,7 +341,7 @@ class ParallelMesh:
         for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
-        for extra in [self._pp_ends, *self._cp_parts.values()]:
+        for extra in [self._pp_ends, *self._cp_parts.values(), *self._twin_groups]:
             if extra is not None:
                 groups[id(extra)] = extra
         for group in groups.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -55,19 +56,23 @@ def moe_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-class _LoadCounting:
-    """Whether forwards count expert loads: not while activation recompute reruns one."""
+class _LoadCounting(threading.local):
+    """Whether forwards count expert loads: not while activation recompute reruns one. Per thread: a
+    pipeline may recompute one micro-batch in backward while another thread runs a counted forward."""
 
     on = True
 
 
+_LOAD_COUNTING = _LoadCounting()
+
+
 @contextlib.contextmanager
 def loads_not_counted() -> Iterator[None]:
-    before, _LoadCounting.on = _LoadCounting.on, False
+    before, _LOAD_COUNTING.on = _LOAD_COUNTING.on, False
     try:
         yield
     finally:
-        _LoadCounting.on = before
+        _LOAD_COUNTING.on = before
 
 
 class Router(nn.Module):
@@ -282,7 +287,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _count(self, experts_Tk: torch.Tensor, keep_Tk: torch.Tensor) -> None:
-        if _LoadCounting.on:
+        if _LOAD_COUNTING.on:
             self.loads_2E[0] += torch.bincount(experts_Tk.flatten(), minlength=self.n_experts)
             self.loads_2E[1] += torch.bincount(experts_Tk[keep_Tk], minlength=self.n_experts)
 

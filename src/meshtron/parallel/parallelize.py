@@ -37,6 +37,7 @@ from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel, expert_tp
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.pipeline.pairs import overlaps_pairs
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
 
@@ -97,8 +98,11 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size("tp") if p.sp else 1
+        overlap = overlaps_pairs(cfg, mesh.dims.world_size)
+        if overlap:
+            comm.add_pair_lane(mesh.pair_lane())
         pipeline = PipelineRuntime(
-            model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards
+            model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
         )
     roots = pipeline.boundary_chunks() if pipeline is not None else None
     engine = apply_data_parallel(model, comm, mesh, cfg, roots)

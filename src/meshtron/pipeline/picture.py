@@ -1,17 +1,38 @@
 """Draw pipeline timelines: ranks as rows, forward / backward / weight-gradient blocks with micro-batch
 numbers. The same code draws a simulated schedule and one measured in a training run, stacked in panels
-over a shared time axis so the two can be compared."""
+over a shared time axis so the two can be compared. Actions that ran at once on a rank (a DualPipeV
+pair's forward and backward) share its row, the forward on top; a measured panel may also carry the
+rank's communication waits, drawn as thin bars on the half of the thread that waited (all-to-alls dark)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from meshtron.config import PipelineSchedule
 from meshtron.figures import pyplot, save_figure
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, idle_fraction, simulate
 
 COLOURS = {Kind.F: "#4c8bd6", Kind.B: "#e0793a", Kind.W: "#58a55c"}
+WAIT_COLOURS = {"all_to_all": "#222222", "other": "#a0a0a0"}
 Timeline = list[list[tuple[Action, float, float]]]
+Waits = list[list[tuple[str, str, str, float, float]]]  # per rank: (op, group, lane, start, end)
+
+
+def _rows(rank: list[tuple[Action, float, float]]) -> list[tuple[float, float]]:
+    """Per action, (y offset, height) in its rank's row: the full row, or a half when another action
+    of the rank ran at the same time (the forward's thread on top)."""
+    rows = []
+    for i, (a, start, end) in enumerate(rank):
+        shared = any(min(end, e) - max(start, s) > 0 for j, (_, s, e) in enumerate(rank) if j != i)
+        rows.append(((-0.2 if a.kind == Kind.F else 0.2), 0.4) if shared else (0.0, 0.8))
+    return rows
+
+
+def _draw_waits(ax: Any, r: int, waits: list[tuple[str, str, str, float, float]]) -> None:
+    for op, _, lane, start, end in waits:
+        colour = WAIT_COLOURS["all_to_all" if op == "all_to_all" else "other"]
+        ax.barh(r + (-0.36 if lane == "pair" else 0.36), end - start, left=start, height=0.08, color=colour)
 
 
 def draw_timeline(timeline: Timeline, out_path: str | Path, title: str, vpp: int = 1) -> Path:
@@ -19,7 +40,14 @@ def draw_timeline(timeline: Timeline, out_path: str | Path, title: str, vpp: int
     return draw_timelines([(timeline, title)], out_path, vpp, "time (units of one forward of a stage)")
 
 
-def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp: int, xlabel: str) -> Path:
+def draw_timelines(
+    panels: list[tuple[Timeline, str]],
+    out_path: str | Path,
+    vpp: int,
+    xlabel: str,
+    waits: Waits | None = None,
+) -> Path:
+    """`waits`: the first panel's ranks' communication waits, drawn on it."""
     plt = pyplot()
 
     pp = len(panels[0][0])
@@ -30,16 +58,18 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
         len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5), sharex=True, squeeze=False
     )
     split = any(a.kind == Kind.W for timeline, _ in panels for rank in timeline for a, _, _ in rank)
-    for ax, (timeline, title) in zip(axes[:, 0], panels, strict=True):
+    for p, (ax, (timeline, title)) in enumerate(zip(axes[:, 0], panels, strict=True)):
         for r, rank in enumerate(timeline):
-            for action, start, end in rank:
+            if waits is not None and p == 0:
+                _draw_waits(ax, r, waits[r])
+            for (action, start, end), (offset, height) in zip(rank, _rows(rank), strict=True):
                 # Later virtual chunks are drawn lighter, so interleaving is visible.
                 shade = 1.0 - 0.45 * (action.chunk // pp) / max(1, vpp - 1) if vpp > 1 else 1.0
                 ax.barh(
-                    r,
+                    r + offset,
                     end - start,
                     left=start,
-                    height=0.8,
+                    height=height,
                     color=COLOURS[action.kind],
                     alpha=shade,
                     edgecolor="white",
@@ -48,7 +78,7 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
                 if end - start >= 0.3 * mean_block:
                     ax.text(
                         (start + end) / 2,
-                        r,
+                        r + offset,
                         str(action.mb),
                         ha="center",
                         va="center",
@@ -67,24 +97,36 @@ def draw_timelines(panels: list[tuple[Timeline, str]], out_path: str | Path, vpp
     }
     kinds = [Kind.F, Kind.B, Kind.W] if split else [Kind.F, Kind.B]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
-    axes[0, 0].legend(handles, [labels[k] for k in kinds], loc="upper right", fontsize=7, ncol=3)
+    names = [labels[k] for k in kinds]
+    if waits is not None:
+        handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in WAIT_COLOURS.values()]
+        names += ["all-to-all wait", "other communication wait"]
+    axes[0, 0].legend(handles, names, loc="upper right", fontsize=7, ncol=len(names))
     return save_figure(fig, out_path)
 
 
 def draw_measured_timeline(
-    measured: Timeline, schedule: PipelineSchedule, vpp: int, microbatches: int, out_path: str | Path
+    measured: Timeline,
+    schedule: PipelineSchedule,
+    vpp: int,
+    microbatches: int,
+    out_path: str | Path,
+    waits: Waits | None = None,
+    paired: bool = False,
 ) -> tuple[Path, float, float]:
-    """A training step's real timeline (seconds from each rank's step start) above the simulation of the
-    same schedule with that step's mean time of each kind of action on each chunk: the simulation has
-    the same compute, stage imbalance included, and free communication, so what differs is the
-    communication and the waiting on it. Returns (picture, measured bubble, simulated bubble)."""
+    """A training step's real timeline (seconds from each rank's step start), with its communication
+    waits when given, above the simulation of the same schedule (`paired`: its F&B pairs as units) with
+    that step's mean time of each kind of action on each chunk: the simulation has the same compute,
+    stage imbalance included, free communication and no overlap, so what differs is the communication,
+    the waiting on it, and what overlap hid. Returns (picture, measured bubble, simulated bubble)."""
     ms = [[(a, 1e3 * start, 1e3 * end) for a, start, end in rank] for rank in measured]
+    waits_ms = None if waits is None else [[(*w[:3], 1e3 * w[3], 1e3 * w[4]) for w in rank] for rank in waits]
     durations: dict[tuple[Kind, int], list[float]] = {}
     for rank in ms:
         for a, start, end in rank:
             durations.setdefault((a.kind, a.chunk), []).append(end - start)
     mean = {key: sum(d) / len(d) for key, d in durations.items()}
-    sim = simulate(build_schedule(len(ms), vpp, microbatches, schedule), vpp=vpp, chunk_costs=mean)
+    sim = simulate(build_schedule(len(ms), vpp, microbatches, schedule, paired), vpp=vpp, chunk_costs=mean)
     bubble = idle_fraction(ms)
     where = f"{schedule}, pp={len(ms)}, vpp={vpp}, {microbatches} micro-batches"
     panels = [
@@ -95,4 +137,5 @@ def draw_measured_timeline(
             f"bubble {100 * sim.bubble_fraction:.1f}%",
         ),
     ]
-    return draw_timelines(panels, out_path, vpp, "time in the step (ms)"), bubble, sim.bubble_fraction
+    picture = draw_timelines(panels, out_path, vpp, "time in the step (ms)", waits_ms)
+    return picture, bubble, sim.bubble_fraction

@@ -23,10 +23,10 @@ V schedules hand a micro-batch from chunk pp - 1 to chunk pp on the same rank: t
 output (as fp32, as a message would arrive) for the "receive", which starts the next chunk's graph from
 it; the input gradient goes back the same way.
 
-With a split-backward schedule (zero-bubble, zbv, dualpipev), the linear layers of every chunk but the first defer their weight
-gradients from B to W (zero_bubble.py). The first chunk has no input gradient to hurry: its B is the
-whole backward, as in 1F1B, and its W empty (deferring it would move the first stage's entire backward
-into the end of the step, where nothing can overlap it).
+With a split-backward schedule (zero-bubble, zbv, dualpipev), the linear layers of every chunk but the
+first defer their weight gradients from B to W (zero_bubble.py). The first chunk's B is its whole
+backward, as in 1F1B, and its W empty (deferred, it would all land at the step's end).
+With `overlap` (dualpipev), each F&B pair runs its forward in a second thread during its backward (pairs.py).
 
 Evaluation (`forward_only`) needs no schedule: forwards only, in one global order every rank follows.
 """
@@ -50,11 +50,13 @@ from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.pipeline.balance import layer_split_of
+from meshtron.pipeline.pairs import pair_overlap_problems, run_pair
 from meshtron.pipeline.schedules import (
     SPLIT_BACKWARD,
     Action,
     Kind,
     build_schedule,
+    busy_seconds,
     chunks_of_rank,
     rank_of_chunk,
     schedule_problems,
@@ -190,7 +192,9 @@ class _Step:
         positions_BS: torch.Tensor | None = None,
     ):
         self.rt, self.micro_batches, self.loss, self.before_grads = runtime, micro_batches, loss, before_grads
-        schedule = build_schedule(runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule)
+        schedule = build_schedule(
+            runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule, paired=runtime.overlap
+        )
         self.actions = schedule[runtime.pp.rank]
         self.settled_by = send_release_points(schedule, runtime.pp.rank)
         self.split = runtime.schedule in SPLIT_BACKWARD
@@ -315,11 +319,17 @@ class PipelineRuntime:
         schedule: PipelineSchedule,
         layer_split: list[list[int]],
         seq_shards: int = 1,
+        overlap: bool = False,
     ):
         """`model` already pruned to this rank's chunks of `layer_split` (`split_pipeline`);
-        `seq_shards`: activations between stages hold 1/seq_shards of the sequence (sequence parallel)."""
+        `seq_shards`: activations between stages hold 1/seq_shards of the sequence (sequence parallel);
+        `overlap`: run DualPipeV's F&B pairs at once (pairs.py; `comm` must have its pair lane)."""
         self.model, self.comm, self.pp, self.vpp, self.schedule = model, comm, pp, vpp, schedule
-        self.seq_shards = seq_shards
+        self.seq_shards, self.overlap = seq_shards, overlap
+        if overlap and not comm.has_pair_lane():
+            raise ValueError(
+                "overlapping pipeline pairs needs the comm layer's pair lane (Comm.add_pair_lane)"
+            )
         self.n_chunks = pp.size * vpp
         self.chunks = {
             c: PipelineChunk(model, c, layer_split[c], self.n_chunks)
@@ -327,6 +337,8 @@ class PipelineRuntime:
         }
         # Per compute action of the last step: (action, start, end) in seconds from the step's start.
         self.timeline: list[tuple[Action, float, float]] = []
+        # Every communication wait of the last step: (op, group, lane, start, end), seconds likewise.
+        self.comm_timeline: list[tuple[str, str, str, float, float]] = []
         self.step_seconds = 0.0
 
     def boundary_chunks(self) -> list[PipelineChunk]:
@@ -363,17 +375,38 @@ class PipelineRuntime:
         step = _Step(self, micro_batches, loss, before_grads, positions_BS)
         self.released_outputs = 0
         self.timeline = []
-        step_start = time.perf_counter()
-        for index, a in enumerate(step.actions):
-            step.release_sent(step.settled_by.get(index - 1, []))
-            start = time.perf_counter()
-            step.handlers[a.kind](index, a)
-            if a.kind.is_compute:
-                self.timeline.append((a, start - step_start, time.perf_counter() - step_start))
-        for send in step.sends:
-            send.pending.wait()
-        self.step_seconds = time.perf_counter() - step_start
+        self.comm.spans = []
+        self.step_start = time.perf_counter()
+        ran_with_pair: set[int] = set()
+        try:
+            for index, a in enumerate(step.actions):
+                step.release_sent(step.settled_by.get(index - 1, []))
+                if index in ran_with_pair:
+                    continue
+                if a.paired and self.overlap:
+                    ran_with_pair.update(self._run_pair(step, index))
+                else:
+                    self._timed(step, index)
+            for send in step.sends:
+                send.pending.wait()
+        finally:
+            spans, self.comm.spans = self.comm.spans, None
+        self.step_seconds = time.perf_counter() - self.step_start
+        self.comm_timeline = [(*what, s - self.step_start, e - self.step_start) for *what, s, e in spans]
         return step.ce_sum
+
+    def _timed(self, step: _Step, index: int) -> None:
+        a, start = step.actions[index], time.perf_counter()
+        step.handlers[a.kind](index, a)
+        if a.kind.is_compute:
+            self.timeline.append((a, start - self.step_start, time.perf_counter() - self.step_start))
+
+    def _run_pair(self, step: _Step, index: int) -> list[int]:
+        """The paired F at `index` in a helper thread on the pair lane, while the B and W after it run
+        here (pairs.py); returns their indices."""
+        later = [i for i in range(index + 1, len(step.actions)) if step.actions[i].kind.is_compute][:2]
+        run_pair(self.comm, lambda: self._timed(step, index), lambda: [self._timed(step, i) for i in later])
+        return later
 
     @torch.no_grad()
     def forward_only(
@@ -422,8 +455,7 @@ class PipelineRuntime:
 
     def idle_fraction(self) -> float:
         """This rank's share of the last step's pipeline time spent not computing (waiting or sending)."""
-        busy = sum(end - start for _, start, end in self.timeline)
-        return 1 - busy / self.step_seconds
+        return 1 - busy_seconds(self.timeline) / self.step_seconds
 
 
 def split_pipeline(model: Transformer, pp: CommGroup, cfg: Config) -> list[list[int]] | None:
@@ -448,6 +480,7 @@ def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
         None if batch_problems(cfg, world_size) else micro_batches_per_step(t.global_batch, t.micro_batch, dp)
     )
     problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
+    problems += pair_overlap_problems(cfg, world_size)
     if p.pp_balance == "cost" and (p.pp_layers or p.pp_embedding_layers or p.pp_head_layers):
         problems.append(
             "parallel.pp_balance='cost' weighs the embedding and the head by their FLOPs; drop "

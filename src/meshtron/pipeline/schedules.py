@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from meshtron.config import PipelineSchedule, suggest
@@ -86,18 +86,22 @@ class Kind(str, enum.Enum):
 @dataclass(frozen=True)
 class Action:
     """`kind` (a Kind, or its name); `chunk` is the global chunk (stage) index; for sends and receives,
-    `peer` is the other rank."""
+    `peer` is the other rank. `paired`, on an F only: DualPipeV's F&B, this forward and the B and W right
+    after it (another chunk, another micro-batch) are one unit, which the runtime may run at once: the
+    receives of both come before the F and the sends of both after the W."""
 
     kind: Kind
     chunk: int
     mb: int
     peer: int = -1
+    paired: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind(self.kind))
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.chunk}.{self.mb}" + (f"@{self.peer}" if self.peer >= 0 else "")
+        pair = "&" if self.paired else ""
+        return f"{self.kind.value}{self.chunk}.{self.mb}{pair}" + (f"@{self.peer}" if self.peer >= 0 else "")
 
     @property
     def source_chunk(self) -> int:
@@ -184,8 +188,6 @@ def _compute_order(
         return order + [backward(k) for k in range(total - warmup, total)]
     if name == "zbv":
         return zbv_order(pp, m, rank)
-    if name == "dualpipev":
-        return dualpipev_order(pp, m, rank)
     raise ValueError(name)
 
 
@@ -234,32 +236,68 @@ def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[Kind, int, int]]]:
 
 
 def with_p2p(
-    order: list[tuple[Kind | str, int, int]], rank: int, pp: int, vpp: int, name: PipelineSchedule = "1f1b"
+    order: list[tuple[Kind | str, int, int]],
+    rank: int,
+    pp: int,
+    vpp: int,
+    name: PipelineSchedule = "1f1b",
+    pairs: Collection[int] = (),
 ) -> list[Action]:
     """A rank's actions from its compute order [(kind, chunk, mb)]: receives right before the compute
     that needs them, sends right after the compute that makes them (also for orders recorded elsewhere,
-    e.g. another runtime's, to simulate them). `name` places the chunks (`rank_of_chunk`)."""
+    e.g. another runtime's, to simulate them). `name` places the chunks (`rank_of_chunk`). `pairs`: the
+    indices of Fs that form an F&B unit with the B and W after them (DualPipeV): both receives before the
+    unit, both sends after it."""
     last = pp * vpp - 1
-    actions: list[Action] = []
-    for kind_name, chunk, mb in order:
-        kind = Kind(kind_name)
+
+    def receive(kind: Kind, chunk: int, mb: int) -> list[Action]:
         if kind == Kind.F and chunk > 0:
-            actions.append(Action(Kind.RECV_F, chunk, mb, rank_of_chunk(chunk - 1, pp, name)))
+            return [Action(Kind.RECV_F, chunk, mb, rank_of_chunk(chunk - 1, pp, name))]
         if kind == Kind.B and chunk < last:
-            actions.append(Action(Kind.RECV_B, chunk, mb, rank_of_chunk(chunk + 1, pp, name)))
-        actions.append(Action(kind, chunk, mb))
+            return [Action(Kind.RECV_B, chunk, mb, rank_of_chunk(chunk + 1, pp, name))]
+        return []
+
+    def send(kind: Kind, chunk: int, mb: int) -> list[Action]:
         if kind == Kind.F and chunk < last:
-            actions.append(Action(Kind.SEND_F, chunk, mb, rank_of_chunk(chunk + 1, pp, name)))
+            return [Action(Kind.SEND_F, chunk, mb, rank_of_chunk(chunk + 1, pp, name))]
         if kind == Kind.B and chunk > 0:
-            actions.append(Action(Kind.SEND_B, chunk, mb, rank_of_chunk(chunk - 1, pp, name)))
+            return [Action(Kind.SEND_B, chunk, mb, rank_of_chunk(chunk - 1, pp, name))]
+        return []
+
+    actions: list[Action] = []
+    steps = [(Kind(kind), chunk, mb) for kind, chunk, mb in order]
+    i = 0
+    while i < len(steps):
+        if i in pairs:
+            (f, fc, fm), (b, bc, bm), w = steps[i : i + 3]
+            if (f, b, w) != (Kind.F, Kind.B, (Kind.W, bc, bm)):
+                raise ValueError(
+                    f"rank {rank}: pair at {i} is not an F followed by a full B: {steps[i : i + 3]}"
+                )
+            actions += [*receive(f, fc, fm), *receive(b, bc, bm), Action(f, fc, fm, paired=True)]
+            actions += [*send(f, fc, fm), Action(b, bc, bm), Action(*w), *send(b, bc, bm)]
+            i += 3
+            continue
+        kind, chunk, mb = steps[i]
+        actions += [*receive(kind, chunk, mb), Action(kind, chunk, mb), *send(kind, chunk, mb)]
+        i += 1
     return actions
 
 
-def build_schedule(pp: int, vpp: int, microbatches: int, name: PipelineSchedule) -> list[list[Action]]:
-    """Every rank's ordered actions."""
+def build_schedule(
+    pp: int, vpp: int, microbatches: int, name: PipelineSchedule, paired: bool = False
+) -> list[list[Action]]:
+    """Every rank's ordered actions. `paired` (dualpipev): its F&B pairs as units (`with_p2p`), for a
+    runtime that runs each pair's forward and backward at once; else each action in its own turn."""
     check_schedule_args(pp, vpp, microbatches, name)
     if name == "zero_bubble":
         orders = _zero_bubble_orders(pp, microbatches)
+    elif name == "dualpipev":
+        built = [dualpipev_order(pp, microbatches, r) for r in range(pp)]
+        return [
+            with_p2p(order, r, pp, vpp, name, pairs if paired else ())
+            for r, (order, pairs) in enumerate(built)
+        ]
     else:
         orders = [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
     return [with_p2p(order, r, pp, vpp, name) for r, order in enumerate(orders)]
@@ -425,10 +463,19 @@ def _run(checked: CheckedSchedule, cost: Callable[[Kind, int], float], verify: b
     return Simulation(timeline, max(clock), idle_fraction(timeline), peak)
 
 
+def busy_seconds(rank_timeline: list[tuple[Action, float, float]]) -> float:
+    """How long a rank computed: the union of its actions' spans (a pair's F and B may overlap)."""
+    busy, reached = 0.0, float("-inf")
+    for _, start, end in sorted(rank_timeline, key=lambda span: span[1]):
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return busy
+
+
 def idle_fraction(timeline: list[list[tuple[Action, float, float]]]) -> float:
     """The bubble: the share of ranks x step time (until the last compute ends) spent not computing."""
     makespan = max(end for rank in timeline for _, _, end in rank)
-    busy = sum(end - start for rank in timeline for _, start, end in rank)
+    busy = sum(busy_seconds(rank) for rank in timeline)
     return 1 - busy / (len(timeline) * makespan)
 
 

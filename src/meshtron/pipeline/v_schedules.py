@@ -43,6 +43,7 @@ class _RankOrder:
         self.order: Order = []
         self.count: dict[tuple[Kind, int], int] = {}
         self.deferred: deque[tuple[int, int]] = deque()  # (chunk, mb) of Bs whose W waits
+        self.pairs: set[int] = set()  # order indices of the Fs run together with the full B after them
 
     def started(self, kind: Kind, chunk: int) -> int:
         """How many micro-batches of `chunk` have had their `kind` action added."""
@@ -66,6 +67,16 @@ class _RankOrder:
             self._add(Kind.B, chunk)
             if full:
                 self.order.append((Kind.W, *self.deferred.pop()))
+
+    def forward_and_backward(self, f_chunk: int, b_chunk: int) -> None:
+        """F&B: a forward of `f_chunk` and the full backward of `b_chunk` (another micro-batch), marked as
+        a pair when both are left to run (the runtime may run the two at once)."""
+        if self.started(Kind.F, f_chunk) < self.m and self.started(Kind.B, b_chunk) < self.started(
+            Kind.F, b_chunk
+        ):
+            self.pairs.add(len(self.order))
+        self.forward(f_chunk)
+        self.backward(b_chunk, full=True)
 
     def weights(self, chunk: int | None = None) -> None:
         """The W of the oldest deferred B (of `chunk`, if given)."""
@@ -121,7 +132,8 @@ def zbv_order(pp: int, m: int, rank: int) -> Order:
     return o.finish(down, up)
 
 
-def dualpipev_order(pp: int, m: int, rank: int) -> Order:
+def dualpipev_order(pp: int, m: int, rank: int) -> tuple[Order, frozenset[int]]:
+    """Rank `rank`'s compute order and the indices in it of the Fs paired with the B (and W) after them."""
     down, up = v_chunks(rank, pp)
     o = _RankOrder(m)
     for _ in range(2 * (pp - rank - 1)):
@@ -134,14 +146,11 @@ def dualpipev_order(pp: int, m: int, rank: int) -> Order:
         o.weights()
         o.forward(up)
     for _ in range(m - 2 * pp + rank + 1):  # the paired phase: F of one micro-batch, full B of another
-        o.forward(down)
-        o.backward(up, full=True)
-        o.forward(up)
-        o.backward(down, full=True)
+        o.forward_and_backward(down, up)
+        o.forward_and_backward(up, down)
     for _ in range(pp - rank - 1):
         o.backward(up, full=True)
-        o.forward(up)
-        o.backward(down, full=True)
+        o.forward_and_backward(up, down)
     split_from = (rank + 1) // 2  # the cool-down's second half leaves its Ws for the gaps after it
     for i in range(rank + 1):
         o.backward(up, full=i < split_from + (rank % 2 == 0))
@@ -151,4 +160,4 @@ def dualpipev_order(pp: int, m: int, rank: int) -> Order:
         o.backward(down)
     for _ in range(rank + 1):
         o.weights()
-    return o.finish(down, up)
+    return o.finish(down, up), frozenset(o.pairs)

@@ -15,6 +15,7 @@ mode stack).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -58,23 +59,32 @@ class _Accumulate(torch.autograd.Function):
         return ctx.grad, None
 
 
-_ACTIVE: list[DeferWeightGrads] = []  # entered and not yet left, innermost last
+class _Active(threading.local):
+    """Per thread (as torch's mode stack is): entered and not yet left, innermost last. A DualPipeV pair
+    runs one micro-batch's forward in a second thread while this one back-propagates another."""
+
+    def __init__(self) -> None:
+        self.modes: list[DeferWeightGrads] = []
+
+
+_ACTIVE = _Active()
 
 
 def active_deferrals() -> list[DeferWeightGrads]:
-    """The DeferWeightGrads modes on now, outermost first (for activation recompute to replay)."""
-    return list(_ACTIVE)
+    """The DeferWeightGrads modes on now in this thread, outermost first (for activation recompute to
+    replay: a checkpoint captures them in the forward that it will rerun)."""
+    return list(_ACTIVE.modes)
 
 
 class DeferWeightGrads(TorchFunctionMode):
     """One per (chunk, micro-batch): on around its forward and its B; `weight_grads()` is its W."""
 
     def __enter__(self) -> DeferWeightGrads:
-        _ACTIVE.append(self)
+        _ACTIVE.modes.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.pop()
+        _ACTIVE.modes.pop()
         super().__exit__(*exc)
 
     def __init__(self) -> None:

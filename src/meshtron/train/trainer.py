@@ -378,13 +378,15 @@ class Trainer:
     def draw_pipeline_timeline(self, out_path: Path) -> None:
         """Collective over each pipeline: rank 0 draws its pipeline's last step as measured, next to the
         simulation of the schedule with the measured times."""
-        timelines = self.comm.all_gather_object(self.pipeline.timeline, self.place.mesh.group("pp"))
+        rt = self.pipeline
+        ranks = self.comm.all_gather_object((rt.timeline, rt.comm_timeline), self.place.mesh.group("pp"))
         if self.place.rank != 0:
             return
         p, t = self.cfg.parallel, self.cfg.training
         microbatches = micro_batches_per_step(t.global_batch, t.micro_batch, self.dp.size)
+        timelines, waits = [r[0] for r in ranks], [r[1] for r in ranks]
         path, measured, simulated = draw_measured_timeline(
-            timelines, p.pp_schedule, p.vpp, microbatches, out_path
+            timelines, p.pp_schedule, p.vpp, microbatches, out_path, waits, rt.overlap
         )
         print(
             f"meshtron: pipeline timeline of the last step in {path}: bubble {100 * measured:.1f}% measured, "

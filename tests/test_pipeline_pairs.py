@@ -1,0 +1,140 @@
+"""DualPipeV's F&B pairs run at once (pipeline/pairs.py): the schedule's pairs, their cost when nothing
+overlaps, the config rules, parity with one device, and the measured timeline showing one micro-batch's
+expert all-to-alls running while the other micro-batch computes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshtron.config import load_config, validate
+from meshtron.pipeline.pairs import hidden_exchanges
+from meshtron.pipeline.schedules import Action, Kind, build_schedule, simulate
+from meshtron.testing.parity import assert_parity, merged, reference, run_layout, trainer_for
+from meshtron.testing.tiny import MOE, TINY
+
+MOE_4 = [*MOE, "--model.n_layers=4"]
+PAIRED = [
+    "--parallel.pp=2",
+    "--parallel.pp_schedule=dualpipev",
+    "--parallel.vpp=2",
+    "--parallel.dp_shard=2",
+    "--parallel.ep=2",
+    "--parallel.zero=1",
+    "--training.micro_batch=1",
+]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_pairs_are_units_with_both_inputs_received_first(pp):
+    """Every pair is an F and the full backward (B, W) of another chunk and micro-batch; both of its
+    receives come before the F and its backward's send after the W, and the lists still cannot deadlock."""
+    for m in range(2 * pp, 3 * pp + 2):
+        schedule = build_schedule(pp, 2, m, "dualpipev", paired=True)
+        simulate(schedule)  # raises on a deadlock, an unmatched message or a backward before its forward
+        for actions in schedule:
+            computes = [(i, a) for i, a in enumerate(actions) if a.kind.is_compute]
+            pairs = [k for k, (_, a) in enumerate(computes) if a.paired]
+            assert pairs, "the steady phase pairs every rank's forwards with backwards"
+            for k in pairs:
+                (i, f), (j, b), (_, w) = computes[k : k + 3]
+                assert (f.kind, b.kind, w.kind) == (Kind.F, Kind.B, Kind.W)
+                assert f.chunk != b.chunk and (w.chunk, w.mb) == (b.chunk, b.mb)
+                received = {(a.kind, a.chunk, a.mb) for a in actions[:i] if a.kind.is_recv}
+                if f.chunk > 0:
+                    assert (Kind.RECV_F, f.chunk, f.mb) in received
+                if b.chunk < 2 * pp - 1:
+                    assert (Kind.RECV_B, b.chunk, b.mb) in received
+                assert all(not a.kind.is_recv for a in actions[i:j])
+
+
+def test_pairing_without_overlap_costs_about_one_ramp_of_forwards():
+    """With nothing overlapped (F&B = F + B), waiting for both of a pair's inputs costs once per step
+    what the ramp costs: exactly (pp − 1) chunk forwards at F = B = W, whatever the micro-batches, and
+    between nothing and (pp − 1)·(F + B) at other costs; activations are unchanged. A pair pays off when
+    the communication it hides over the step exceeds that."""
+    for pp in (2, 3, 4, 8):
+        for m in (2 * pp, 3 * pp + 1, 4 * pp):
+            one_by_one = simulate(build_schedule(pp, 2, m, "dualpipev"), 1.0, 2.0, 1.0)
+            paired = simulate(build_schedule(pp, 2, m, "dualpipev", paired=True), 1.0, 2.0, 1.0)
+            assert paired.makespan - one_by_one.makespan == pytest.approx(pp - 1)
+            assert paired.peak_in_flight == one_by_one.peak_in_flight
+    rng = random.Random(0)
+    for _ in range(60):
+        pp = rng.choice([2, 3, 4, 8])
+        m = rng.choice([2 * pp, 3 * pp, 4 * pp])
+        f, b, w = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.5), rng.uniform(0.2, 2.0)
+        one_by_one = simulate(build_schedule(pp, 2, m, "dualpipev"), f, b + w, w, vpp=2)
+        paired = simulate(build_schedule(pp, 2, m, "dualpipev", paired=True), f, b + w, w, vpp=2)
+        assert 0 <= paired.makespan - one_by_one.makespan <= (pp - 1) * (f + b) / 2 + 1e-9
+
+
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (["--parallel.pp_schedule=zbv"], 2, "needs parallel.pp > 1 with parallel.pp_schedule='dualpipev'"),
+        (["--parallel.dp_shard=2", "--parallel.zero=3"], 4, "cannot be combined with ZeRO-3"),
+        (["--training.compile=true"], 2, "cannot be combined with training.compile"),
+    ],
+)
+def test_overlap_rules_are_named(extra, world, message):
+    base = [
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=dualpipev",
+        "--parallel.vpp=2",
+        "--parallel.dp_shard=1",
+    ]
+    problems = validate(load_config(None, [*TINY, *MOE_4, *base, "--parallel.pp_overlap=on", *extra]), world)
+    assert any(message in problem for problem in problems), problems
+
+
+def test_hidden_exchanges_counts_only_the_other_threads_compute():
+    f, b, w = Action(Kind.F, 0, 3, paired=True), Action(Kind.B, 3, 1), Action(Kind.W, 3, 1)
+    timeline = [(f, 0.0, 10.0), (b, 0.0, 6.0), (w, 6.0, 9.0), (Action(Kind.F, 0, 4), 11.0, 12.0)]
+    waits = [
+        ("all_to_all", "ep", "pair", 2.0, 4.0),  # the backward computes in [2, 3], waits itself in [3, 4]
+        ("all_to_all", "ep", "pair", 7.0, 8.0),  # the W computes throughout
+        ("all_to_all", "ep", "main", 3.0, 5.0),
+        ("all_to_all", "ep", "main", 11.2, 11.5),  # an unpaired forward's: not a pair's
+    ]
+    assert hidden_exchanges(timeline, waits) == (3.0, 3.0, 2.0)
+
+
+def pairs_and_waits(overrides: list[str]) -> dict:
+    """Parity results, whether the runtime overlapped, and the last step's compute and comm timelines."""
+    result = run_layout(overrides)
+    trainer = trainer_for(overrides)
+    trainer.step(0)
+    runtime = trainer.pipeline
+    return {
+        **result,
+        "overlap": runtime.overlap,
+        "timeline": runtime.timeline,
+        "waits": runtime.comm_timeline,
+    }
+
+
+def test_paired_all_to_alls_run_while_the_other_micro_batch_computes(workers):
+    """MoE with ep=2 in each stage of a dualpipev pp=2 (ZeRO-1 over the two dp ranks): the pairs' forwards
+    run in a second thread on the twin groups; 10 steps match one device. In the last step, on every rank,
+    the all-to-alls of paired forwards (the pair lane's) overlap the backward of the other micro-batch
+    while it computes (its spans less its own communication waits)."""
+    results = workers(4).run(pairs_and_waits, [*TINY, *MOE_4, *PAIRED, "--training.recompute=full"])
+    assert all(r["overlap"] for r in results)
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), MOE_4, micro_batch=1))
+    for r in results:
+        waited, inside_forwards, while_computing = hidden_exchanges(r["timeline"], r["waits"])
+        assert waited > 0 and inside_forwards == pytest.approx(waited)
+        assert while_computing > 0
+
+
+def test_auto_overlaps_moe_under_ep_only_where_the_engine_allows(workers):
+    """'auto' pairs MoE under ep with ZeRO-1, and falls back to one action at a time under ZeRO-3."""
+    zero3 = [a.replace("zero=1", "zero=3") for a in PAIRED]
+    got = workers(4).run(overlap_of, [[*TINY, *MOE_4, *PAIRED], [*TINY, *MOE_4, *zero3]])
+    assert got[0] == [True, False]
+
+
+def overlap_of(layouts: list[list[str]]) -> list[bool]:
+    return [trainer_for(overrides).pipeline.overlap for overrides in layouts]
