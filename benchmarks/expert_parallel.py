@@ -53,17 +53,7 @@ from meshtron.train.trainer import Trainer
 TITLE = "## Expert parallel: all-to-all vs all-gather dispatch vs replicated experts (4 gloo ranks, CPU)"
 WORLD = 4
 MODEL = [
-    "--model.dim=256",
-    "--model.n_layers=4",
-    "--model.n_heads=8",
-    "--model.n_kv_heads=4",
-    "--model.ffn_dim=688",
-    "--model.n_experts=8",
-    "--model.top_k=2",
-    "--model.moe_ffn_dim=512",
-    "--model.vocab_size=260",
-    "--data.tokenizer=byte",
-    "--training.seq_len=256",
+    *harness.MOE_MODEL,
     "--training.global_batch=8",
     "--training.micro_batch=1",
     "--training.warmup_steps=2",
@@ -186,15 +176,7 @@ class TrainerStep(Runner):
     def freeze(self) -> None:
         """From now on every step runs in full (AdamW included) at learning rate 0, so the weights stay
         those after the check steps (see the module docstring for why)."""
-        optimizer = self.trainer.optimizer
-        update = optimizer.step
-
-        def step_at_zero_lr(*args: Any, **kwargs: Any) -> Any:
-            for group in optimizer.param_groups:
-                group["lr"] = 0.0
-            return update(*args, **kwargs)
-
-        optimizer.step = step_at_zero_lr
+        harness.freeze_at_zero_lr(self.trainer.optimizer)
 
     def step(self, batch: Any, clock: Clock) -> float:
         self.clock = clock

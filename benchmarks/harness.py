@@ -41,6 +41,36 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+# The MoE model of the expert-parallel benchmarks: every layer MoE, 8 experts, top-2, byte tokens.
+MOE_MODEL = (
+    "--model.dim=256",
+    "--model.n_layers=4",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=688",
+    "--model.n_experts=8",
+    "--model.top_k=2",
+    "--model.moe_ffn_dim=512",
+    "--model.vocab_size=260",
+    "--data.tokenizer=byte",
+    "--training.seq_len=256",
+)
+
+
+def freeze_at_zero_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Every later `optimizer.step` runs in full (AdamW's state moves) at learning rate 0, so the weights
+    stay as they are: training on, two layouts that sum gradients in different orders would flip a
+    near-tied top-k assignment within a dozen steps and part at the 1e-3 level."""
+    update = optimizer.step
+
+    def step_at_zero_lr(*args: Any, **kwargs: Any) -> Any:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        return update(*args, **kwargs)
+
+    optimizer.step = step_at_zero_lr
+
+
 # -- what runs on every rank --
 
 

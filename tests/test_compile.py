@@ -15,9 +15,8 @@ from meshtron.testing.tiny import MOE, TINY
 STEPS = 2
 LAYOUTS = {
     "one_device_full_recompute": (1, ["--training.recompute=full"]),
-    "tp2_sp_zero3": (4, ["--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--training.micro_batch=2"]),
+    "moe_ep2_x_tp2_sp_zero3": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--training.micro_batch=2"]),
     "pp2_ring_cp2_selective": (4, ["--parallel.pp=2", "--parallel.cp=2", "--training.recompute=selective", "--training.micro_batch=2"]),
-    "moe_ep2": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=1", "--training.micro_batch=4"]),
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from meshtron.cli import main
 from meshtron.config import load_config, validate
 from meshtron.pipeline.pairs import hidden_exchanges
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, simulate
@@ -23,6 +24,7 @@ PAIRED = [
     "--parallel.ep=2",
     "--parallel.zero=1",
     "--training.micro_batch=1",
+    "--parallel.pp_overlap=true",
 ]
 
 
@@ -85,7 +87,9 @@ def test_overlap_rules_are_named(extra, world, message):
         "--parallel.vpp=2",
         "--parallel.dp_shard=1",
     ]
-    problems = validate(load_config(None, [*TINY, *MOE_4, *base, "--parallel.pp_overlap=on", *extra]), world)
+    problems = validate(
+        load_config(None, [*TINY, *MOE_4, *base, "--parallel.pp_overlap=true", *extra]), world
+    )
     assert any(message in problem for problem in problems), problems
 
 
@@ -129,12 +133,23 @@ def test_paired_all_to_alls_run_while_the_other_micro_batch_computes(workers):
         assert while_computing > 0
 
 
-def test_auto_overlaps_moe_under_ep_only_where_the_engine_allows(workers):
-    """'auto' pairs MoE under ep with ZeRO-1, and falls back to one action at a time under ZeRO-3."""
-    zero3 = [a.replace("zero=1", "zero=3") for a in PAIRED]
-    got = workers(4).run(overlap_of, [[*TINY, *MOE_4, *PAIRED], [*TINY, *MOE_4, *zero3]])
-    assert got[0] == [True, False]
-
-
-def overlap_of(layouts: list[list[str]]) -> list[bool]:
-    return [trainer_for(overrides).pipeline.overlap for overrides in layouts]
+def test_schedule_command_shows_the_pairs(tmp_path, capsys):
+    out = tmp_path / "pairs.png"
+    args = [
+        "schedule",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "dualpipev",
+        "--paired",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "rank 1: F1.0 F2.0 F1.1 F2.1 F1.2& B2.0 W2.0" in printed and "bubble 7.7%" in printed
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "zbv", "--paired"]) == 2
+    assert "--paired is DualPipeV's" in capsys.readouterr().err

@@ -121,7 +121,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if args.vpp is None:  # chunks per rank: two for a V schedule, else one
         args.vpp = 2 if args.schedule in V_SCHEDULES else 1
     try:
-        schedule = build_schedule(args.pp, args.vpp, args.microbatches, args.schedule)
+        if args.paired and args.schedule != "dualpipev":
+            raise ValueError("--paired is DualPipeV's: use it with --schedule dualpipev")
+        schedule = build_schedule(args.pp, args.vpp, args.microbatches, args.schedule, args.paired)
     except ValueError as err:
         raise ConfigError([str(err)]) from None
     split = args.schedule in SPLIT_BACKWARD
@@ -134,6 +136,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     print("peak micro-batches in flight per rank: " + ", ".join(map(str, sim.peak_in_flight)))
     for rank, actions in enumerate(schedule):
         print(f"rank {rank}: " + " ".join(str(a) for a in actions if a.kind.is_compute))
+    if args.paired:
+        print("F...& is the forward of an F&B pair: it runs at once with the B and W after it")
     if args.out:
         from meshtron.pipeline.picture import draw_timeline
 
@@ -349,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--microbatches", type=int, required=True)
     sched.add_argument("--schedule", default="1f1b", help=", ".join(typing.get_args(PipelineSchedule)))
     sched.add_argument("--out", help="write a PNG of the timeline here")
+    sched.add_argument(
+        "--paired",
+        action="store_true",
+        help="dualpipev: its F&B pairs as units (both receives first), as parallel.pp_overlap runs them",
+    )
 
     ctx = sub.add_parser("context", help="print and draw how ring attention splits causal attention")
     ctx.add_argument("--ring", type=int, required=True, help="ring ranks (cp, or cp / cp_ulysses for hybrid)")

@@ -55,7 +55,6 @@ EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
 PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
-PairOverlap = Literal["auto", "on", "off"]  # DualPipeV's F&B pairs run at once (auto: MoE under ep)
 Recompute = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
 CorpusTokenizer = Literal["bpe", "byte"]
@@ -181,8 +180,8 @@ class ParallelConfig:
     # two under a V; embedding, head, loss and MoE active experts counted), instead of even counts
     # dualpipev: run each F&B pair's forward (in a second thread, on twin process groups) while its
     # backward runs, so one micro-batch's communication (the MoE all-to-alls) hides behind the other's
-    # compute; "auto": on for MoE under ep > 1 where the data-parallel engine allows it
-    pp_overlap: PairOverlap = "auto"
+    # compute (docs/pipeline.md: off by default; on CPU ranks that share cores it measured slower)
+    pp_overlap: bool = False
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
     etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1

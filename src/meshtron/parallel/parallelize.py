@@ -37,7 +37,6 @@ from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel, expert_tp
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.pipeline.pairs import overlaps_pairs
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
 
@@ -98,7 +97,7 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size("tp") if p.sp else 1
-        overlap = overlaps_pairs(cfg, mesh.dims.world_size)
+        overlap = p.pp_overlap  # pairs.py: only dualpipev gets here with it (pipeline_problems)
         if overlap:
             comm.add_pair_lane(mesh.pair_lane())
         pipeline = PipelineRuntime(

@@ -31,44 +31,28 @@ from meshtron.mesh import resolve_dp_shard
 from meshtron.pipeline.schedules import Action, Kind
 
 
-def _pair_blockers(cfg: Config, world_size: int) -> list[str]:
-    p = cfg.parallel
-    blockers = []
-    if p.zero == 3 and resolve_dp_shard(p, world_size) * p.cp > 1:
-        blockers.append(
-            "ZeRO-3 (a pair's forward and backward would gather and free parameter units from two threads): "
-            "use parallel.zero=1 or 2"
-        )
-    if cfg.training.compile:
-        blockers.append("training.compile (compiled blocks are not run from two threads at once here)")
-    return blockers
-
-
 def pair_overlap_problems(cfg: Config, world_size: int) -> list[str]:
-    """What `parallel.pp_overlap='on'` needs of the layout."""
+    """What `parallel.pp_overlap = true` needs of the layout."""
     p = cfg.parallel
-    if p.pp_overlap != "on":
+    if not p.pp_overlap:
         return []
     if p.pp_schedule != "dualpipev" or p.pp == 1:
         return [
-            "parallel.pp_overlap='on' runs DualPipeV's F&B pairs at once: it needs parallel.pp > 1 with "
-            "parallel.pp_schedule='dualpipev' (or set pp_overlap='auto')"
+            "parallel.pp_overlap=true runs DualPipeV's F&B pairs at once: it needs parallel.pp > 1 with "
+            "parallel.pp_schedule='dualpipev' (or set pp_overlap=false)"
         ]
-    return [
-        f"parallel.pp_overlap='on' cannot be combined with {b}, or set pp_overlap='auto'"
-        for b in _pair_blockers(cfg, world_size)
-    ]
-
-
-def overlaps_pairs(cfg: Config, world_size: int) -> bool:
-    """Whether the pipeline runs its F&B pairs at once: 'on', or 'auto' with an MoE model under ep > 1
-    (communication to hide) and nothing that forbids it."""
-    p = cfg.parallel
-    if p.pp_schedule != "dualpipev" or p.pp == 1 or p.pp_overlap == "off":
-        return False
-    if p.pp_overlap == "on":
-        return True
-    return cfg.model.is_moe and p.ep > 1 and not _pair_blockers(cfg, world_size)
+    problems = []
+    if p.zero == 3 and resolve_dp_shard(p, world_size) * p.cp > 1:
+        problems.append(
+            "parallel.pp_overlap=true cannot be combined with ZeRO-3 (a pair's forward and backward would "
+            "gather and free parameter units from two threads): use parallel.zero=1 or 2, or pp_overlap=false"
+        )
+    if cfg.training.compile:
+        problems.append(
+            "parallel.pp_overlap=true cannot be combined with training.compile (compiled blocks are not run "
+            "from two threads at once here): set one of them to false"
+        )
+    return problems
 
 
 def run_pair(comm: Comm, forward: Callable[[], object], backward: Callable[[], object]) -> None:
