@@ -133,6 +133,30 @@ def test_paired_all_to_alls_run_while_the_other_micro_batch_computes(workers):
         assert while_computing > 0
 
 
+OVERLAPPED_V = [
+    "--parallel.pp=2",
+    "--parallel.pp_schedule=dualpipev",
+    "--parallel.vpp=2",
+    "--parallel.pp_overlap=true",
+    "--training.micro_batch=1",
+    "--model.n_layers=8",
+]
+COMPOSED = {
+    "tp2_sp": ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.sp=true"],
+    "ring_cp2_zero1": ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.zero=1"],
+    "ddp_zero2": ["--parallel.dp_shard=2", "--parallel.zero=2"],
+}
+
+
+@pytest.mark.parametrize("composed", list(COMPOSED))
+def test_overlapped_pairs_compose(workers, composed):
+    """A dense model's pairs overlapped under tensor + sequence parallel, ring context parallel (its
+    point-to-point exchanges on the twin cp group) and ZeRO-2 (gradients reduce-scattered every micro-
+    batch from the backward's thread): 10 steps match one device."""
+    results = workers(4).run(run_layout, [*TINY, *OVERLAPPED_V, *COMPOSED[composed]])
+    assert_parity(merged([results[0], results[2]]), reference(workers(1), ["--model.n_layers=8"]))
+
+
 def test_schedule_command_shows_the_pairs(tmp_path, capsys):
     out = tmp_path / "pairs.png"
     args = [

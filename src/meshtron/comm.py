@@ -25,6 +25,9 @@ Tensor parallel also needs the pairs whose other side is replicated (Megatron's 
   gather_rows_traced  forward all-gather       backward reduce-scatter, as functional collectives a
                       compiler traces into its graph (and may bucket and reorder); nothing is counted
                       per call there, the caller books the bytes (`book`)
+
+Lanes: a thread inside `pair_lane()` issues every collective on its group's twin (`add_pair_lane`), so
+that two threads (a DualPipeV pair's forward and backward) never interleave their calls on one group.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@
                          (`training.compile`; compile.py)
   6  recompute           what each block keeps for backward (recompute.py)
   7  data parallel       the engine that replicates or shards what is left (data_parallel.py); under
-                         pp it runs per stage, over the chunks the pipeline runtime groups
+                         pp it runs per stage, over the chunks the pipeline runtime groups (which, with
+                         `parallel.pp_overlap`, gives the comm layer its twin groups: pipeline/pairs.py)
 
 A parallelism of degree 1 changes nothing (its step is skipped or does nothing), so the same code runs
 one device and every layout.
