@@ -9,6 +9,8 @@ import random
 import pytest
 
 from meshtron.cli import main
+from meshtron.comm import Comm
+from meshtron.comm_record import recorder
 from meshtron.config import load_config, validate
 from meshtron.pipeline.pairs import hidden_exchanges
 from meshtron.pipeline.schedules import Action, Kind, build_schedule, simulate
@@ -78,6 +80,7 @@ def test_pairing_without_overlap_costs_about_one_ramp_of_forwards():
         (["--parallel.pp_schedule=zbv"], 2, "needs parallel.pp > 1 with parallel.pp_schedule='dualpipev'"),
         (["--parallel.dp_shard=2", "--parallel.zero=3"], 4, "cannot be combined with ZeRO-3"),
         (["--training.compile=true"], 2, "cannot be combined with training.compile"),
+        (["--run.device=cuda"], 2, "runs on CPU ranks (gloo) only for now"),
     ],
 )
 def test_overlap_rules_are_named(extra, world, message):
@@ -142,19 +145,37 @@ OVERLAPPED_V = [
     "--model.n_layers=8",
 ]
 COMPOSED = {
-    "tp2_sp": ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.sp=true"],
-    "ring_cp2_zero1": ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.zero=1"],
-    "ddp_zero2": ["--parallel.dp_shard=2", "--parallel.zero=2"],
+    "pp_only": (2, ["--parallel.dp_shard=1"]),
+    "tp2_sp": (4, ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.sp=true"]),
+    "ring_cp2_zero1": (4, ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.zero=1"]),
+    "zero2": (4, ["--parallel.dp_shard=2", "--parallel.zero=2"]),
 }
 
 
 @pytest.mark.parametrize("composed", list(COMPOSED))
 def test_overlapped_pairs_compose(workers, composed):
-    """A dense model's pairs overlapped under tensor + sequence parallel, ring context parallel (its
-    point-to-point exchanges on the twin cp group) and ZeRO-2 (gradients reduce-scattered every micro-
-    batch from the backward's thread): 10 steps match one device."""
-    results = workers(4).run(run_layout, [*TINY, *OVERLAPPED_V, *COMPOSED[composed]])
-    assert_parity(merged([results[0], results[2]]), reference(workers(1), ["--model.n_layers=8"]))
+    """A dense model's pairs overlapped alone (no group but pp's: nothing to twin), under tensor +
+    sequence parallel, ring context parallel (its point-to-point exchanges on the twin cp group) and
+    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread): 10 steps match one
+    device."""
+    world, layout = COMPOSED[composed]
+    results = workers(world).run(run_layout, [*TINY, *OVERLAPPED_V, *layout])
+    stages = [results[0], results[world // 2]]
+    assert_parity(merged(stages), reference(workers(1), ["--model.n_layers=8"]))
+
+
+def test_pair_lane_collectives_are_numbered_apart_for_the_flight_recorder():
+    """A hang report compares how many collectives each rank issued on a group; the pair lane's go to
+    twin groups at their own pace, so they are numbered under "<group>~pair"."""
+    flight, comm = recorder(), Comm()
+    before = dict(flight.issued)
+    with comm.pair_lane():
+        assert comm.lane() == "pair"
+        comm.stats.record("ep", "all_to_all", 8.0)
+    comm.stats.record("ep", "all_to_all", 8.0)
+    assert comm.lane() == "main"
+    assert flight.issued["ep~pair"] == before.get("ep~pair", 0) + 1
+    assert flight.issued["ep"] == before.get("ep", 0) + 1
 
 
 def test_schedule_command_shows_the_pairs(tmp_path, capsys):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from meshtron.comm_autograd import (
     ReduceScatter,
     SplitToGroup,
 )
-from meshtron.comm_record import CommStats, recorder
+from meshtron.comm_record import LANE, CommStats, flight_name, recorder
 
 _gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
 _reduce_scatter_functional = getattr(functional, "reduce_scatter_single", functional.reduce_scatter_tensor)
@@ -135,35 +134,35 @@ class Comm:
         # The pair lane: a second process group per group, for collectives issued by a thread that runs
         # at the same time as the main one (a DualPipeV pair's forward while its backward runs): each
         # group's collectives are then issued in one order on every rank, per lane.
-        self._twins: dict[int, Any] = {}
-        self._lane = threading.local()
+        self._twins: dict[str, Any] | None = None
         # When a list: every wait as (op, group name, lane, start, end) in perf_counter seconds.
         self.spans: list[tuple[str, str, str, float, float]] | None = None
 
-    def add_pair_lane(self, twins: dict[int, Any]) -> None:
-        """{id(process group): its twin}: the groups collectives use on the pair lane (`pair_lane`)."""
-        self._twins.update(twins)
+    def add_pair_lane(self, twins: dict[str, Any]) -> None:
+        """{process group name: its twin}: the groups collectives use on the pair lane (`pair_lane`);
+        empty when no group a forward uses has more than one rank."""
+        self._twins = {**(self._twins or {}), **twins}
 
     def has_pair_lane(self) -> bool:
-        return bool(self._twins)
+        return self._twins is not None
 
     @contextlib.contextmanager
     def pair_lane(self) -> Iterator[None]:
         """In this thread, issue every collective on its group's twin (`add_pair_lane`)."""
-        self._lane.on = True
+        before, LANE.pair = LANE.pair, True
         try:
             yield
         finally:
-            self._lane.on = False
+            LANE.pair = before
 
     def lane(self) -> str:
-        return "pair" if getattr(self._lane, "on", False) else "main"
+        return "pair" if LANE.pair else "main"
 
     def _pg(self, group: CommGroup) -> Any:
         """The process group to issue on: the group's own, or its twin on the pair lane."""
-        if not getattr(self._lane, "on", False):
+        if not LANE.pair:
             return group.process_group
-        twin = self._twins.get(id(group.process_group))
+        twin = (self._twins or {}).get(group.process_group.group_name)
         if twin is None:
             raise RuntimeError(
                 f"group '{group.name}' has no twin on the pair lane: nothing may communicate on it while a "
@@ -178,14 +177,14 @@ class Comm:
 
     def wait(self, work: Any, op: str, group: CommGroup) -> None:
         flight = recorder()
-        flight.waiting = (op, group.name, flight.issued[group.name])
+        flight.begin_wait(op, group.name)
         start = time.perf_counter()
         try:
             completed = work.wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._timeout_error(op, group, err) from err
         finally:
-            flight.waiting = None
+            flight.end_wait()
             if self.spans is not None:
                 self.spans.append((op, group.name, self.lane(), start, time.perf_counter()))
         if completed is False:
@@ -194,10 +193,11 @@ class Comm:
     def _timeout_error(self, op: str, group: CommGroup, cause: Exception | None) -> CollectiveTimeout:
         detail = f" ({cause})" if cause else ""
         flight = recorder()
-        flight.waiting = (op, group.name, flight.issued[group.name])
+        flight.begin_wait(op, group.name)
         report = flight.report(op, group.name, group.ranks)
+        name = flight_name(group.name)
         return CollectiveTimeout(
-            f"rank {dist.get_rank()}: {op} #{flight.issued[group.name]} on group '{group.name}' (ranks "
+            f"rank {dist.get_rank()}: {op} #{flight.issued[name]} on group '{name}' (ranks "
             f"{list(group.ranks)}) did not complete within {self.timeout.total_seconds():.0f}s{detail}; "
             "another rank of that group is probably stuck or crashed (raise run.comm_timeout_s if it is just "
             "slow)" + (f"\n{report}" if report else "")

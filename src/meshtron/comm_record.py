@@ -30,6 +30,21 @@ POINT_TO_POINT = ("send", "recv")
 _KEY = "meshtron/flight/{rank}"
 
 
+class _Lane(threading.local):
+    """Whether this thread issues on the pair lane (comm.py `Comm.pair_lane`): its collectives go to
+    twin groups, which the recorder numbers apart, as "<group>~pair"."""
+
+    pair = False
+
+
+LANE = _Lane()
+
+
+def flight_name(group: str) -> str:
+    """The name the recorder numbers this thread's collectives on `group` under."""
+    return f"{group}~pair" if LANE.pair else group
+
+
 class FlightRecorder:
     """This process's record; one per process, shared by every Comm (see `recorder`)."""
 
@@ -39,7 +54,7 @@ class FlightRecorder:
         self.interval = 1.0
         self.issued: dict[str, int] = defaultdict(int)
         self.last: dict[str, tuple[str, float]] = {}
-        self.waiting: tuple[str, str, int] | None = None
+        self._waiting: dict[int, tuple[str, str, int]] = {}  # per thread: (op, group, number)
         self._published: str | None = None
         self._thread: threading.Thread | None = None
 
@@ -51,12 +66,21 @@ class FlightRecorder:
             self._thread.start()
 
     def note(self, group: str, op: str, nbytes: float) -> None:
+        name = flight_name(group)
         if op not in POINT_TO_POINT:
-            self.issued[group] += 1
-        self.last[group] = (op, nbytes)
+            self.issued[name] += 1
+        self.last[name] = (op, nbytes)
+
+    def begin_wait(self, op: str, group: str) -> None:
+        name = flight_name(group)
+        self._waiting[threading.get_ident()] = (op, name, self.issued[name])
+
+    def end_wait(self) -> None:
+        self._waiting.pop(threading.get_ident(), None)
 
     def state(self) -> str:
-        return json.dumps({"issued": self.issued, "last": self.last, "waiting": self.waiting}, sort_keys=True)
+        waiting = sorted(self._waiting.values())
+        return json.dumps({"issued": self.issued, "last": self.last, "waiting": waiting}, sort_keys=True)
 
     def publish(self) -> None:
         state = self.state()
@@ -78,6 +102,7 @@ class FlightRecorder:
             return ""
         self.publish()
         time.sleep(2 * self.interval + 0.2)  # the others' threads publish what changed meanwhile
+        group = flight_name(group)
         seq = self.issued[group]
         lines, behind = [f"what each rank of '{group}' was doing (as of the last {self.interval:.0f}s):"], []
         for rank in ranks:
@@ -88,10 +113,8 @@ class FlightRecorder:
                 continue
             issued = state["issued"].get(group, 0)
             last = state["last"].get(group)
-            waiting = state["waiting"]
-            doing = "not waiting in any collective"
-            if waiting is not None:
-                doing = f"waiting in {waiting[0]} #{waiting[2]} on '{waiting[1]}'"
+            waits = [f"{w[0]} #{w[2]} on '{w[1]}'" for w in state["waiting"]]
+            doing = f"waiting in {' and '.join(waits)}" if waits else "not waiting in any collective"
             tail = f"; last on '{group}': {last[0]} moving {last[1]:.0f} B" if last else ""
             lines.append(f"  rank {rank}: {doing}; {issued} collectives issued on '{group}'{tail}")
             if issued < seq:

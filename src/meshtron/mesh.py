@@ -312,24 +312,27 @@ class ParallelMesh:
         self._twins: dict[int, Any] | None = None
         self._twin_groups: list[Any] = []
 
-    def pair_lane(self) -> dict[int, Any]:
-        """A second process group for every group of a dim but pp ({id(group): twin}, `Comm.add_pair_lane`):
-        what a pipeline pair's forward communicates on while its backward uses the first ones. Made on
-        the first call (which every rank makes, in the same order), kept with the mesh."""
+    def pair_lane(self) -> dict[str, Any]:
+        """A second process group for each group a chunk's forward communicates on (tp, cp and its
+        parts, ep), as {name of the group: twin} (`Comm.add_pair_lane`): what a pipeline pair's forward
+        uses while its backward uses the first ones. A forward on the pair lane that reaches any other
+        group fails loudly instead (comm.py). Made on the first call, which every rank makes, in the same
+        order; kept with the mesh and destroyed with it."""
         import torch.distributed as dist
 
         if self._twins is None:
             made: dict[tuple[tuple[int, ...], ...], Any] = {}
-            self._twins = {}
-            for dim in (*self.dims.group_table(), *FLAT_DIMS):
-                if dim == "pp" or self.size(dim) == 1:
+            twins = {}
+            for dim in ("tp", "cp", *CP_PARTS, "ep"):
+                if self.size(dim) == 1 or (dim in CP_PARTS and not self._cp_parts):
                     continue
                 groups = self.dims.groups(dim)
                 key = tuple(map(tuple, groups))
-                if key not in made:  # dims with the same groups (a size-1 dim folded in) share a twin
+                if key not in made:  # dims with the same groups (cp = cp_ulysses) share a twin
                     made[key] = dist.new_subgroups_by_enumeration(groups)[0]
-                self._twins[id(self.group(dim).process_group)] = made[key]
-            self._twin_groups = list(made.values())
+                    self._twin_groups.append(made[key])  # now, so close() frees it even if a later one fails
+                twins[self.group(dim).process_group.group_name] = made[key]
+            self._twins = twins
         return self._twins
 
     def close(self) -> None:
@@ -347,6 +350,7 @@ class ParallelMesh:
         for group in groups.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
+        self._twins, self._twin_groups = None, []
 
     def mesh(self, dim: str) -> Any:
         """The 1-D DeviceMesh of `dim` that contains this rank."""

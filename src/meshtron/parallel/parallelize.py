@@ -27,7 +27,7 @@ from functools import partial
 import torch
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config
+from meshtron.config import Config, refuse
 from meshtron.mesh import PP_ENDS, ParallelMesh
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import cross_entropy_per_token
@@ -38,6 +38,7 @@ from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel, expert_tp
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
+from meshtron.pipeline.pairs import pair_overlap_device_problems
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
 
@@ -100,6 +101,7 @@ def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config)
         seq_shards = mesh.size("tp") if p.sp else 1
         overlap = p.pp_overlap  # pairs.py: only dualpipev gets here with it (pipeline_problems)
         if overlap:
+            refuse(pair_overlap_device_problems(mesh.device_type))
             comm.add_pair_lane(mesh.pair_lane())
         pipeline = PipelineRuntime(
             model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap

@@ -12,12 +12,18 @@ on, the runtime runs a pair (an F marked `paired` in the schedule, and the B and
   4  both threads are joined; then the pair's sends go out
 
 While one thread waits in an all-to-all (the wait releases the interpreter lock, and the backend moves
-the bytes), the other computes. On a GPU the same holds with the two threads' kernels on their streams.
+the bytes), the other computes. CPU (gloo) only for now: on a GPU both threads would launch onto one
+stream, behind the same NCCL waits, and NCCL asks every rank to post concurrent work on several
+communicators in one order; a stream of its own for the forward is the next step.
 
 What must not be shared between the two threads is kept per thread: the weight-gradient deferral modes
 (zero_bubble.py) and whether expert loads are counted (models/moe.py). What cannot be shared at all is
 refused: ZeRO-3's parameter units are gathered and freed by both a forward and a backward, and compiled
-blocks are not run from two threads at once here.
+blocks are not run from two threads at once here. ZeRO-1/2 are safe because every chunk runs a forward
+on the main thread before the first pair (the warm-up), which waits for their deferred parameter
+gathers; a forward that communicated on a group without a twin (dp) would fail loudly (comm.py). The
+helper thread is fresh, so a context a caller enters around `PipelineRuntime.run` (a mode, autocast)
+does not reach the paired forwards; nothing in meshtron does.
 """
 
 from __future__ import annotations
@@ -47,12 +53,24 @@ def pair_overlap_problems(cfg: Config, world_size: int) -> list[str]:
             "parallel.pp_overlap=true cannot be combined with ZeRO-3 (a pair's forward and backward would "
             "gather and free parameter units from two threads): use parallel.zero=1 or 2, or pp_overlap=false"
         )
+    if cfg.run.device == "cuda":
+        problems += pair_overlap_device_problems("cuda")
     if cfg.training.compile:
         problems.append(
             "parallel.pp_overlap=true cannot be combined with training.compile (compiled blocks are not run "
             "from two threads at once here): set one of them to false"
         )
     return problems
+
+
+def pair_overlap_device_problems(device_type: str) -> list[str]:
+    """What the overlap needs of the device (known once the job runs)."""
+    if device_type == "cpu":
+        return []
+    return [
+        f"parallel.pp_overlap=true runs on CPU ranks (gloo) only for now, not on {device_type}: set "
+        "parallel.pp_overlap=false"
+    ]
 
 
 def run_pair(comm: Comm, forward: Callable[[], object], backward: Callable[[], object]) -> None:
