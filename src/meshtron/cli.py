@@ -332,6 +332,27 @@ def build_parser() -> argparse.ArgumentParser:
         "and exit without starting anything",
     )
 
+    _add_picture_parsers(sub)
+    _add_plan_parser(sub)
+    _add_checkpoint_parsers(sub)
+    prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
+    prep.add_argument(
+        "inputs",
+        nargs="+",
+        help="files or directories (.txt, .py, .md, .jsonl with a 'text' key, .parquet with a 'text' column)",
+    )
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte', 'bpe' (trained on the inputs) or a path to a tokenizer.json",
+    )
+    prep.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a BPE")
+    return parser
+
+
+def _add_picture_parsers(sub: argparse._SubParsersAction) -> None:
+    """`mesh`, `schedule` and `context`: print and draw a layout, a pipeline schedule, a ring."""
     mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")
     for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
         mesh.add_argument(f"--{dim}", type=int, default=1)
@@ -362,23 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
     ctx = sub.add_parser("context", help="print and draw how ring attention splits causal attention")
     ctx.add_argument("--ring", type=int, required=True, help="ring ranks (cp, or cp / cp_ulysses for hybrid)")
     ctx.add_argument("--out", help="write a PNG of the chunk assignment and ring steps here")
-
-    _add_plan_parser(sub)
-    _add_checkpoint_parsers(sub)
-    prep = sub.add_parser("prepare-data", help="tokenize text / jsonl files into a token memmap")
-    prep.add_argument(
-        "inputs",
-        nargs="+",
-        help="files or directories (.txt, .py, .md, .jsonl with a 'text' key, .parquet with a 'text' column)",
-    )
-    prep.add_argument("--out", required=True, help="output directory")
-    prep.add_argument(
-        "--tokenizer",
-        default="byte",
-        help="'byte', 'bpe' (trained on the inputs) or a path to a tokenizer.json",
-    )
-    prep.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a BPE")
-    return parser
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:

@@ -141,7 +141,7 @@ class Comm:
     def add_pair_lane(self, twins: dict[str, Any]) -> None:
         """{process group name: its twin}: the groups collectives use on the pair lane (`pair_lane`);
         empty when no group a forward uses has more than one rank."""
-        self._twins = {**(self._twins or {}), **twins}
+        self._twins = dict(twins)
 
     def has_pair_lane(self) -> bool:
         return self._twins is not None

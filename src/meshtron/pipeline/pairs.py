@@ -6,8 +6,8 @@ on, the runtime runs a pair (an F marked `paired` in the schedule, and the B and
 
   1  both messages the pair needs are received first (the schedule puts both receives before it)
   2  the forward starts in a helper thread, which issues every collective on the comm layer's *pair
-     lane*: a twin of each process group (mesh.py `pair_lane`), so that each group still sees its
-     collectives in one order on every rank, per lane
+     lane*: a twin of each process group a forward uses (tp, cp, ep; mesh.py `pair_lane`), so that
+     each group still sees its collectives in one order on every rank, per lane
   3  this thread runs the backward and the W, on the groups themselves
   4  both threads are joined; then the pair's sends go out
 

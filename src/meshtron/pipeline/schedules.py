@@ -88,7 +88,7 @@ class Action:
     """`kind` (a Kind, or its name); `chunk` is the global chunk (stage) index; for sends and receives,
     `peer` is the other rank. `paired`, on an F only: DualPipeV's F&B, this forward and the B and W right
     after it (another chunk, another micro-batch) are one unit, which the runtime may run at once: the
-    receives of both come before the F and the sends of both after the W."""
+    receives of both come before the F (the runtime sends the F's output once the unit is done)."""
 
     kind: Kind
     chunk: int
@@ -247,7 +247,7 @@ def with_p2p(
     that needs them, sends right after the compute that makes them (also for orders recorded elsewhere,
     e.g. another runtime's, to simulate them). `name` places the chunks (`rank_of_chunk`). `pairs`: the
     indices of Fs that form an F&B unit with the B and W after them (DualPipeV): both receives before the
-    unit, both sends after it."""
+    unit; its sends stay after the compute that makes them."""
     last = pp * vpp - 1
 
     def receive(kind: Kind, chunk: int, mb: int) -> list[Action]:
