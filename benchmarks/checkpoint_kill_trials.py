@@ -35,7 +35,7 @@ COMMON = [
 def meshtron(args: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "meshtron.cli", "train", *COMMON, *args],
+        [sys.executable, "-m", "meshtron", "train", *COMMON, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, **kwargs,
     )  # fmt: skip
 

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from harness import Clock, Pair, Runner
 from reporting import mib, ms, table
 
-from meshtron.config import load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
-from meshtron.parallel.context import RingPass, cp_degrees
+from meshtron.checks import load_config
+from meshtron.mesh import ParallelMesh
+from meshtron.parallel.context import RingPass
 from meshtron.plan.memory import layer_activation_bytes
 from meshtron.train.trainer import Trainer
 
@@ -72,7 +72,7 @@ class TrainerStep(Runner):
 
     def __init__(self, name: str, args: list[str]):
         cfg = load_config(None, args)
-        dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+        dims = cfg.parallel.dims(dist.get_world_size())
         self.name, self.trainer, self.step_index = name, Trainer(cfg, ParallelMesh(dims, "cpu")), 0
         attentions = [b.attention.attend for b in self.trainer.model.layers.values()]
         self.rings = [a.inner for a in attentions if isinstance(getattr(a, "inner", None), RingPass)]
@@ -93,8 +93,8 @@ def ring_hops_alone(runner: TrainerStep, repeats: int = 5) -> float:
     what the ring would cost if none of it were hidden."""
     ring, comm = runner.rings[0], runner.trainer.comm
     cfg, n = runner.trainer.cfg, ring.group.size
-    local = cfg.training.seq_len // cfg.parallel.cp * cp_degrees(cfg)[1]  # the ring's share per rank
-    kv_heads = max(cfg.model.kv_heads // cp_degrees(cfg)[1], 1)
+    local = cfg.training.seq_len // cfg.parallel.cp * cfg.parallel.cp_split[1]  # the ring's share per rank
+    kv_heads = max(cfg.model.kv_heads // cfg.parallel.cp_split[1], 1)
     kv = torch.zeros(2, cfg.training.micro_batch, kv_heads, local, cfg.model.head_size)
     times = []
     for _ in range(repeats):
@@ -150,7 +150,7 @@ def formula_bytes(seq: int, cp: int, impl: str) -> float:
     """Attention bytes per step per rank over the cp group(s) (docs/context-parallel.md#communication)."""
     cfg = load_config(None, overrides(seq, cp, impl, "."))
     m, b, layers = cfg.model, cfg.training.micro_batch, cfg.model.n_layers
-    ring, u = cp_degrees(cfg)
+    ring, u = cfg.parallel.cp_split
     k, q = m.kv_heads * m.head_size * 4, m.n_heads * m.head_size * 4
     total = 0.0
     if u > 1:
@@ -181,7 +181,7 @@ def tables(
         comm = measured.get("comm", {})
         attention = sum(v for g, v in comm.items() if g in ("cp", "cp_ring", "cp_ulysses"))
         formula = formula_bytes(seq, cp, impl) if impl != "single" else 0.0
-        u = cp_degrees(load_config(None, overrides(seq, cp, impl, ".")))[1] if impl != "single" else 1
+        u = load_config(None, overrides(seq, cp, impl, ".").parallel.cp_split)[1] if impl != "single" else 1
         layer = layer_activation_bytes(cfg.model, 1, seq, cp=cp if impl != "single" else 1, ulysses=u)
         exposed = [n.get("exposed_s", 0.0) for rank in s.notes for n in rank]
         alone = extra.get("hops_alone_s", {}).get(s.name)

@@ -31,7 +31,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshtron.comm import Comm
 from meshtron.config import ModelConfig
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.ddp import DistributedDataParallel

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -42,9 +41,10 @@ import torch.distributed as dist
 from harness import Clock, Pair, Runner
 from reporting import mib, ms, table
 
+from meshtron.checks import load_config
 from meshtron.comm import Comm, CommGroup, CommStats
-from meshtron.config import Config, load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.config import Config
+from meshtron.mesh import ParallelMesh
 from meshtron.models.moe import MoE, Router
 from meshtron.parallel.expert import AllGatherDispatch, AllToAllDispatch, expert_parameter_names
 from meshtron.train.metrics import model_state_bytes
@@ -153,7 +153,7 @@ class TrainerStep(Runner):
     parity check; in the measured step it records the training state before the gradients are zeroed."""
 
     def __init__(self, name: str, cfg: Config):
-        dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+        dims = cfg.parallel.dims(dist.get_world_size())
         self.name, self.trainer, self.step_index = name, Trainer(cfg, ParallelMesh(dims, "cpu")), 0
         self.moes = [m for m in self.trainer.model.modules() if isinstance(m, MoE)]
         self.timed: TimedComm | None = None
@@ -406,14 +406,9 @@ def tables(names: Sequence[str], samples: dict[str, reporting.Samples], extra: d
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = reporting.parser(__doc__, steps=20, warmup=3)
-    parser.add_argument("--check-steps", type=int, default=2, help="steps whose losses are checked first")
-    args = parser.parse_args(argv)
-    report = reporting.Report(__file__, TITLE)
     names = list(LAYOUTS)
-    print(f"{', '.join(names)} on {WORLD} gloo ranks")
-    results = harness.run_world(WORLD, bench_rank, names, args.warmup, args.steps, args.check_steps)
+    args, results = reporting.run_named_layouts(__doc__, WORLD, bench_rank, names, argv)
+    report = reporting.Report(__file__, TITLE)
     samples = report.add(results)
     report.blocks += tables(names, samples, results[0].extra)
     cfg = config(REPLICATED, ".")

@@ -4,7 +4,7 @@ A training step (forward under bf16 autocast over fp32 weights, cross-entropy ou
 backward, fused AdamW, zero_grad) of a Llama-3.2-1B-shaped and a 3B-shaped model and an MoE of about
 the 1B's active size (Mixtral architecture, 8 experts, top-2), each built by meshtron and handed to
 transformers' model class (`LlamaForCausalLM`, `MixtralForCausalLM`, SDPA attention) through
-`meshtron.models.hf.hf_state_dict`. Before anything is timed, both give the first batch's loss and
+`meshtron.hf.weights.hf_state_dict`. Before anything is timed, both give the first batch's loss and
 must agree (bf16: 2e-2 relative; fp32: 1e-5). Each case reports tokens/s, MFU (model FLOPs of
 plan/flops.py, recompute not counted, against the GPU's datasheet dense bf16 peak) and peak memory.
 Compiled: every transformer block `torch.compile`d (meshtron: `compile_blocks`, what
@@ -36,7 +36,8 @@ from reporting import RESULTS, table, write_section
 from torch import nn
 
 from meshtron.config import ModelConfig
-from meshtron.models.hf import hf_state_dict, save
+from meshtron.hf import save
+from meshtron.hf.weights import hf_state_dict
 from meshtron.models.llama import build_model
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.recompute import apply_recompute

@@ -37,19 +37,14 @@ from torch.distributed.pipelining import (
 )
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import ModelConfig
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.config import SPLIT_BACKWARD, ModelConfig
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
+from meshtron.pipeline.actions import chunks_of_rank
 from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
-from meshtron.pipeline.schedules import (
-    SPLIT_BACKWARD,
-    Simulation,
-    build_schedule,
-    chunks_of_rank,
-    simulate,
-    with_p2p,
-)
+from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
 from meshtron.pipeline.split import split_layers
 
 TITLE = "## Pipeline parallel: meshtron vs torch.distributed.pipelining (2 gloo ranks, CPU)"

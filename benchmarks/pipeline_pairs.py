@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,8 +33,9 @@ import torch.distributed as dist
 from harness import Clock, Pair, Runner
 from reporting import ms, table
 
-from meshtron.config import Config, load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.checks import load_config
+from meshtron.config import Config
+from meshtron.mesh import ParallelMesh
 from meshtron.pipeline.pairs import hidden_exchanges
 from meshtron.train.trainer import Trainer
 
@@ -73,7 +73,7 @@ class TrainerStep(Runner):
     notes each step's bubble and the pairs' all-to-all waits."""
 
     def __init__(self, name: str, cfg: Config):
-        dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+        dims = cfg.parallel.dims(dist.get_world_size())
         self.name, self.trainer, self.step_index = name, Trainer(cfg, ParallelMesh(dims, "cpu")), 0
         self.keep_grads, self.kept = True, None
         engine = self.trainer.engine
@@ -95,7 +95,7 @@ class TrainerStep(Runner):
         start = time.perf_counter()
         row = self.trainer.step(self.step_index)
         clock.lap("step")
-        runtime = self.trainer.pipeline
+        runtime = self.trainer.parallel.pipeline
         waited, _, hidden = hidden_exchanges(runtime.timeline, runtime.comm_timeline)
         clock.notes.update(
             step_s=time.perf_counter() - start, bubble=runtime.idle_fraction(), waited=waited, hidden=hidden
@@ -149,14 +149,9 @@ def tables(samples: dict[str, reporting.Samples]) -> list[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = reporting.parser(__doc__, steps=20, warmup=3)
-    parser.add_argument("--check-steps", type=int, default=2, help="steps whose losses are checked first")
-    args = parser.parse_args(argv)
-    report = reporting.Report(__file__, TITLE)
     names = list(LAYOUTS)
-    print(f"{', '.join(names)} on {WORLD} gloo ranks")
-    results = harness.run_world(WORLD, bench_rank, names, args.warmup, args.steps, args.check_steps)
+    args, results = reporting.run_named_layouts(__doc__, WORLD, bench_rank, names, argv)
+    report = reporting.Report(__file__, TITLE)
     samples = report.add(results)
     report.blocks += tables(samples)
     cfg = config(ONE_BY_ONE, ".")

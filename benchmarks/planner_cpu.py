@@ -28,10 +28,11 @@ from pathlib import Path
 
 from reporting import RESULTS, cpu_model, quantile, table, write_section
 
-from meshtron.config import Config, check, load_config
-from meshtron.hardware_probe import Measurement, cluster_from, launcher_threads, probe
+from meshtron.checks import check, load_config
+from meshtron.config import Config
 from meshtron.plan.estimate import Estimate, estimate
 from meshtron.plan.layout import Layout
+from meshtron.plan.probe import Measurement, cluster_from, launcher_threads, probe
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4
@@ -104,7 +105,7 @@ def others_cores(before: tuple[float, float, float]) -> float:
 def run_case(case: Case, flags: list[str], steps: int, run_dir: Path) -> tuple[list[dict], float]:
     """Train the case on RANKS local ranks: every step's metrics row (rank 0's metrics.jsonl), and
     the cores other jobs took meanwhile."""
-    cmd = [sys.executable, "-m", "meshtron.cli", "train", "--config", str(ROOT / case.config)]
+    cmd = [sys.executable, "-m", "meshtron", "train", "--config", str(ROOT / case.config)]
     cmd += [f"--nproc={RANKS}", *flags, f"--run.dir={run_dir}"]
     before = busy_seconds()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

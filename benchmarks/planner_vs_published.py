@@ -37,7 +37,8 @@ from typing import Any
 
 from reporting import RESULTS, write_section
 
-from meshtron.config import Config, ModelConfig, load_config
+from meshtron.checks import load_config
+from meshtron.config import Config, ModelConfig
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.compute_time import MATMUL_EFFICIENCY, ComputeEfficiency
 from meshtron.plan.estimate import Cluster, Estimate, estimate

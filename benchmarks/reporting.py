@@ -18,11 +18,12 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 from harness import RTOL, Check, Pair, RankResult, StepRecord
 
@@ -200,6 +201,18 @@ def parser(doc: str, steps: int | None = 20, warmup: int | None = 3) -> argparse
         "--profile", action="store_true", help="print rank 0's op table of a profiled step per runner"
     )
     return p
+
+
+def run_named_layouts(
+    doc: str, world: int, fn: Callable[..., RankResult], names: Sequence[str], argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, list[RankResult]]:
+    """The start of a benchmark's main that runs named layouts on one world: its flags (`parser`'s
+    and --check-steps), then `fn(names, warmup, steps, check_steps)` on every rank."""
+    flags = parser(doc, steps=20, warmup=3)
+    flags.add_argument("--check-steps", type=int, default=2, help="steps whose losses are checked first")
+    args = flags.parse_args(list(sys.argv[1:] if argv is None else argv))
+    print(f"{', '.join(names)} on {world} gloo ranks")
+    return args, harness.run_world(world, fn, list(names), args.warmup, args.steps, args.check_steps)
 
 
 def cpu_model() -> str:

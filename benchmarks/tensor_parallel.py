@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.comm import Comm
 from meshtron.config import ModelConfig
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.models.llama import Transformer, build_model
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.train.metrics import state_bytes

@@ -45,7 +45,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --rdzv-endpoint="${HEAD_NODE}:${RDZV_PORT}" \
     --rdzv-id="$SLURM_JOB_ID" \
     --max-restarts="$MAX_RESTARTS" \
-    -m meshtron.cli train \
+    -m meshtron train \
       --config "$CONFIG" \
       --run.dir="$RUN_DIR" \
       --checkpoint.every="$CHECKPOINT_EVERY" \

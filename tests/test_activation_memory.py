@@ -13,9 +13,11 @@ from functools import partial
 import pytest
 import torch
 
+from meshtron.checks import load_config
 from meshtron.comm import Comm
-from meshtron.config import ModelConfig, load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.config import ModelConfig
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.models.llama import build_model
 from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
@@ -56,7 +58,11 @@ def saved_bytes_of_second_layer(
     mesh = ParallelMesh(ParallelDims(cp=cp, tp=tp), "cpu") if tp * cp > 1 else None
     if tp > 1:
         apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp)
-    layout = apply_context_parallel(model, Comm(), mesh.group("cp"), cfg) if cp > 1 else None
+    layout = (
+        apply_context_parallel(model, Comm(), mesh.group("cp"), cfg.parallel.cp_impl, cfg.training.seq_len)
+        if cp > 1
+        else None
+    )
     apply_recompute(model, recompute)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -165,7 +171,7 @@ def saved_bytes_by_part(
     mesh = ParallelMesh(ParallelDims(tp=tp, dp_shard=ep, ep=ep), "cpu") if tp * ep > 1 else None
     plan = apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp, etp in (0, tp)) if tp > 1 else None
     if ep > 1:
-        apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg)
+        apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg.parallel.ep_dispatch)
     apply_recompute(model, recompute)
     rank = torch.distributed.get_rank() if mesh is not None else 0
     generator = torch.Generator().manual_seed(rank // tp)  # the ep ranks route different tokens

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.config import load_config
+from meshtron.checks import load_config
 from meshtron.models.llama import Transformer
 from meshtron.testing.parity import assert_losses_match, relative, train_rows
-from meshtron.train.checkpoint import FORMAT, FORMAT_FILE, CheckpointError, check_format, load_model_weights
+from meshtron.train import CheckpointError
+from meshtron.train.checkpoint import FORMAT, FORMAT_FILE, check_format, load_model_weights
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint-format-1"
 WRITTEN_LOSSES = json.loads((FIXTURE.parent / "checkpoint-format-1.losses.json").read_text())

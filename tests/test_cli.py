@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.cli import main
-from meshtron.config import build_config, load_config, tomllib
-from meshtron.dry_run import resolved
+from meshtron.checks import load_config
+from meshtron.commands.dry_run import resolved
+from meshtron.commands.main import main
+from meshtron.config import build_config, tomllib
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import Accelerator, GiB, table_name
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def meshtron(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "meshtron.cli", *args],
+        [sys.executable, "-m", "meshtron", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -236,9 +237,9 @@ TP2_DP2 = ["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=2"]
 def fixed_cpu(monkeypatch):
     """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
     cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
-    probe = types.ModuleType("meshtron.hardware_probe")
+    probe = types.ModuleType("meshtron.plan.probe")
     probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
-    monkeypatch.setitem(sys.modules, "meshtron.hardware_probe", probe)
+    monkeypatch.setitem(sys.modules, "meshtron.plan.probe", probe)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return probe
 
@@ -251,7 +252,7 @@ def nothing_starts(monkeypatch, tmp_path):
         raise AssertionError("a dry run started something")
 
     # By dotted name: this module's `meshtron` is the subprocess helper above, not the package.
-    monkeypatch.setattr("meshtron.cli._launch", refuse)
+    monkeypatch.setattr("meshtron.commands.train._launch", refuse)
     monkeypatch.setattr("meshtron.train.trainer.train", refuse)
     monkeypatch.chdir(tmp_path)
     return tmp_path

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.comm import Comm
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.parallel.blockwise_attention import (
     _FUSED,
     _FUSED_BACKWARD,

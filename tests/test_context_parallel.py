@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from meshtron.config import ConfigError, check, load_config
+from meshtron.checks import check, load_config
+from meshtron.config import ConfigError
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

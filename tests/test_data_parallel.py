@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from meshtron.config import load_config
+from meshtron.checks import load_config
 from meshtron.models.llama import build_model
 from meshtron.testing.parity import (
     assert_losses_match,

@@ -10,9 +10,11 @@ import types
 import pytest
 import torch
 
+from meshtron.checks import check, load_config
 from meshtron.comm import Comm
-from meshtron.config import ConfigError, ModelConfig, check, load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.models.moe import MoE, combine, grouped_linear, sort_by_expert
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.testing.parity import (
@@ -24,7 +26,7 @@ from meshtron.testing.parity import (
     run_layout,
     train_rows,
 )
-from meshtron.testing.tiny import MOE, TINY
+from meshtron.testing.tiny import MOE, QWEN2_MOE_SHARED, TINY
 
 # The tiny MoE with every balancing option on: Switch aux loss, z-loss, and the aux-loss-free bias
 # (its update moves routing from step 2 on, so the losses check that it is the same on every layout).
@@ -143,6 +145,15 @@ def random_moe(cfg: ModelConfig) -> MoE:
     return moe
 
 
+def spread_experts(moe: MoE, comm: Comm, world: int, dispatch: str) -> ParallelMesh:
+    """`moe`'s experts spread over `world` ep ranks by the expert-parallel step (the layer standing in for
+    a model), tokens exchanged by `dispatch`; returns the mesh."""
+    mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
+    layers = types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)})
+    apply_expert_parallel(layers, comm, mesh.group("ep"), dispatch)
+    return mesh
+
+
 def run_moe(cfg: ModelConfig, dispatch: str | None, skew: bool) -> dict[str, torch.Tensor]:
     """On every rank: its own tokens through an MoE whose experts are spread over all ranks (`dispatch`) or
     all local (None); the output, the input gradient and every expert's gradient gathered to [E, ...]."""
@@ -157,16 +168,7 @@ def run_moe(cfg: ModelConfig, dispatch: str | None, skew: bool) -> dict[str, tor
     x.requires_grad_(True)
     mesh = None
     if dispatch is not None:
-        mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
-        cfg_ep = load_config(
-            None, ["--model.n_experts=8", f"--parallel.ep={world}", f"--parallel.ep_dispatch={dispatch}"]
-        )
-        apply_expert_parallel(
-            types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)}),
-            comm,
-            mesh.group("ep"),
-            cfg_ep,
-        )
+        mesh = spread_experts(moe, comm, world, dispatch)
     out, _ = moe(x)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + rank)))
     grads = {name: p.grad for name, p in moe.experts.named_parameters()}
@@ -211,13 +213,7 @@ def dispatch_bytes(dispatch: str) -> dict[str, float]:
         return scores.gather(1, experts_Tk), experts_Tk, scores, logits
 
     moe.router.forward = uniform_router
-    mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
-    cfg_ep = load_config(
-        None, ["--model.n_experts=8", f"--parallel.ep={world}", f"--parallel.ep_dispatch={dispatch}"]
-    )
-    apply_expert_parallel(
-        types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)}), comm, mesh.group("ep"), cfg_ep
-    )
+    mesh = spread_experts(moe, comm, world, dispatch)
     x = torch.randn(1, n_tokens, cfg.dim, requires_grad=True)
     out, _ = moe(x)
     out.sum().backward()
@@ -320,7 +316,7 @@ def hf_moe_logits(path: str, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]
             f"--parallel.ep_dispatch={dispatch}",
         ],
     )
-    apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg)
+    apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg.parallel.ep_dispatch)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         logits = model(ids)
@@ -330,17 +326,7 @@ def hf_moe_logits(path: str, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]
 
 HF_MOE_CASES = {
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe_shared_gate": (
-        "Qwen2MoeConfig",
-        dict(
-            num_key_value_heads=2,
-            moe_intermediate_size=20,
-            shared_expert_intermediate_size=36,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-        ),
-    ),
+    "qwen2_moe_shared_gate": QWEN2_MOE_SHARED,
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(
@@ -358,22 +344,10 @@ HF_MOE_CASES = {
 @pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
 @pytest.mark.parametrize("case", list(HF_MOE_CASES))
 def test_hugging_face_moe_checkpoints_under_expert_parallel(workers, tmp_path, case, dispatch):
-    transformers = pytest.importorskip("transformers")
-    from meshtron.testing.tiny import perturb
+    pytest.importorskip("transformers")
+    from meshtron.testing.tiny import save_tiny_hf_model
 
-    config_name, extra = HF_MOE_CASES[case]
-    config = getattr(transformers, config_name)(
-        hidden_size=48,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=60,
-        vocab_size=97,
-        **extra,
-    )
-    torch.manual_seed(0)
-    reference_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    perturb(reference_model, 0)
-    reference_model.save_pretrained(tmp_path)
+    reference_model = save_tiny_hf_model(*HF_MOE_CASES[case], str(tmp_path))
     for ids, logits in workers(2).run(hf_moe_logits, str(tmp_path), dispatch):
         with torch.no_grad():
             expected = reference_model(input_ids=ids).logits

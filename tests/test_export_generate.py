@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron import cli, hf
-from meshtron.config import ModelConfig, load_config
+from meshtron import hf
+from meshtron.checks import load_config
+from meshtron.commands import main as cli
+from meshtron.commands.export import checkpoint_config, export, load_checkpoint_model, resolve_checkpoint
+from meshtron.config import ModelConfig
 from meshtron.data.tokenizer import ByteTokenizer
-from meshtron.export import checkpoint_config, export, load_checkpoint_model, resolve_checkpoint
 from meshtron.models.generate import complete, dropless, generate
 from meshtron.models.llama import KVCache, Transformer, build_model
 from meshtron.models.moe import MoE
 from meshtron.testing.parity import train_rows
 from meshtron.testing.tiny import TINY, perturb
-from meshtron.train.checkpoint import CheckpointError
+from meshtron.train import CheckpointError
 from meshtron.train.trainer import train
 
 transformers = pytest.importorskip("transformers")
@@ -189,8 +191,8 @@ def test_a_trained_bpe_tokenizer_exports_for_auto_tokenizer(tmp_path):
     after export and encodes and decodes as meshtron's does."""
     from transformers import AutoTokenizer
 
+    from meshtron.commands.export import save_hf_tokenizer
     from meshtron.data.tokenizer import train_bpe
-    from meshtron.export import save_hf_tokenizer
 
     text = tmp_path / "corpus.py"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 50 + "print(add(1, 2))  # three\n")

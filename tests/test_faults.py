@@ -16,7 +16,7 @@ from meshtron.comm import CollectiveTimeout, Comm, CommGroup
 from meshtron.testing.parity import train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 from meshtron.testing.workers import WorkerPool, close_pools
-from meshtron.train.checkpoint import CheckpointError
+from meshtron.train import CheckpointError
 from meshtron.train.checkpoint_integrity import corrupt_files
 
 POISONED = "layers.1.attention.wq.weight"
@@ -56,7 +56,7 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(workers):
 def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`meshtron train` on the demo config shrunk to the tiny model, in a fresh process."""
     return subprocess.run(
-        [sys.executable, "-m", "meshtron.cli", "train", "--config", "configs/demo.toml", *TINY, *args],
+        [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", *TINY, *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from meshtron import hardware_probe as hp
-from meshtron.config import load_config
+from meshtron.checks import load_config
+from meshtron.plan import probe as hp
 from meshtron.plan.estimate import estimate
 from meshtron.plan.layout import Layout
 

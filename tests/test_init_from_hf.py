@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from meshtron import hf
-from meshtron.config import ConfigError, load_config, validate
+from meshtron.checks import load_config, validate
+from meshtron.config import ConfigError
 from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.sampler import BatchSampler
-from meshtron.models.hf_checkpoint import HFCheckpoint, checkpoint_config, parameter_sources
+from meshtron.hf.checkpoint import HFCheckpoint, parameter_sources
+from meshtron.hf.config import checkpoint_config
 from meshtron.models.llama import build_model
 from meshtron.testing.parity import relative, trainer_for
 from meshtron.testing.tiny import perturb
@@ -114,7 +116,7 @@ def first_step(overrides: list[str]) -> dict[str, Any]:
     """On every rank: the first step's loss and how many checkpoint values this rank read."""
     trainer = trainer_for(overrides)
     try:
-        return {"loss": trainer.step(0)["loss"], "elements": trainer.init_report.elements}
+        return {"loss": trainer.step(0)["loss"], "elements": trainer.job.init_report.elements}
     finally:
         trainer.close()
 
@@ -239,12 +241,12 @@ def test_resume_takes_precedence_over_init_from(checkpoints: dict[str, Any], tmp
     started, first = trained(
         [*base, run_dir, "--training.steps=1", "--checkpoint.every=1", "--checkpoint.resume=true"]
     )
-    assert started.resumed_from is None and started.init_report is not None
+    assert started.job.resumed_from is None and started.job.init_report is not None
     changed = hf_model("llama_tied")
     perturb(changed, seed=7)
     changed.save_pretrained(path)
     resumed, second = trained([*base, run_dir, "--checkpoint.resume=true", "--checkpoint.every=1"])
-    assert resumed.resumed_from is not None and resumed.init_report is None
+    assert resumed.job.resumed_from is not None and resumed.job.init_report is None
     assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
     # The changed weights would have shown: a fresh run from them starts elsewhere.
     _, fresh = trained([*base, f"--run.dir={tmp_path / 'fresh'}", "--training.steps=1"])

@@ -70,7 +70,7 @@ def one_process_losses(config, tmp_path_factory) -> list[float]:
         [
             sys.executable,
             "-m",
-            "meshtron.cli",
+            "meshtron",
             "train",
             f"--config={config}",
             *COMMON,
@@ -122,7 +122,7 @@ def run_two_nodes(
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.5",
                 "-m",
-                "meshtron.cli",
+                "meshtron",
                 "train",
                 *train_args,
             ]

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch.distributed as dist
 
-from meshtron.mesh import ParallelDims, ParallelMesh, draw_mesh
+from meshtron.layout import ParallelDims, draw_mesh
+from meshtron.mesh import ParallelMesh
 
 
 def test_tp_is_innermost_and_pp_outermost():

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.config import ModelConfig, load_config
+from meshtron.checks import load_config
+from meshtron.config import ModelConfig
 from meshtron.models.llama import build_model, init_parameter, rope_inv_freq
 from meshtron.models.moe import MoE, capacity_keep, router_losses
 from meshtron.train.metrics import active_params, flops_per_token

@@ -174,7 +174,7 @@ def test_checkpoint_written_by_a_pipeline_resumes_on_other_layouts(workers, tmp_
 def released_and_sent(overrides: list[str]) -> tuple[int, int]:
     trainer = trainer_for(overrides)
     trainer.compute_gradients()
-    pipeline = trainer.pipeline
+    pipeline = trainer.parallel.pipeline
     p = trainer.cfg.parallel
     actions = build_schedule(pipeline.pp.size, p.vpp, 4, p.pp_schedule)[pipeline.pp.rank]
     return pipeline.released_outputs, sum(a.kind == "SEND_F" for a in actions)

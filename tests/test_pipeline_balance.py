@@ -9,10 +9,12 @@ import random
 
 import pytest
 
-from meshtron.config import load_config, validate
-from meshtron.pipeline.balance import layer_costs, layer_split_of
-from meshtron.pipeline.schedules import Kind, build_schedule, rank_of_chunk, simulate
+from meshtron.checks import load_config, validate
+from meshtron.pipeline.actions import Kind, rank_of_chunk
+from meshtron.pipeline.schedules import build_schedule, simulate
 from meshtron.pipeline.split import split_by_cost, split_by_cost_v
+from meshtron.plan.flops import layer_costs
+from meshtron.plan.state import layer_split
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
 
@@ -82,7 +84,7 @@ def test_cost_split_beats_even_counts_in_the_simulator(model, layout):
     )
     p = base.parallel
     name, vpp = p.pp_schedule, p.vpp
-    even, balanced = layer_split_of(base), layer_split_of(cost)
+    even, balanced = layer_split(base), layer_split(cost)
     assert [len(c) for c in balanced] != [len(c) for c in even]
     sims = [
         simulate(build_schedule(p.pp, vpp, 8, name), chunk_costs=chunk_costs(base, split))

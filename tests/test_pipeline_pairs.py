@@ -8,12 +8,13 @@ import random
 
 import pytest
 
-from meshtron.cli import main
+from meshtron.checks import load_config, validate
 from meshtron.comm import Comm
 from meshtron.comm_record import recorder
-from meshtron.config import load_config, validate
+from meshtron.commands.main import main
+from meshtron.pipeline.actions import Action, Kind
 from meshtron.pipeline.pairs import hidden_exchanges
-from meshtron.pipeline.schedules import Action, Kind, build_schedule, simulate
+from meshtron.pipeline.schedules import build_schedule, simulate
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 
@@ -113,7 +114,7 @@ def pairs_and_waits(overrides: list[str]) -> dict:
     result = run_layout(overrides)
     trainer = trainer_for(overrides)
     trainer.step(0)
-    runtime = trainer.pipeline
+    runtime = trainer.parallel.pipeline
     return {
         **result,
         "overlap": runtime.overlap,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.config import load_config
-from meshtron.dry_run import resolved
+from meshtron.checks import load_config
+from meshtron.commands.dry_run import resolved
 from meshtron.plan.comm import step_bytes
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.estimate import Cluster, estimate
@@ -28,7 +28,7 @@ def measured_state(overrides: list[str]) -> dict:
     trainer = trainer_for(overrides)
     trainer.step(0)
     second = trainer.step(1)  # the first step also counts DDP's initial broadcast
-    mesh = trainer.place.mesh
+    mesh = trainer.job.place.mesh
     first = mesh.local_rank("dp_shard_cp") == 0 and mesh.local_rank("dp_replicate") == 0
     return {
         "pp_rank": mesh.local_rank("pp"),

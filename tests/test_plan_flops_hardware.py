@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from meshtron.config import ConfigError, ModelConfig, load_config
+from meshtron.checks import load_config
+from meshtron.config import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.plan.flops import (
     executed_flops_per_token,

@@ -11,9 +11,11 @@ import json
 
 import pytest
 
-from meshtron.cli import main
-from meshtron.config import ConfigError, load_config
-from meshtron.pipeline.schedules import Kind, build_schedule, simulate
+from meshtron.checks import load_config
+from meshtron.commands.main import main
+from meshtron.config import ConfigError
+from meshtron.pipeline.actions import Kind
+from meshtron.pipeline.schedules import build_schedule, simulate
 from meshtron.plan.comm_time import Overlap, groups
 from meshtron.plan.compute_time import PassTimes, chunk_times
 from meshtron.plan.estimate import Cluster, estimate

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from meshtron.config import ConfigError, build_config, check, load_config, tomllib
-from meshtron.records import CONFIG_FILE, ENVIRONMENT_FILE
+from meshtron.checks import check, load_config
+from meshtron.config import ConfigError, build_config, tomllib
 from meshtron.testing.tiny import TINY
 from meshtron.train.metrics import MetricsLogger, scalars
+from meshtron.train.records import CONFIG_FILE, ENVIRONMENT_FILE
 from meshtron.train.trainer import train
 from meshtron.train.wandb_log import RUN_ID_FILE, WandbSettings
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from meshtron.pipeline.schedules import Action, build_schedule, send_release_points, simulate
+from meshtron.pipeline.actions import Action
+from meshtron.pipeline.schedules import build_schedule, send_release_points, simulate
 
 GRID = [(pp, m) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 4 * pp, 3 * pp + 1)]
 
@@ -99,47 +100,18 @@ def test_invalid_arguments_are_named():
         build_schedule(4, 2, 8, "1f1b")
 
 
+def meshtron(command: str, *more: str) -> subprocess.CompletedProcess:
+    """`meshtron COMMAND MORE...` in a fresh process."""
+    argv = [sys.executable, "-m", "meshtron", *command.split(), *more]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
 def test_schedule_command(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshtron.cli",
-            "schedule",
-            "--pp",
-            "4",
-            "--microbatches",
-            "8",
-            "--schedule",
-            "zero_bubble",
-            "--out",
-            str(tmp_path / "zb.png"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = meshtron("schedule --pp 4 --microbatches 8 --schedule zero_bubble --out", str(tmp_path / "zb.png"))
     assert out.returncode == 0, out.stderr
     assert "bubble 11.1%" in out.stdout and "peak micro-batches in flight per rank: 4, 3, 2, 1" in out.stdout
     assert (tmp_path / "zb.png").read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshtron.cli",
-            "schedule",
-            "--pp",
-            "4",
-            "--vpp",
-            "2",
-            "--microbatches",
-            "6",
-            "--schedule",
-            "interleaved",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    bad = meshtron("schedule --pp 4 --vpp 2 --microbatches 6 --schedule interleaved")
     assert bad.returncode == 2 and "multiple of pp=4" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from meshtron.config import ConfigError, check, load_config
+from meshtron.checks import check, load_config
+from meshtron.config import ConfigError
 from meshtron.models.llama import build_model
 from meshtron.testing.parity import (
     assert_losses_match,

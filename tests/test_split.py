@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.pipeline.schedules import chunks_of_rank
+from meshtron.pipeline.actions import chunks_of_rank
 from meshtron.pipeline.split import split_layers
 
 

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
-import transformers
 
 from meshtron import hf
+from meshtron.checks import load_config
 from meshtron.comm import Comm
-from meshtron.config import load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.testing.parity import (
     assert_losses_match,
@@ -23,7 +23,7 @@ from meshtron.testing.parity import (
     run_layout,
     train_rows,
 )
-from meshtron.testing.tiny import MOE, TINY, perturb
+from meshtron.testing.tiny import MOE, QWEN2_MOE_SHARED, TINY, save_tiny_hf_model
 
 CASES = {
     # name: (world, model overrides, parallel overrides)
@@ -124,17 +124,7 @@ HF_TP_CASES = {
     "llama_mqa_tied": ("LlamaConfig", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen2_bias": ("Qwen2Config", dict(num_key_value_heads=2)),
     "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=10)),
-    "qwen2_moe_shared": (
-        "Qwen2MoeConfig",
-        dict(
-            num_key_value_heads=2,
-            moe_intermediate_size=20,
-            shared_expert_intermediate_size=36,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-        ),
-    ),
+    "qwen2_moe_shared": QWEN2_MOE_SHARED,
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
 }
 
@@ -144,19 +134,7 @@ HF_TP_CASES = {
 def test_hugging_face_checkpoints_load_into_tensor_parallel_shards(
     workers, tmp_path, case, sequence_parallel
 ):
-    config_name, extra = HF_TP_CASES[case]
-    config = getattr(transformers, config_name)(
-        hidden_size=48,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=60,
-        vocab_size=97,
-        **extra,
-    )
-    torch.manual_seed(0)
-    reference_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    perturb(reference_model, 0)
-    reference_model.save_pretrained(tmp_path)
+    reference_model = save_tiny_hf_model(*HF_TP_CASES[case], str(tmp_path))
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference_model(input_ids=ids).logits

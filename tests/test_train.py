@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from meshtron.checks import load_config, not_yet_supported
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import ConfigError, load_config, not_yet_supported
 from meshtron.models.llama import build_model
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
@@ -117,26 +117,15 @@ def test_unimplemented_layouts_are_refused():
     assert refusals(torch_fsdp, 2) == ""
 
 
-def test_expert_parallel_step_refuses_what_it_cannot_run():
-    """The expert-parallel step refuses PyTorch's fully_shard with ep > 1 even when called without the
-    up-front check; with one rank it leaves the model as it is."""
-    cfg = load_config(None, [*TINY, *MOE, "--parallel.ep=2", "--parallel.fsdp_impl=torch"])
+def test_steps_of_degree_one_change_nothing():
+    """The config is checked once, up front (checks.check); a composition step takes its group and plain
+    settings, and with one rank it leaves the model as it is."""
+    cfg = load_config(None, [*TINY, *MOE])
     model = build_model(cfg.model)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    with pytest.raises(ConfigError, match="use parallel.fsdp_impl='meshtron' with parallel.ep > 1"):
-        apply_expert_parallel(model, Comm(), CommGroup("ep", (0, 1), None), cfg)
-    apply_expert_parallel(model, Comm(), CommGroup("ep", (0,), None), load_config(None, [*TINY, *MOE]))
+    apply_expert_parallel(model, Comm(), CommGroup("ep", (0,), None), "alltoall")
+    assert apply_context_parallel(model, Comm(), CommGroup("cp", (0,), None), "ring", 32) is None
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-
-
-def test_context_parallel_step_refuses_what_validation_would():
-    """Called without the up-front check, the cp step still refuses an invalid layout (here a sequence
-    that does not split into 2·cp chunks); with one rank it changes nothing."""
-    cfg = load_config(None, [*TINY, "--parallel.cp=2", "--training.seq_len=34"])
-    model = build_model(cfg.model)
-    with pytest.raises(ConfigError, match="must be divisible by 4 for cp=2"):
-        apply_context_parallel(model, Comm(), CommGroup("cp", (0, 1), None), cfg)
-    assert apply_context_parallel(model, Comm(), CommGroup("cp", (0,), None), cfg) is None
     assert "attend" not in vars(model.layers["0"].attention)
 
 
@@ -174,7 +163,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert [r["step"] for r in first] == [1, 2, 3]
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step-00000003"]
     # Starting afresh over a checkpoint is refused, so nothing is overwritten by accident.
-    from meshtron.train.checkpoint import CheckpointError
+    from meshtron.train import CheckpointError
 
     with pytest.raises(CheckpointError, match="set --checkpoint.resume=true"):
         run_train([*base, run_dir])
@@ -187,7 +176,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 
 def test_incomplete_checkpoint_is_ignored_and_mismatch_is_clear(tmp_path):
-    from meshtron.train.checkpoint import CheckpointError, complete_checkpoints
+    from meshtron.train import CheckpointError
+    from meshtron.train.checkpoint import complete_checkpoints
 
     base = [*TINY, "--training.steps=2", "--checkpoint.every=2", f"--run.dir={tmp_path}"]
     run_train(base)

@@ -8,14 +8,9 @@ import random
 
 import pytest
 
-from meshtron.cli import main
-from meshtron.pipeline.schedules import (
-    build_schedule,
-    chunks_of_rank,
-    rank_of_chunk,
-    send_release_points,
-    simulate,
-)
+from meshtron.commands.main import main
+from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
+from meshtron.pipeline.schedules import build_schedule, send_release_points, simulate
 
 V = ("zbv", "dualpipev")
 

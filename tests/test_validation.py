@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.config import load_config, validate
+from meshtron.checks import load_config, validate
 from meshtron.data import DataError
 from meshtron.data.dataset import prepare_data
 from meshtron.data.sampler import BatchSampler
@@ -44,8 +44,8 @@ def test_val_split_is_disjoint_and_deterministic(small_data):
     windows = np.concatenate([sampler.global_indices(s) for s in range(3 * int(sampler.steps_per_epoch))])
     assert (windows.max() + 1) * 32 <= cut
     # The evaluated batches: the same at every call and from any sampler built for them.
-    first = validation_sampler(cfg, val).micro_batches(val, 0, 0, 1, 4)
-    again = validation_sampler(cfg, val).micro_batches(val, 0, 0, 1, 4)
+    first = validation_sampler(cfg.training, val).micro_batches(val, 0, 0, 1, 4)
+    again = validation_sampler(cfg.training, val).micro_batches(val, 0, 0, 1, 4)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again, strict=True))
     # Without validation the training data is untouched, so the training stream is as before.
     off = load_config(None, ["--training.seq_len=31", "--training.global_batch=4"])

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from meshtron.config import check, load_config
-from meshtron.verify import report, shrink, to_overrides, verify
+from meshtron.checks import check, load_config
+from meshtron.commands.verify import report, shrink, to_overrides, verify
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_shrunk_model_keeps_architecture_and_layout(config, overrides, world):
 
 def verify_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshtron.cli", "verify", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "meshtron", "verify", *args], capture_output=True, text=True, timeout=600
     )
 
 

@@ -57,7 +57,7 @@ from meshtron.comm_autograd import (
     ReduceScatter,
     SplitToGroup,
 )
-from meshtron.comm_record import LANE, CommStats, flight_name, recorder
+from meshtron.comm_record import LANE, CommStats, Recording, Span, flight_name, recorder
 
 _gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
 _reduce_scatter_functional = getattr(functional, "reduce_scatter_single", functional.reduce_scatter_tensor)
@@ -130,13 +130,30 @@ class Comm:
 
     def __init__(self, timeout_s: float = 300.0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.stats = CommStats()
+        self.stats = CommStats()  # where collectives are counted: the innermost `recording`'s, if any
         # The pair lane: a second process group per group, for collectives issued by a thread that runs
         # at the same time as the main one (a DualPipeV pair's forward while its backward runs): each
         # group's collectives are then issued in one order on every rank, per lane.
         self._twins: dict[str, Any] | None = None
-        # When a list: every wait as (op, group name, lane, start, end) in perf_counter seconds.
-        self.spans: list[tuple[str, str, str, float, float]] | None = None
+        # Inside a `recording(spans=True)`: every wait as (op, group name, lane, start, end), perf_counter s.
+        self.spans: list[Span] | None = None
+
+    @contextlib.contextmanager
+    def recording(self, spans: bool = False) -> Iterator[Recording]:
+        """Count the collectives issued inside the block apart: bytes and calls per group and collective
+        (`Recording.stats`) and, with `spans`, every wait. An enclosing recording counts them too (a
+        step's statistics include its pipeline's); what runs outside every recording of interest (set-up,
+        evaluation, metrics) stays out of them."""
+        outer_stats, outer_spans = self.stats, self.spans
+        rec = Recording(CommStats(), [] if spans else None)
+        self.stats, self.spans = rec.stats, rec.spans if spans else outer_spans
+        try:
+            yield rec
+        finally:
+            self.stats, self.spans = outer_stats, outer_spans
+            outer_stats.merge(rec.stats)
+            if spans and outer_spans is not None:
+                outer_spans.extend(rec.spans or [])
 
     def add_pair_lane(self, twins: dict[str, Any]) -> None:
         """{process group name: its twin}: the groups collectives use on the pair lane (`pair_lane`);

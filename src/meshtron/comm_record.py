@@ -180,3 +180,22 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+
+    def merge(self, other: CommStats) -> None:
+        """Add `other`'s counts to these (an enclosing recording's; nothing is noted twice)."""
+        with self._lock:
+            for key, nbytes in other.bytes.items():
+                self.bytes[key] += nbytes
+            for key, calls in other.calls.items():
+                self.calls[key] += calls
+
+
+Span = tuple[str, str, str, float, float]  # a wait: (op, group name, lane, start, end) in perf_counter s
+
+
+@dataclass
+class Recording:
+    """What `Comm.recording` counted."""
+
+    stats: CommStats
+    spans: list[Span] | None = None

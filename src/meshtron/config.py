@@ -1,12 +1,11 @@
-"""Configuration: dataclass sections, TOML files with `--section.key=value` overrides, validation.
+"""Configuration as data: the dataclass sections, TOML files with `--section.key=value` overrides, and
+each field's own range and options.
 
-Every problem in a config is collected and reported at once, each with the change that fixes it,
-before any process starts or any tensor is allocated. The rules live where the code that needs them
-lives: a field's own range sits on the field (`positive(...)`), enumerated options are `Literal` types,
-and each feature states how its options must fit the model, the world and the others in its own module
-(`model_problems` in models/llama.py, `layout_problems` in mesh.py, `tensor_parallel_problems` in
-parallel/tensor.py, ...). `validate` collects them all; `check` raises them, or, for a config with none,
-what this version cannot run yet (each refused by the module that will run it).
+A field's range sits on the field (`positive(...)`), enumerated options are `Literal` types, and
+`field_problems` reports both. How the options must fit the model, the world size and each other is
+each feature's rule, stated in its package's torch-free rules.py and gathered by checks.py, which also
+loads a config with `model.init_from` (the checkpoint's architecture) and raises every problem at once.
+Nothing here imports a feature.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshtron.layout import ParallelDims, absorbed_dp_shard
 from meshtron.presets import PRESETS
 
 if sys.version_info >= (3, 11):
@@ -54,6 +54,8 @@ CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: parallel.vpp = 2, implied
+SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # backward split into input (B) and weight (W) gradients
 PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
 Recompute = Literal["none", "selective", "full"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -79,7 +81,7 @@ class ModelConfig:
     name: str = ""
     # A Hugging Face checkpoint directory (config.json + safetensors) to start from: the architecture
     # comes from its config.json, explicit keys may only repeat it, and the weights load into any layout
-    # unless the run resumes from a checkpoint of its own (train/init_from_hf.py).
+    # unless the run resumes from a checkpoint of its own (hf/init_from.py).
     init_from: str = ""
     dim: int = positive(256)
     n_layers: int = positive(4)
@@ -185,6 +187,41 @@ class ParallelConfig:
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
     etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1
+
+    @property
+    def expert_tp(self) -> bool:
+        """Whether experts are split over tensor parallel (etp = tp) rather than whole per tp rank."""
+        return self.etp in (0, self.tp)
+
+    @property
+    def cp_split(self) -> tuple[int, int]:
+        """(ring degree, Ulysses degree) of context parallel: ring·ulysses = cp."""
+        if self.cp_impl == "alltoall":
+            return 1, self.cp
+        if self.cp_impl == "hybrid" and self.cp_ulysses > 0 and self.cp % self.cp_ulysses == 0:
+            return self.cp // self.cp_ulysses, self.cp_ulysses
+        return self.cp, 1
+
+    def dp_shard_for(self, world_size: int) -> int:
+        """dp_shard in a job of `world_size` ranks (-1 resolved to what the other dims leave); lenient, for
+        rules that run before the layout is known to be valid."""
+        return absorbed_dp_shard(self.dp_shard, self.pp * self.dp_replicate * self.cp * self.tp, world_size)
+
+    def dp_for(self, world_size: int) -> int:
+        """The ranks that split the batch (dp_replicate x dp_shard) in a job of `world_size` ranks."""
+        return self.dp_replicate * self.dp_shard_for(world_size)
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The degrees of a job of `world_size` ranks; ValueError for degrees that are not a layout."""
+        return ParallelDims(
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard_for(world_size),
+            cp=self.cp,
+            tp=self.tp,
+            ep=self.ep,
+            cp_ulysses=self.cp_ulysses if self.cp_impl == "hybrid" else 1,
+        )
 
 
 @dataclass
@@ -333,11 +370,16 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"{path} is not valid TOML: {err}"]) from None
 
 
+# Where [model] keys come from when model.init_from names a checkpoint: (the explicit [model] keys,
+# problems) -> the keys to build from (checks.load_config passes the Hugging Face reader, hf/resolve.py).
+ModelSource = Callable[[Mapping[str, Any], list[str]], dict[str, Any]]
+
+
 def _merge(
-    raw: Mapping[str, Any], overrides: Sequence[str], problems: list[str]
+    raw: Mapping[str, Any], overrides: Sequence[str], problems: list[str], model_source: ModelSource | None
 ) -> dict[str, dict[str, Any]]:
     """{section: {key: value}} from the file, then the overrides, then the model preset under them (or,
-    with model.init_from, the checkpoint's architecture, which they may only repeat)."""
+    with model.init_from, the checkpoint's architecture from `model_source`, which they may only repeat)."""
     merged: dict[str, dict[str, Any]] = {}
     sections = [f.name for f in dataclasses.fields(Config)]
 
@@ -365,22 +407,29 @@ def _merge(
         put(section, key, value, f"override {text!r}")
     model_values = merged.get("model", {})
     if isinstance(model_values.get("init_from"), str) and model_values["init_from"]:
-        # The checkpoint's config.json defines the model (imported here: it imports this module).
-        from meshtron.train.init_from_hf import resolve_model_keys
-
-        merged["model"] = resolve_model_keys(model_values, problems)
+        if model_source is None:
+            problems.append(
+                "model.init_from needs the checkpoint's architecture: load with checks.load_config"
+            )
+        else:
+            merged["model"] = model_source(model_values, problems)
     elif model_values.get("name", ""):
         try:
             merged["model"] = {**model_preset(model_values["name"]), **model_values}
         except ConfigError as err:
             problems.extend(err.problems)
+    parallel = merged.get("parallel", {})
+    if parallel.get("pp_schedule") in V_SCHEDULES and "vpp" not in parallel:
+        parallel["vpp"] = 2  # a V holds two chunks per rank by definition
     return merged
 
 
-def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+def build_config(
+    raw: Mapping[str, Any], overrides: Sequence[str] = (), model_source: ModelSource | None = None
+) -> Config:
     """Merge a TOML mapping, a model preset and overrides into a typed Config; type errors are collected."""
     problems: list[str] = []
-    merged = _merge(raw, overrides, problems)
+    merged = _merge(raw, overrides, problems, model_source)
     built: dict[str, Any] = {}
     for section, section_cls in typing.get_type_hints(Config).items():
         types_of = typing.get_type_hints(section_cls)
@@ -398,14 +447,12 @@ def build_config(raw: Mapping[str, Any], overrides: Sequence[str] = ()) -> Confi
     return Config(**built)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+def read_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), model_source: ModelSource | None = None
+) -> Config:
+    """A TOML file (or nothing) with `--section.key=value` overrides as a typed Config, unchecked."""
     raw = load_toml(path) if path is not None else {}
-    return build_config(raw, overrides)
-
-
-def divisors(n: int) -> list[int]:
-    """What a "use X in [...]" fix offers."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return build_config(raw, overrides, model_source)
 
 
 def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
@@ -425,53 +472,3 @@ def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
                 problems.append(f"{where}={value} {f.metadata['says']}")
                 sizes += [problems[-1]] if f.metadata["size"] else []
     return problems, sizes
-
-
-def validate(cfg: Config, world_size: int = 1) -> list[str]:
-    """Every problem of `cfg` for a job of `world_size` ranks, each with its fix: the fields' own rules,
-    then each feature's rules, stated in the module of the code that needs them (imported here, not at
-    the top, because those modules import this one)."""
-    from meshtron.data.sampler import batch_problems
-    from meshtron.data.validation import validation_problems
-    from meshtron.mesh import layout_problems
-    from meshtron.models.llama import model_problems
-    from meshtron.models.moe import moe_problems
-    from meshtron.parallel.context import context_parallel_problems
-    from meshtron.parallel.expert import expert_parallel_problems
-    from meshtron.parallel.tensor import tensor_parallel_problems
-    from meshtron.pipeline.runtime import pipeline_problems
-    from meshtron.train.wandb_log import wandb_problems
-
-    problems, sizes = field_problems(cfg)
-    if sizes:  # the rules below divide by these numbers
-        return problems
-    problems += model_problems(cfg.model) + moe_problems(cfg.model)
-    problems += layout_problems(cfg, world_size)
-    problems += tensor_parallel_problems(cfg)
-    problems += context_parallel_problems(cfg)
-    problems += expert_parallel_problems(cfg)
-    problems += batch_problems(cfg, world_size)
-    problems += pipeline_problems(cfg, world_size)
-    problems += validation_problems(cfg)
-    problems += wandb_problems(cfg)
-    return problems
-
-
-def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
-    """Valid layouts that this version cannot run yet, each refused by the module that will run it."""
-    from meshtron.parallel.data_parallel import data_parallel_unsupported
-    from meshtron.parallel.expert import expert_parallel_unsupported
-    from meshtron.train.checkpoint import checkpoint_unsupported
-
-    return (
-        expert_parallel_unsupported(cfg)
-        + data_parallel_unsupported(cfg, world_size)
-        + checkpoint_unsupported(cfg, world_size)
-    )
-
-
-def check(cfg: Config, world_size: int = 1) -> Config:
-    """Raise ConfigError listing every problem, or, in a valid config, every part this version cannot run
-    yet; otherwise return cfg."""
-    refuse(validate(cfg, world_size) or not_yet_supported(cfg, world_size))
-    return cfg

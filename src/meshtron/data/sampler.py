@@ -11,37 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtron.config import Config
 from meshtron.data.dataset import PreparedData
-from meshtron.mesh import dp_size
+from meshtron.data.rules import batch_split_problem
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def batch_split_problem(global_batch: int, micro_batch: int, dp_size: int) -> str | None:
-    """The one rule of splitting a global batch: every data-parallel rank takes an equal slice of it and
-    cuts its slice into equal micro-batches, so global_batch must be a multiple of micro_batch * dp."""
-    if micro_batch >= 1 and global_batch % (micro_batch * dp_size) == 0:
-        return None
-    return (
-        f"training.global_batch={global_batch} is not divisible by micro_batch*dp = {micro_batch}*{dp_size}; "
-        f"use a global_batch that is a multiple of {max(micro_batch, 1) * dp_size}"
-    )
-
-
-def batch_problems(cfg: Config, world_size: int) -> list[str]:
-    """The batch rule for the data-parallel ranks of a job of `world_size` ranks."""
-    dp = dp_size(cfg.parallel, world_size)
-    problem = batch_split_problem(cfg.training.global_batch, cfg.training.micro_batch, dp)
-    return [problem] if problem else []
-
-
-def micro_batches_per_step(global_batch: int, micro_batch: int, dp_size: int) -> int:
-    """How many micro-batches each data-parallel rank runs per optimizer step."""
-    problem = batch_split_problem(global_batch, micro_batch, dp_size)
-    if problem:
-        raise ValueError(problem)
-    return global_batch // (micro_batch * dp_size)
 
 
 class BatchSampler:

@@ -19,27 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtron.config import Config
+from meshtron.config import Config, TrainingConfig
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
 from meshtron.data.sampler import BatchSampler
-
-
-def validation_problems(cfg: Config) -> list[str]:
-    """How the validation options fit together (their ranges are on the fields)."""
-    d, t = cfg.data, cfg.training
-    problems = []
-    if d.val_fraction > 0 and d.val_path:
-        problems.append(
-            f"data.val_fraction={d.val_fraction} and data.val_path={d.val_path!r} both name validation "
-            "data; set only one of them"
-        )
-    if t.eval_every > 0 and not (d.val_fraction > 0 or d.val_path):
-        problems.append(
-            f"training.eval_every={t.eval_every} needs validation data; set data.val_fraction (e.g. 0.01) "
-            "or data.val_path, or training.eval_every=0"
-        )
-    return problems
 
 
 def _same_tokenizer_problem(train: PreparedData, val: PreparedData) -> str | None:
@@ -101,7 +84,6 @@ def split_validation(cfg: Config, train: PreparedData) -> tuple[PreparedData, Pr
     return train, val
 
 
-def validation_sampler(cfg: Config, val: PreparedData) -> BatchSampler:
+def validation_sampler(t: TrainingConfig, val: PreparedData) -> BatchSampler:
     """The sampler whose first `eval_batches` steps are the evaluated batches."""
-    t = cfg.training
     return BatchSampler(val.n_tokens, t.seq_len, t.global_batch, t.seed)

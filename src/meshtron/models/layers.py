@@ -1,10 +1,14 @@
-"""Building blocks shared by the dense and mixture-of-experts models."""
+"""Building blocks shared by the dense and mixture-of-experts models, and the torch dtypes configs name."""
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})  # config.DType -> torch
 
 
 class RMSNorm(nn.Module):

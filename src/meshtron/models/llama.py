@@ -15,34 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import ModelConfig, divisors
+from meshtron.config import ModelConfig
 from meshtron.models.layers import FeedForward, RMSNorm
 from meshtron.models.moe import MoE
-
-
-def model_problems(cfg: ModelConfig) -> list[str]:
-    """What the attention and rotary embedding need of the model's sizes."""
-    problems = []
-    if cfg.head_dim == 0 and cfg.dim % cfg.n_heads:
-        problems.append(
-            f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}; "
-            f"use n_heads in {divisors(cfg.dim)} or set model.head_dim"
-        )
-    if cfg.head_size % 2:
-        problems.append(
-            f"head size {cfg.head_size} must be even for rotary embeddings; change model.dim, "
-            "model.n_heads or model.head_dim"
-        )
-    if cfg.n_heads % cfg.kv_heads:
-        problems.append(
-            f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}; "
-            f"use n_kv_heads in {divisors(cfg.n_heads)}"
-        )
-    if cfg.rope_scaling == "llama3" and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
-        problems.append(
-            "model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 scaling"
-        )
-    return problems
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

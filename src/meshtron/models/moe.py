@@ -31,31 +31,6 @@ from meshtron.config import ModelConfig, RouterScore
 from meshtron.models.layers import FeedForward
 
 
-def moe_problems(cfg: ModelConfig) -> list[str]:
-    """What routing needs of an MoE model's options (none for a dense model)."""
-    if not cfg.is_moe:
-        return []
-    problems = []
-    if not 1 <= cfg.top_k <= cfg.n_experts:
-        problems.append(f"model.top_k={cfg.top_k} must be between 1 and model.n_experts={cfg.n_experts}")
-    if cfg.moe_every < 1:
-        problems.append(f"model.moe_every={cfg.moe_every} must be >= 1")
-    outside = [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]
-    if outside:
-        problems.append(f"model.dense_layers {outside} are outside 0..{cfg.n_layers - 1}")
-    if cfg.shared_expert_gate and cfg.n_shared_experts == 0:
-        problems.append("model.shared_expert_gate=true needs model.n_shared_experts >= 1")
-    groups, best = cfg.n_expert_groups, cfg.topk_expert_groups
-    if cfg.n_experts % groups:
-        problems.append(f"model.n_experts={cfg.n_experts} is not divisible by model.n_expert_groups={groups}")
-    elif best > groups or cfg.top_k > best * cfg.n_experts // groups:
-        problems.append(
-            f"model.topk_expert_groups={best} must be <= model.n_expert_groups={groups} and leave at "
-            f"least top_k={cfg.top_k} experts to choose from ({cfg.n_experts // groups} per group)"
-        )
-    return problems
-
-
 class _LoadCounting(threading.local):
     """Whether forwards count expert loads: not while activation recompute reruns one. Per thread: a
     pipeline may recompute one micro-batch in backward while another thread runs a counted forward."""

@@ -27,7 +27,6 @@ over dp × cp, and ZeRO/FSDP shard over dp_shard × cp (data_parallel.py).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,83 +35,9 @@ import torch
 from torch import Tensor
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, divisors, refuse
+from meshtron.config import CpImpl
 from meshtron.models.llama import Transformer
 from meshtron.parallel.blockwise_attention import block_backward, block_forward, merge_
-
-
-def cp_degrees(cfg: Config) -> tuple[int, int]:
-    """(ring degree, Ulysses degree) of the layout: ring·ulysses = cp."""
-    p = cfg.parallel
-    if p.cp_impl == "alltoall":
-        return 1, p.cp
-    if p.cp_impl == "hybrid" and p.cp_ulysses > 0 and p.cp % p.cp_ulysses == 0:
-        return p.cp // p.cp_ulysses, p.cp_ulysses
-    return p.cp, 1
-
-
-def sequence_divisor(cfg: Config) -> int:
-    """What seq_len must divide by: 2·R chunks for a ring (or all-gather) of R ranks, and the cp pieces
-    of the sequence (each ring rank's share is cut in cp_ulysses consecutive pieces)."""
-    ring, _ = cp_degrees(cfg)
-    cp = cfg.parallel.cp
-    return cp if ring == 1 else math.lcm(2 * ring, cp)
-
-
-def _heads_problems(cfg: Config) -> list[str]:
-    """Ulysses splits each tp rank's query heads over its ranks, and splits or replicates the KV heads."""
-    p, m = cfg.parallel, cfg.model
-    _, ulysses = cp_degrees(cfg)
-    heads, kv_heads = m.n_heads // p.tp, m.kv_heads_per_rank(p.tp)
-    if ulysses == 1:
-        return []
-    fits = [u for u in divisors(p.cp) if 1 < u < p.cp and heads % u == 0]
-    fix = (
-        f"use cp_ulysses in {fits} or cp_impl='ring'"
-        if p.cp_impl == "hybrid" and fits
-        else "use cp_impl='ring'"
-    )
-    problems = []
-    if heads % ulysses:
-        problems.append(
-            f"cp_impl={p.cp_impl!r} splits the {heads} query heads of a tp rank over {ulysses} ranks, which "
-            f"needs model.n_heads divisible by tp*{ulysses}; {fix} or 'allgather'"
-        )
-    if kv_heads % ulysses and ulysses % kv_heads:
-        problems.append(
-            f"cp_impl={p.cp_impl!r}: the {kv_heads} key/value heads of a tp rank can be neither split over "
-            f"nor replicated to {ulysses} ranks (one must divide the other); {fix}"
-        )
-    return problems
-
-
-def context_parallel_problems(cfg: Config) -> list[str]:
-    """What splitting the sequence over cp ranks needs of the batch, the model and cp_impl's options."""
-    p, seq_len = cfg.parallel, cfg.training.seq_len
-    problems = []
-    if p.cp_impl != "hybrid" and p.cp_ulysses != 1:
-        problems.append(f"parallel.cp_ulysses={p.cp_ulysses} is only read by cp_impl='hybrid'; set it to 1")
-    if p.cp_impl == "hybrid" and (p.cp % p.cp_ulysses or not 1 < p.cp_ulysses < p.cp):
-        choices = [d for d in divisors(p.cp) if 1 < d < p.cp]
-        fix = (
-            f"use cp_ulysses in {choices}" if choices else "hybrid needs a cp with a divisor between 1 and cp"
-        )
-        problems.append(f"cp_impl='hybrid' needs 1 < parallel.cp_ulysses < cp dividing cp={p.cp}; {fix}")
-        return problems
-    step = sequence_divisor(cfg)
-    if p.cp > 1 and seq_len % step:
-        why = "one piece per rank" if step == p.cp else "load balancing gives each ring rank two chunks"
-        problems.append(
-            f"training.seq_len={seq_len} must be divisible by {step} for cp={p.cp} with cp_impl={p.cp_impl!r} "
-            f"({why}); use seq_len={seq_len - seq_len % step or step}"
-        )
-    problems += _heads_problems(cfg)
-    if p.cp > 1 and cfg.model.is_moe and cfg.model.capacity_factor > 0:
-        problems.append(
-            "model.capacity_factor > 0 with parallel.cp > 1: which tokens overflow an expert's capacity "
-            "depends on the tokens a rank sees; use a dropless MoE (capacity_factor=0) with cp"
-        )
-    return problems
 
 
 def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
@@ -378,22 +303,21 @@ def apply_context_parallel(
     model: Transformer,
     comm: Comm,
     cp: CommGroup,
-    cfg: Config,
+    impl: CpImpl,
+    seq_len: int,
     ring: CommGroup | None = None,
     ulysses: CommGroup | None = None,
 ) -> SequenceLayout | None:
     """The context-parallel step of `parallelize`: every attention exchanges K/V (or heads) over cp and
-    every MoE layer sums its routing statistics over cp. Returns where this rank's tokens sit (None for
-    cp = 1). `ring`, `ulysses`: hybrid's two subgroups of cp."""
+    every MoE layer sums its routing statistics over cp. Returns where this rank's tokens of a sequence
+    of `seq_len` sit (None for cp = 1). `ring`, `ulysses`: hybrid's two subgroups of cp."""
     if cp.size == 1:
         return None
-    refuse(context_parallel_problems(cfg))
-    impl = cfg.parallel.cp_impl
     ring = {"ring": cp, "allgather": cp, "alltoall": None}.get(impl, ring)
     ulysses = {"ring": None, "allgather": None, "alltoall": cp}.get(impl, ulysses)
+    window = model.cfg.sliding_window
     for block in model.layers.values():
-        block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, cfg.model.sliding_window)
+        block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, window)
         if block.moe is not None:
             block.moe.token_sum = lambda stats: comm.all_reduce(stats, cp)
-    ring_degree, ulysses_degree = cp_degrees(cfg)
-    return SequenceLayout(cfg.training.seq_len, ring_degree, ulysses_degree)
+    return SequenceLayout(seq_len, ring.size if ring else 1, ulysses.size if ulysses else 1)

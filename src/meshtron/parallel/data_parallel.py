@@ -18,14 +18,15 @@ is the stage's chunk that holds them, and a middle stage has none.
 
 from __future__ import annotations
 
-import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshtron.comm import Comm
-from meshtron.config import Config, refuse
-from meshtron.mesh import ParallelMesh, resolve_dp_shard
+from meshtron.config import Config, FsdpImpl
+from meshtron.mesh import ParallelMesh
+from meshtron.models.layers import DTYPES
 from meshtron.models.llama import Transformer
 from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
@@ -35,73 +36,56 @@ from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.simple_fsdp import SimpleFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
 
-DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})
 
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """The data-parallel options of a layout, as the engines take them."""
 
-def uses_torch_fsdp(cfg: Config, world_size: int) -> bool:
-    """Whether PyTorch's fully_shard shards the model (ZeRO-3 over dp_shard·cp > 1, fsdp_impl="torch")."""
-    p = cfg.parallel
-    return resolve_dp_shard(p, world_size) * p.cp > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+    zero: int = 3  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
+    fsdp_impl: FsdpImpl = "meshtron"  # ZeRO-3's engine
+    bucket_bytes: int = 25 * 2**20  # DDP and ZeRO-1/2 gradient buckets
+    param_dtype: torch.dtype = torch.float32  # ZeRO-3's gathered (compute) copy
+    reduce_dtype: torch.dtype = torch.float32  # gradient reductions
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered units after each forward
+    compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
 
-
-# Schedules whose split backward computes weight gradients outside the autograd graph of the gather.
-SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
-
-
-def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
-    """The engine choices this version cannot run yet."""
-    p = cfg.parallel
-    if uses_torch_fsdp(cfg, world_size) and p.pp > 1:
-        return [
-            "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
-            "with parallel.pp > 1"
-        ]
-    if p.fsdp_impl != "simple":
-        return []
-    problems = []
-    if p.zero != 3:
-        problems.append(
-            f"parallel.fsdp_impl='simple' is ZeRO-3 (parameters sharded); set parallel.zero=3, not {p.zero}"
+    @classmethod
+    def of(cls, cfg: Config) -> DataParallelSettings:
+        p = cfg.parallel
+        return cls(
+            zero=p.zero,
+            fsdp_impl=p.fsdp_impl,
+            bucket_bytes=int(p.bucket_mb * 2**20),
+            param_dtype=DTYPES[cfg.training.dtype],
+            reduce_dtype=DTYPES[p.reduce_dtype],
+            reshard_after_forward=p.reshard_after_forward,
+            compiled=cfg.training.compile,
         )
-    if p.ep > 1:
-        problems.append(
-            "parallel.fsdp_impl='simple' does not shard expert-parallel experts yet; use 'meshtron' with ep > 1"
-        )
-    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
-        problems.append(
-            f"parallel.fsdp_impl='simple' with pp_schedule={p.pp_schedule!r}: a split backward computes weight "
-            "gradients outside the gather's autograd; use gpipe, 1f1b or interleaved, or fsdp_impl='meshtron'"
-        )
-    return problems
 
 
 def apply_data_parallel(
-    model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config, roots: list[nn.Module] | None = None
+    model: Transformer,
+    comm: Comm,
+    mesh: ParallelMesh,
+    settings: DataParallelSettings,
+    roots: list[nn.Module] | None = None,
 ) -> DataParallelEngine:
-    """The engine for this layout over `model` (already cut by the earlier steps). `roots`: the modules
-    whose forwards use the parameters outside the blocks, when it is not the model (a pipeline stage's
-    chunks that hold the embedding or the head).
-    With expert parallel, the experts get an engine of their own over edp (expert_data_parallel.py)."""
-    refuse(data_parallel_unsupported(cfg, mesh.dims.world_size))
+    """The data-parallel step of `parallelize`: the engine for this layout over `model` (already cut by
+    the earlier steps). `roots`: the modules whose forwards use the parameters outside the blocks, when it
+    is not the model (a pipeline stage's chunks that hold the embedding or the head). With expert
+    parallel, the experts get an engine of their own over edp (expert_data_parallel.py)."""
     shard_dim = mesh.with_cp("dp_shard")
     blocks = list(model.layers.values())
     experts = expert_parameter_names(model) if mesh.size("ep") > 1 else frozenset()
     if not experts:
-        return _engine(model, blocks, comm, cfg, mesh, shard_dim, mesh.with_cp("dp"), roots)
+        return _engine(model, blocks, comm, mesh, settings, shard_dim, mesh.with_cp("dp"), roots)
+    dense_params = ParameterSubset(model, experts, keep=False)
     dense = _engine(
-        ParameterSubset(model, experts, keep=False),
-        blocks,
-        comm,
-        cfg,
-        mesh,
-        shard_dim,
-        mesh.with_cp("dp"),
-        roots or [model],
+        dense_params, blocks, comm, mesh, settings, shard_dim, mesh.with_cp("dp"), roots or [model]
     )
     expert_modules = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
-    expert_engine = _engine(
-        ParameterSubset(model, experts, keep=True), expert_modules, comm, cfg, mesh, "edp", "dp_replicate"
-    )
+    expert_params = ParameterSubset(model, experts, keep=True)
+    expert_engine = _engine(expert_params, expert_modules, comm, mesh, settings, "edp", "dp_replicate")
     return ExpertDataParallel(model, dense, expert_engine, mesh.group("ep"))
 
 
@@ -109,51 +93,37 @@ def _engine(
     model: nn.Module | ParameterSubset,
     blocks: list[nn.Module],
     comm: Comm,
-    cfg: Config,
     mesh: ParallelMesh,
+    settings: DataParallelSettings,
     shard_dim: str,
     whole_dim: str,
     roots: list[nn.Module] | None = None,
 ) -> DataParallelEngine:
     """The engine of the table above for `model`'s parameters: sharded over `shard_dim` (all-reduced
     across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
-    p, dtype = cfg.parallel, DTYPES[cfg.training.dtype]
+    s = settings
     shard, replicate = mesh.group(shard_dim), mesh.group("dp_replicate")
-    reduce_dtype = DTYPES[p.reduce_dtype]
-    bucket_bytes = int(p.bucket_mb * 2**20)
     if shard.size == 1:
-        return DistributedDataParallel(model, comm, mesh.group(whole_dim), bucket_bytes, reduce_dtype)
-    if p.zero in (1, 2):
+        return DistributedDataParallel(
+            model, comm, mesh.group(whole_dim), bucket_bytes=s.bucket_bytes, reduce_dtype=s.reduce_dtype
+        )
+    dtypes = {"param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
+    if s.zero in (1, 2):
         return ZeroShardedOptimizer(
-            model,
-            comm,
-            shard,
-            replicate,
-            p.zero,
-            bucket_bytes,
-            reduce_dtype,
-            mesh.mesh(shard_dim),
-            blocks,
-            roots,
-        )
-    if p.fsdp_impl == "simple":
-        hooked = [*(roots or [model]), *blocks]
-        compiled = blocks if cfg.training.compile else None
+            model, comm, shard, replicate, stage=s.zero, bucket_bytes=s.bucket_bytes,
+            reduce_dtype=s.reduce_dtype, shard_mesh=mesh.mesh(shard_dim), blocks=blocks, roots=roots,
+        )  # fmt: skip
+    if s.fsdp_impl == "simple":
         return SimpleFSDP(
-            model, hooked, comm, shard, replicate, dtype, reduce_dtype, mesh.mesh(shard_dim), compiled
-        )
-    if p.fsdp_impl == "torch":
+            model, [*(roots or [model]), *blocks], comm, shard, replicate, **dtypes,
+            shard_mesh=mesh.mesh(shard_dim), compiled=blocks if s.compiled else None,
+        )  # fmt: skip
+    if s.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
-        return TorchFSDP(model, blocks, device_mesh, shard, dtype, reduce_dtype, p.reshard_after_forward)
+        return TorchFSDP(
+            model, blocks, device_mesh, shard, **dtypes, reshard_after_forward=s.reshard_after_forward
+        )
     return FullyShardedDataParallel(
-        model,
-        blocks,
-        comm,
-        shard,
-        replicate,
-        dtype,
-        reduce_dtype,
-        p.reshard_after_forward,
-        mesh.mesh(shard_dim),
-        roots=roots,
-    )
+        model, blocks, comm, shard, replicate, **dtypes, reshard_after_forward=s.reshard_after_forward,
+        shard_mesh=mesh.mesh(shard_dim), roots=roots,
+    )  # fmt: skip

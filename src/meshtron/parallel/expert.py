@@ -32,46 +32,9 @@ import torch
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, divisors, refuse
+from meshtron.config import EpDispatch
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, sort_by_expert
-
-
-def expert_tp(cfg: Config) -> bool:
-    """Whether experts are split over tensor parallel (etp = tp) rather than whole per tp rank."""
-    return cfg.parallel.etp in (0, cfg.parallel.tp)
-
-
-def expert_parallel_problems(cfg: Config) -> list[str]:
-    """What placing whole experts on ep ranks (and on tp ranks with etp = 1) needs of the model."""
-    m, p = cfg.model, cfg.parallel
-    problems = []
-    if p.etp not in (0, 1, p.tp):
-        problems.append(
-            f"parallel.etp={p.etp} must be 1 (whole experts per tensor-parallel rank) or tp={p.tp} (experts "
-            "split over tp like the dense FFN)"
-        )
-    if p.ep == 1 and (p.etp in (0, p.tp) or not m.is_moe):
-        return problems
-    if not m.is_moe:
-        return [*problems, f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1"]
-    owners = p.ep * (1 if expert_tp(cfg) else p.tp)
-    if m.n_experts % owners:
-        what = "parallel.ep" if owners == p.ep else "parallel.ep*tp (etp=1 spreads experts over tp too)"
-        problems.append(
-            f"model.n_experts={m.n_experts} is not divisible by {what}={owners}; use "
-            f"{'ep' if owners == p.ep else 'ep*tp'} in {divisors(m.n_experts)}"
-        )
-    return problems
-
-
-def expert_parallel_unsupported(cfg: Config) -> list[str]:
-    if cfg.parallel.ep > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
-        return [
-            "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
-            "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
-        ]
-    return []
 
 
 def expert_parameter_names(model: nn.Module) -> frozenset[str]:
@@ -137,13 +100,12 @@ class AllGatherDispatch(ExpertDispatch):
         return self.comm.reduce_scatter(combine(y_ND, order, weights_all, x_all.shape[0]), self.ep)
 
 
-def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, cfg: Config) -> None:
+def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, dispatch_by: EpDispatch) -> None:
     """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer (of the
-    ones tensor parallel left it) and route tokens to the others through the chosen dispatch."""
-    refuse(expert_parallel_unsupported(cfg))
+    ones tensor parallel left it) and route tokens to the others by all-to-all or all-gather."""
     if ep.size == 1:
         return
-    dispatch = (AllToAllDispatch if cfg.parallel.ep_dispatch == "alltoall" else AllGatherDispatch)(comm, ep)
+    dispatch = (AllToAllDispatch if dispatch_by == "alltoall" else AllGatherDispatch)(comm, ep)
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if moe is None:

@@ -27,18 +27,18 @@ from functools import partial
 import torch
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, refuse
-from meshtron.mesh import PP_ENDS, ParallelMesh
+from meshtron.config import Config
+from meshtron.layout import PP_ENDS
+from meshtron.mesh import ParallelMesh
 from meshtron.models.llama import Transformer
-from meshtron.models.loss import cross_entropy_per_token
+from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.context import apply_context_parallel
-from meshtron.parallel.data_parallel import apply_data_parallel
+from meshtron.parallel.data_parallel import DataParallelSettings, apply_data_parallel
 from meshtron.parallel.engine import DataParallelEngine
-from meshtron.parallel.expert import apply_expert_parallel, expert_tp
+from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.pipeline.pairs import pair_overlap_device_problems
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
 
@@ -70,6 +70,38 @@ class ParallelModel:
             return x_BS
         return x_BS[:, self.positions.to(x_BS.device)].contiguous()
 
+    def run_micro_batches(
+        self,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss: MicroBatchLoss,
+        device: torch.device,
+        backward: bool = True,
+        before_grads: Callable[[bool], None] = lambda is_last: None,
+    ) -> torch.Tensor:
+        """One step's micro-batches (whole sequences [B, S] of tokens and targets) through this rank's
+        part of the model, the training step's and evaluation's loop: forwards (and with `backward` their
+        backwards, `before_grads(is_last)` before each), in the pipeline schedule's order under pp, else
+        one after another. Returns this rank's share of the summed cross-entropy (under pp, non-zero on
+        the last stage only)."""
+        local = self.local_sequence  # under cp: this rank's tokens of each sequence
+        micro_batches = [(local(x).to(device), local(y).to(device)) for x, y in micro_batches]
+        positions = self.positions_of(micro_batches[0][0])
+        if self.pipeline is not None:
+            if not backward:
+                return self.pipeline.forward_only(micro_batches, loss, positions)
+            return self.pipeline.run(micro_batches, loss, before_grads=before_grads, positions_BS=positions)
+        ce_sum = torch.zeros((), device=device)
+        for index, (inputs, targets) in enumerate(micro_batches):
+            if backward:
+                before_grads(index == len(micro_batches) - 1)
+            with loss.autocast():
+                logits, aux = self.model(inputs, positions, return_aux=True)
+            total, ce = loss.of(logits, aux, targets)
+            if backward:
+                total.backward()
+            ce_sum += ce.detach()
+        return ce_sum
+
     def finish_gradients(self) -> None:
         """After the step's last backward: wait for every gradient reduction, and sum the gradients of a
         tied embedding's two copies (so that they take the same optimizer step)."""
@@ -82,32 +114,52 @@ class ParallelModel:
         return self.pipeline.counted_elsewhere() if self.pipeline is not None else frozenset()
 
 
-def parallelize(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config) -> ParallelModel:
-    """Apply every parallelism of `cfg` to `model` (built whole, on this rank) in the order above."""
+def parallelize(
+    model: Transformer,
+    comm: Comm,
+    mesh: ParallelMesh,
+    cfg: Config,
+    layer_split: list[list[int]] | None = None,
+) -> ParallelModel:
+    """Apply every parallelism of `cfg` to `model` (built whole, on this rank) in the order above.
+
+    Args:
+        model: the whole model, as every rank builds it.
+        comm: the communication layer every step's collectives go through.
+        mesh: this job's process groups, one per dim.
+        cfg: the checked config (checks.check): nothing is validated again here.
+        layer_split: with pp > 1, the layers of each of the pp·vpp chunks (plan.state.layer_split: the
+            split the planner models).
+    """
     p = cfg.parallel
-    layer_split = split_pipeline(model, mesh.group("pp"), cfg)
+    if mesh.size("pp") > 1:
+        if layer_split is None:
+            raise ValueError("parallelize with pp > 1 needs the layer split (plan.state.layer_split(cfg))")
+        split_pipeline(model, mesh.group("pp"), layer_split, p.vpp, p.pp_schedule)
+    else:
+        layer_split = None
     tp_plan = None
     if mesh.size("tp") > 1:
-        tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp, expert_tp(cfg))
+        tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp, cfg.parallel.expert_tp)
     hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
     ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
-    layout = apply_context_parallel(model, comm, mesh.group("cp"), cfg, ring, ulysses)
-    apply_expert_parallel(model, comm, mesh.group("ep"), cfg)
+    seq_len = cfg.training.seq_len
+    layout = apply_context_parallel(model, comm, mesh.group("cp"), p.cp_impl, seq_len, ring, ulysses)
+    apply_expert_parallel(model, comm, mesh.group("ep"), p.ep_dispatch)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     apply_recompute(model, cfg.training.recompute)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size("tp") if p.sp else 1
-        overlap = p.pp_overlap  # pairs.py: only dualpipev gets here with it (pipeline_problems)
+        overlap = p.pp_overlap  # pairs.py: only dualpipev on CPU ranks gets here with it (pipeline/rules.py)
         if overlap:
-            refuse(pair_overlap_device_problems(mesh.device_type))
             comm.add_pair_lane(mesh.pair_lane())
         pipeline = PipelineRuntime(
             model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
         )
     roots = pipeline.boundary_chunks() if pipeline is not None else None
-    engine = apply_data_parallel(model, comm, mesh, cfg, roots)
+    engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg), roots)
     if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
         engine.expect_grad_uses(model.tok_embeddings.weight, 2)  # a V's first rank: head and embedding
     token_loss = (

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, ModelConfig, divisors
+from meshtron.config import ModelConfig
 from meshtron.models.layers import RMSNorm
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import MoE
@@ -352,37 +352,3 @@ def apply_tensor_parallel(
         sharder.apply(block, BLOCK_PLAN, f"layers.{i}")
     sharder.apply(model, MODEL_PLAN, "")
     return sharder.plan
-
-
-def tensor_parallel_problems(cfg: Config) -> list[str]:
-    """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch."""
-    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
-    problems = []
-    if m.n_heads % tp:
-        problems.append(
-            f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; use tp in {divisors(m.n_heads)}"
-        )
-    elif m.kv_heads % tp and tp % m.kv_heads:
-        problems.append(
-            f"model.n_kv_heads={m.kv_heads} and parallel.tp={tp}: one must divide the other "
-            "so key/value heads can be split or replicated"
-        )
-    if m.ffn_dim % tp:
-        problems.append(
-            f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; use tp in {divisors(m.ffn_dim)}"
-        )
-    if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % tp:
-        problems.append(
-            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}"
-        )
-    if m.is_moe and p.etp in (0, tp) and m.expert_ffn_dim % tp:
-        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
-    if p.sp and tp == 1:
-        problems.append(
-            "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
-        )
-    if p.sp and cfg.training.seq_len % (tp * p.cp):
-        problems.append(
-            f"training.seq_len={cfg.training.seq_len} must be divisible by tp*cp={tp * p.cp} with sp"
-        )
-    return problems

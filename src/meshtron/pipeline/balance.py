@@ -1,7 +1,7 @@
 """The layers of every pipeline chunk for a config: split.py's even counts (optionally weighing the
 embedding and the head as layers), the counts the config gives, or, with `parallel.pp_balance = "cost"`,
 the split whose busiest rank is least busy by predicted training FLOPs per token (a rank's one chunk,
-or under a V schedule its two: split.split_by_cost_v):
+or under a V schedule its two: split.split_by_cost_v), from the costs plan/flops.py's `layer_costs` gives:
 
   transformer layer   attention projections + attention core (causal, at training.seq_len) + FFN,
                       or for an MoE layer its router and the experts a token visits (top-k + shared)
@@ -15,27 +15,24 @@ show it (docs/pipeline.md#balanced-splits).
 
 from __future__ import annotations
 
-from meshtron.config import Config, ModelConfig
-from meshtron.pipeline.schedules import V_SCHEDULES
+from meshtron.config import V_SCHEDULES, Config
 from meshtron.pipeline.split import split_by_cost, split_by_cost_v, split_layers
-from meshtron.plan.flops import TRAINING_PASSES, head_flops, layer_flops
+
+# Training FLOPs per token of (each transformer layer, the embedding, the head and loss): plan/flops.py's
+# `layer_costs`, which the caller passes in (the planner models the pipeline, not the reverse).
+LayerCosts = tuple[list[float], float, float]
 
 
-def layer_costs(m: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
-    """(training FLOPs per token of each layer, of the embedding, of the head and loss)."""
-    layers = [TRAINING_PASSES * layer_flops(m, i, seq_len).total for i in range(m.n_layers)]
-    embedding = TRAINING_PASSES * m.dim
-    head = TRAINING_PASSES * (head_flops(m).total + 3 * m.vocab_size)
-    return layers, embedding, head
-
-
-def layer_split_of(cfg: Config) -> list[list[int]]:
-    """Layer indices of each of the pp·vpp chunks, as the config asks."""
+def layer_split_of(cfg: Config, costs: LayerCosts | None = None) -> list[list[int]]:
+    """Layer indices of each of the pp·vpp chunks, as the config asks (`costs`: needed with
+    parallel.pp_balance = "cost")."""
     p, m = cfg.parallel, cfg.model
     chunks = p.pp * p.vpp
     if p.pp_balance != "cost" or p.pp_layers:
         return split_layers(m.n_layers, chunks, p.pp_embedding_layers, p.pp_head_layers, p.pp_layers or None)
-    layers, embedding, head = layer_costs(m, cfg.training.seq_len)
+    if costs is None:
+        raise ValueError("parallel.pp_balance='cost' splits by layer costs: pass plan.flops.layer_costs")
+    layers, embedding, head = costs
     if p.pp_schedule in V_SCHEDULES:
         counts = split_by_cost_v(layers, p.pp, embedding, head)
     else:  # one chunk per rank, or interleaved: the largest chunk (a rank's sum is not searched)

@@ -32,45 +32,7 @@ import threading
 from collections.abc import Callable
 
 from meshtron.comm import Comm
-from meshtron.config import Config
-from meshtron.mesh import resolve_dp_shard
-from meshtron.pipeline.schedules import Action, Kind
-
-
-def pair_overlap_problems(cfg: Config, world_size: int) -> list[str]:
-    """What `parallel.pp_overlap = true` needs of the layout."""
-    p = cfg.parallel
-    if not p.pp_overlap:
-        return []
-    if p.pp_schedule != "dualpipev" or p.pp == 1:
-        return [
-            "parallel.pp_overlap=true runs DualPipeV's F&B pairs at once: it needs parallel.pp > 1 with "
-            "parallel.pp_schedule='dualpipev' (or set pp_overlap=false)"
-        ]
-    problems = []
-    if p.zero == 3 and resolve_dp_shard(p, world_size) * p.cp > 1:
-        problems.append(
-            "parallel.pp_overlap=true cannot be combined with ZeRO-3 (a pair's forward and backward would "
-            "gather and free parameter units from two threads): use parallel.zero=1 or 2, or pp_overlap=false"
-        )
-    if cfg.run.device == "cuda":
-        problems += pair_overlap_device_problems("cuda")
-    if cfg.training.compile:
-        problems.append(
-            "parallel.pp_overlap=true cannot be combined with training.compile (compiled blocks are not run "
-            "from two threads at once here): set one of them to false"
-        )
-    return problems
-
-
-def pair_overlap_device_problems(device_type: str) -> list[str]:
-    """What the overlap needs of the device (known once the job runs)."""
-    if device_type == "cpu":
-        return []
-    return [
-        f"parallel.pp_overlap=true runs on CPU ranks (gloo) only for now, not on {device_type}: set "
-        "parallel.pp_overlap=false"
-    ]
+from meshtron.pipeline.actions import Action, Kind
 
 
 def run_pair(comm: Comm, forward: Callable[[], object], backward: Callable[[], object]) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 
 from meshtron.config import PipelineSchedule
 from meshtron.figures import pyplot, save_figure
-from meshtron.pipeline.schedules import Action, Kind, build_schedule, idle_fraction, simulate
+from meshtron.pipeline.actions import Action, Kind
+from meshtron.pipeline.schedules import build_schedule, idle_fraction, simulate
 
 COLOURS = {Kind.F: "#4c8bd6", Kind.B: "#e0793a", Kind.W: "#58a55c"}
 WAIT_COLOURS = {"all_to_all": "#222222", "other": "#a0a0a0"}

@@ -2,7 +2,7 @@
 
 The model is built whole (so every parameter starts from its layout-independent value) and pruned to
 the chunks this rank holds (`split_pipeline`, the first step of `parallelize`) before tensor parallel
-shards what is left; `pipeline_problems` states what the split and the schedule need of the config. Each chunk
+shards what is left; rules.py states what the split and the schedule need of the config. Each chunk
 is a `PipelineChunk` module over the model's own blocks, so data-parallel hooks (FSDP gathers) fire
 around it. A forward keeps what its backward needs (the graph from the received input to the chunk's
 output); sends are non-blocking, and once one has finished the sent output's own storage is released
@@ -43,26 +43,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.config import Config, PipelineSchedule
-from meshtron.data.sampler import batch_problems, micro_batches_per_step
-from meshtron.mesh import dp_size
+from meshtron.config import SPLIT_BACKWARD, PipelineSchedule
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
-from meshtron.pipeline.balance import layer_split_of
-from meshtron.pipeline.pairs import pair_overlap_problems, run_pair
-from meshtron.pipeline.schedules import (
-    SPLIT_BACKWARD,
-    Action,
-    Kind,
-    build_schedule,
-    busy_seconds,
-    chunks_of_rank,
-    rank_of_chunk,
-    schedule_problems,
-    send_release_points,
-)
-from meshtron.pipeline.split import split_problems
+from meshtron.pipeline.actions import Action, Kind, chunks_of_rank, rank_of_chunk
+from meshtron.pipeline.pairs import run_pair
+from meshtron.pipeline.schedules import build_schedule, busy_seconds, send_release_points
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 
 TIED_WEIGHT = "tok_embeddings.weight"
@@ -375,10 +362,9 @@ class PipelineRuntime:
         step = _Step(self, micro_batches, loss, before_grads, positions_BS)
         self.released_outputs = 0
         self.timeline = []
-        self.comm.spans = []
         self.step_start = time.perf_counter()
         ran_with_pair: set[int] = set()
-        try:
+        with self.comm.recording(spans=True) as recorded:
             for index, a in enumerate(step.actions):
                 step.release_sent(step.settled_by.get(index - 1, []))
                 if index in ran_with_pair:
@@ -389,10 +375,9 @@ class PipelineRuntime:
                     self._timed(step, index)
             for send in step.sends:
                 send.pending.wait()
-        finally:
-            spans, self.comm.spans = self.comm.spans, None
         self.step_seconds = time.perf_counter() - self.step_start
-        self.comm_timeline = [(*what, s - self.step_start, e - self.step_start) for *what, s, e in spans]
+        start = self.step_start
+        self.comm_timeline = [(*what, s - start, e - start) for *what, s, e in recorded.spans or []]
         return step.ce_sum
 
     def _timed(self, step: _Step, index: int) -> None:
@@ -458,37 +443,9 @@ class PipelineRuntime:
         return 1 - busy_seconds(self.timeline) / self.step_seconds
 
 
-def split_pipeline(model: Transformer, pp: CommGroup, cfg: Config) -> list[list[int]] | None:
-    """The pipeline step of `parallelize`: cut the layers into pp·vpp chunks and keep this rank's (before
-    the other steps, so that they shard only what is kept). Returns the split; None without pp."""
-    p = cfg.parallel
-    if pp.size == 1:
-        return None
-    layer_split = layer_split_of(cfg)
-    keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, p.vpp, p.pp_schedule), layer_split)
-    return layer_split
-
-
-def pipeline_problems(cfg: Config, world_size: int) -> list[str]:
-    """What the split and the schedule need of the layers and of the micro-batches per step."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    chunks = p.pp * p.vpp
-    problems = split_problems(m.n_layers, chunks, p.pp_layers, p.pp_embedding_layers, p.pp_head_layers)
-    dp = dp_size(p, world_size)
-    # Unknown when the batch does not split (the batch rule says so): its rules are left out then.
-    microbatches = (
-        None if batch_problems(cfg, world_size) else micro_batches_per_step(t.global_batch, t.micro_batch, dp)
-    )
-    problems += schedule_problems(p.pp, p.vpp, microbatches, p.pp_schedule)
-    problems += pair_overlap_problems(cfg, world_size)
-    if p.pp_balance == "cost" and (p.pp_layers or p.pp_embedding_layers or p.pp_head_layers):
-        problems.append(
-            "parallel.pp_balance='cost' weighs the embedding and the head by their FLOPs; drop "
-            "parallel.pp_layers, pp_embedding_layers and pp_head_layers, or use pp_balance='layers'"
-        )
-    if p.pp > 1 and microbatches is not None and microbatches < p.pp:
-        problems.append(
-            f"{microbatches} micro-batch(es) per step cannot fill pp={p.pp} stages; raise "
-            f"training.global_batch to at least {p.pp * t.micro_batch * dp}"
-        )
-    return problems
+def split_pipeline(
+    model: Transformer, pp: CommGroup, layer_split: list[list[int]], vpp: int, schedule: PipelineSchedule
+) -> None:
+    """The pipeline step of `parallelize`: keep this rank's chunks of `layer_split` (the layers of each of
+    the pp·vpp chunks), before the other steps, so that they shard only what is kept."""
+    keep_rank_chunks(model, chunks_of_rank(pp.rank, pp.size, vpp, schedule), layer_split)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from meshtron.pipeline.schedules import Kind
+from meshtron.pipeline.actions import Kind
 
 Order = list[tuple[Kind, int, int]]
 

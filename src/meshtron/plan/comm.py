@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config import Config
-from meshtron.pipeline.schedules import chunks_of_rank, rank_of_chunk
+from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
 from meshtron.plan.state import rank_parameters
 
 
@@ -55,27 +55,6 @@ def _dp_bytes(
     else:
         volume = ((micro if p.zero == 2 else 1) * reduce + 4) * padded
     return volume * _ring(shard), 2 * reduce * (padded / shard) * _ring(replicate)
-
-
-def _tp_bytes(cfg: Config, params: list, tokens: int, micro: int, ends: int, head: bool) -> float:
-    """Tensor parallel per step: the activations' reductions, the loss's, and the gradient sums of the
-    weights every tp rank holds whole but feeds only part of the work (plan/state.py's shapes)."""
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
-    per_layer = 6 if t.recompute == "full" else 4
-    activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
-    loss = 3 * 2 * tokens * 4 * _ring(p.tp) if head else 0.0
-    summed = ("router.weight", "shared_gate.weight", "q_norm.weight", "k_norm.weight")
-    if p.sp:
-        summed += ("attention_norm.weight", "ffn_norm.weight", "norm.weight")
-    replicated_kv = m.kv_heads % p.tp != 0
-    elements = sum(
-        math.prod(x.shape)
-        for x in params
-        if x.name.endswith(summed)
-        or (replicated_kv and any(f"attention.{w}." in x.name for w in ("wk", "wv")))
-    )
-    return micro * ((per_layer * layers + ends) * activation + loss + 2 * 4 * elements * _ring(p.tp))
 
 
 def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
@@ -105,7 +84,7 @@ def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
 def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes per group name (as the trainer's metrics name them) of one step on rank 0 of stage pp_rank."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
-    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // (p.pp * p.dp_replicate * p.cp * p.tp)
+    dp_shard = p.dp_shard_for(world_size)
     shard, dp = dp_shard * p.cp, p.dp_replicate * dp_shard
     micro = t.global_batch // (t.micro_batch * dp)
     params = rank_parameters(cfg, pp_rank)

@@ -111,7 +111,7 @@ def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
         return out + [(rows, h, f), (rows, h, f), (rows, f, h)]
-    expert_tp = p.etp in (0, tp)
+    expert_tp = p.expert_tp
     width = m.expert_ffn_dim // tp if expert_tp else m.expert_ffn_dim
     local = m.n_experts // p.ep // (1 if expert_tp else tp)
     per_expert = imbalance * m.top_k * rows * p.ep / m.n_experts

@@ -19,16 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from meshtron.config import Config
-from meshtron.pipeline.schedules import (
-    SPLIT_BACKWARD,
-    CheckedSchedule,
-    Kind,
-    build_schedule,
-    checked_schedule,
-    chunks_of_rank,
-    simulate,
-)
+from meshtron.config import SPLIT_BACKWARD, Config
+from meshtron.pipeline.actions import Kind, chunks_of_rank
+from meshtron.pipeline.schedules import CheckedSchedule, build_schedule, checked_schedule, simulate
 from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, pp_p2p
 from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
@@ -52,7 +45,7 @@ class Cluster:
     overlap: Overlap = field(default_factory=Overlap)
     memory: MemoryOverhead = field(default_factory=MemoryOverhead)
     # How much faster a rank runs while others idle: 1 for devices of their own; CPU ranks sharing
-    # cores (hardware_probe.py) run at ranks·threads / cores times their all-busy rate when alone.
+    # cores (probe.py) run at ranks·threads / cores times their all-busy rate when alone.
     alone_speedup: float = 1.0
 
     @property

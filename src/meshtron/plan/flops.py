@@ -170,3 +170,11 @@ def executed_flops_per_token(
     return training_flops_per_token(cfg, seq_len, attention) + recompute_flops_per_token(
         cfg, seq_len, recompute, attention
     )
+
+
+def layer_costs(m: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
+    """(training FLOPs per token of each layer, of the embedding, of the head and loss)."""
+    layers = [TRAINING_PASSES * layer_flops(m, i, seq_len).total for i in range(m.n_layers)]
+    embedding = TRAINING_PASSES * m.dim
+    head = TRAINING_PASSES * (head_flops(m).total + 3 * m.vocab_size)
+    return layers, embedding, head

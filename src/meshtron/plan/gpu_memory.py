@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshtron.config import Config
-from meshtron.pipeline.schedules import chunks_of_rank
+from meshtron.pipeline.actions import chunks_of_rank
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
 from meshtron.plan.state import layer_split, rank_parameters, stage_key, state_bytes
 
@@ -72,7 +72,7 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
     if p.cp_impl == "alltoall":
         kwargs["ulysses"] = p.cp
     if m.is_moe_layer(layer):
-        kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.etp in (0, p.tp))
+        kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.expert_tp)
     act = 2 if t.dtype == "bf16" else 4
     key = ("layer", repr(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
     return _cached(key, lambda: layer_activation_bytes(m, t.micro_batch, t.seq_len, act, layer, **kwargs))

@@ -3,7 +3,7 @@
 `meshtron plan --layout "tp=8,pp=16,vpp=2,dp_shard=64,zero=1,micro_batch=1,recompute=selective"` fixes
 some keys; the search fills the rest. A layout plus a model and a batch is a full meshtron Config
 (`Layout.apply`), so the planner evaluates exactly what `meshtron train` would run, with the trainer's
-own rules (config.validate) deciding what is allowed.
+own rules (checks.validate) deciding what is allowed.
 
   key            meaning (config field)                         searched over
   tp             tensor parallel (parallel.tp)                  1, 2, 4, ... up to the GPUs per node
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from meshtron.config import Config, ConfigError, suggest
+from meshtron.layout import ParallelDims
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
@@ -56,13 +58,25 @@ class Layout:
     sp: bool = False
     pp_head_layers: float = 0.0
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh's degrees (layout.py: world size, dp, groups)."""
+        return ParallelDims(
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            ep=self.ep,
+        )
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp_replicate * self.dp_shard
+        return self.dims.world_size
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` with this layout's parallel degrees, micro-batch and recompute mode."""
@@ -114,7 +128,7 @@ class Layout:
 
 def parse_layout(text: str) -> dict[str, Any]:
     """`"tp=8,pp=2,recompute=full"` -> {"tp": 8, "pp": 2, "recompute": "full"}; unknown keys and
-    malformed values are refused (the fix named). Enumerated values are checked by config.validate."""
+    malformed values are refused (the fix named). Enumerated values are checked by checks.validate."""
     fixed: dict[str, Any] = {}
     problems = []
     for item in filter(None, (part.strip() for part in text.split(","))):

@@ -19,7 +19,7 @@ per-message latency of the link:
 
 A collective issued as c separate calls (FSDP's one per unit, DDP's one per bucket) pays the latency c
 times and the bandwidth term once for its total bytes. Point-to-point messages may have their own
-latency and share of the link (a CPU's gloo pairs do: hardware_probe.py measures them); by default they
+latency and share of the link (a CPU's gloo pairs do: probe.py measures them); by default they
 take the link's.
 
 A ring that leaves the node runs at the network's rate: every GPU's share of the ring passes its own NIC

@@ -6,7 +6,7 @@ or estimated (plan/estimate.py), ranked by step time.
      into micro-batches, tp divides the heads, pp·vpp fits the layers, interleaving's micro-batches are
      a multiple of pp, ep divides the experts and folds into dp_shard·cp
   3. estimate each survivor; one that does not fit in memory is refused ("memory")
-  4. rank by step time; walk down the ranking through the trainer's own rules (config.validate and
+  4. rank by step time; walk down the ranking through the trainer's own rules (checks.validate and
      what this version cannot run yet) until `top` layouts pass: what is listed, meshtron runs
 
 A model that fits nowhere gets the layout that needs the least memory, to say what is short.
@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtron.config import Config, divisors, not_yet_supported, validate
+from meshtron.checks import not_yet_supported, validate
+from meshtron.config import Config
+from meshtron.layout import divisors
 from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory
 from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout

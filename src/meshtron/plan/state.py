@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config import Config, ModelConfig
+from meshtron.pipeline.actions import chunks_of_rank
 from meshtron.pipeline.balance import layer_split_of
-from meshtron.pipeline.schedules import chunks_of_rank
+from meshtron.plan.flops import layer_costs
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,14 @@ def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
 
 
 def layer_split(cfg: Config) -> list[list[int]]:
-    """The layers of every chunk (pipeline/balance.py), cached per layout."""
+    """The layers of every chunk (pipeline/balance.py), as the trainer runs them and the planner models
+    them, cached per layout."""
     p, m = cfg.parallel, cfg.model
-    key = (repr(m), cfg.training.seq_len, p.pp * p.vpp, p.pp_embedding_layers, p.pp_head_layers,
+    key = (repr(m), cfg.training.seq_len, p.pp, p.vpp, p.pp_schedule, p.pp_embedding_layers, p.pp_head_layers,
            tuple(p.pp_layers), p.pp_balance)  # fmt: skip
     if key not in _SPLITS:
-        _SPLITS[key] = layer_split_of(cfg)
+        costs = layer_costs(m, cfg.training.seq_len) if p.pp_balance == "cost" else None
+        _SPLITS[key] = layer_split_of(cfg, costs)
     return _SPLITS[key]
 
 
@@ -172,7 +175,7 @@ def engine_state_bytes(shapes: list[tuple[int, ...]], shard: int, zero: int) -> 
 def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int]:
     """Rank 0 of pipeline stage `pp_rank`: bytes of parameters, gradients and optimizer state."""
     p = cfg.parallel
-    dp_shard = p.dp_shard if p.dp_shard != -1 else world_size // (p.pp * p.dp_replicate * p.cp * p.tp)
+    dp_shard = p.dp_shard_for(world_size)
     shard = dp_shard * p.cp
     key = (stage_key(cfg, pp_rank), shard, p.zero)
     if key not in _STATES:

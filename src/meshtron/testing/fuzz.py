@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Any
 
-from meshtron.config import check, load_config
+from meshtron.checks import check, load_config
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
 from meshtron.testing.workers import WorkerPool, close_pools

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.config import load_config
-from meshtron.mesh import ParallelDims, ParallelMesh
+from meshtron.checks import load_config
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
 from meshtron.testing.tiny import TINY
 from meshtron.testing.workers import WorkerPool
 from meshtron.train.metrics import model_state_bytes
@@ -35,7 +36,7 @@ def trainer_for(overrides: list[str], config: Path | None = None) -> Trainer:
     mesh built once per layout and process: every gloo process group holds threads, and a worker runs
     hundreds of jobs."""
     cfg = load_config(config, overrides)
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size() if dist.is_initialized() else 1)
+    dims = cfg.parallel.dims(dist.get_world_size() if dist.is_initialized() else 1)
     if dims not in _MESHES and dist.is_initialized():
         _MESHES[dims] = ParallelMesh(dims, "cpu")
     return Trainer(cfg, _MESHES.get(dims))
@@ -46,15 +47,15 @@ def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
     probe = trainer_for(overrides)
     probe.compute_gradients()
     grads = probe.engine.full_gradients(probe.comm)
-    if probe.tp_plan is not None:
-        grads = probe.tp_plan.gather_full(grads, probe.comm)
+    if probe.parallel.tp_plan is not None:
+        grads = probe.parallel.tp_plan.gather_full(grads, probe.comm)
     trainer = trainer_for(overrides)
     rows = [trainer.step(step) for step in range(steps)]
     return {
         "grads": grads,
         "rows": rows,
         "state_bytes": model_state_bytes(trainer.engine, trainer.optimizer),
-        "n_params": trainer.n_params,
+        "n_params": trainer.job.n_params,
     }
 
 
@@ -62,9 +63,9 @@ def comm_by_op(overrides: list[str], groups: tuple[str, ...], ops: tuple[str, ..
     """Bytes per collective over `groups`, as the comm layer counts them, of one step's forwards and
     backwards (no clipping, no optimizer)."""
     trainer = trainer_for(overrides)
-    trainer.comm.stats.reset()
-    trainer.compute_gradients()
-    stats = trainer.comm.stats
+    with trainer.comm.recording() as recorded:
+        trainer.compute_gradients()
+    stats = recorded.stats
     return {op: sum(stats.total_bytes(group=g, op=op) for g in groups) for op in ops}
 
 

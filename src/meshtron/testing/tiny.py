@@ -41,3 +41,32 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             param.copy_(noise)
         else:  # every weight here is [..., out, in]: scale by fan-in
             param.copy_(noise / math.sqrt(param.shape[-1]))
+
+
+# A Qwen2-MoE config for save_tiny_hf_model: 4 experts, top 2 unnormalised, a gated shared expert.
+QWEN2_MOE_SHARED = (
+    "Qwen2MoeConfig",
+    dict(num_key_value_heads=2, moe_intermediate_size=20, shared_expert_intermediate_size=36, num_experts=4,
+         num_experts_per_tok=2, norm_topk_prob=False),
+)  # fmt: skip
+
+
+def save_tiny_hf_model(config_name: str, extra: dict, path: str) -> torch.nn.Module:
+    """A tiny transformers model (hidden 48, 4 heads, 2 layers, FFN 60, vocabulary 97; `extra` for its
+    config class `config_name`) with weights that look trained (`perturb`), saved in `path` as a
+    Hugging Face checkpoint; returned in fp32, in eval mode. Needs transformers (the dev extra)."""
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        hidden_size=48,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=60,
+        vocab_size=97,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    perturb(model, 0)
+    model.save_pretrained(path)
+    return model

@@ -43,10 +43,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 import meshtron
 from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config, ModelConfig
+from meshtron.config import ModelConfig
 from meshtron.models.llama import Transformer, rope_inv_freq
-from meshtron.parallel.data_parallel import uses_torch_fsdp
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
+from meshtron.train import CheckpointError
 from meshtron.train.checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner, KeyPath, ShardBlocks
 from meshtron.train.checkpoint_integrity import write_manifest
 from meshtron.train.safe_checkpoint_reader import SafeFileSystemReader
@@ -56,25 +56,10 @@ FORMAT = 2  # checkpoint_blocks.py's explicit-offset blocks (1: the same on disk
 FORMAT_FILE = "format.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or does not fit this model; the message says what to do."""
-
-
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
     path: Path
-
-
-def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
-    """The layouts whose checkpoints this version cannot write or read yet."""
-    p, c = cfg.parallel, cfg.checkpoint
-    if p.tp > 1 and uses_torch_fsdp(cfg, world_size) and (c.every or c.resume):
-        return [
-            "checkpoints of PyTorch's fully_shard over tensor-parallel shards are not implemented; use "
-            "parallel.fsdp_impl='meshtron', or checkpoint.every=0 and checkpoint.resume=false"
-        ]
-    return []
 
 
 def complete_checkpoints(root: Path) -> list[CheckpointInfo]:

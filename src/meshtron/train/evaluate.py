@@ -16,56 +16,60 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshtron.comm import CommGroup
+from meshtron.config import TrainingConfig
 from meshtron.data.dataset import PreparedData
 from meshtron.data.validation import validation_sampler
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.models.moe import loads_not_counted
+from meshtron.parallel.parallelize import ParallelModel
 
 if TYPE_CHECKING:
-    from meshtron.train.trainer import Trainer
+    from meshtron.train.setup import RankPlace
 
 
 class Evaluator:
     """The validation batches of one job and the forward-only loss over them."""
 
-    def __init__(self, trainer: Trainer, val: PreparedData):
-        self.trainer, self.val = trainer, val
-        self.sampler = validation_sampler(trainer.cfg, val)
-        t = trainer.cfg.training
-        self.tokens = t.eval_batches * t.global_batch * t.seq_len
-        self.loss = MicroBatchLoss(trainer.parallel.token_loss, self.tokens, trainer.loss.autocast)
+    def __init__(
+        self,
+        parallel: ParallelModel,
+        val: PreparedData,
+        training: TrainingConfig,
+        train_loss: MicroBatchLoss,
+        place: RankPlace,
+        dp: CommGroup,
+        dp_cp: CommGroup,
+    ):
+        """`train_loss`: the training step's loss, whose per-token loss and autocast evaluation shares;
+        `dp`, `dp_cp`: the groups that split the batch (and, with cp, its sequences)."""
+        self.parallel, self.val, self.training, self.place = parallel, val, training, place
+        self.dp, self.dp_cp = dp, dp_cp
+        self.sampler = validation_sampler(training, val)
+        self.tokens = training.eval_batches * training.global_batch * training.seq_len
+        self.loss = MicroBatchLoss(train_loss.token_loss, self.tokens, train_loss.autocast)
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows optimizer step `step` (1-based): every eval_every, and the last."""
-        t = self.trainer.cfg.training
+        t = self.training
         return t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps)
 
     @torch.no_grad()
     def loss_sum(self) -> torch.Tensor:
         """This rank's part of the mean validation cross-entropy (the sum over the layout is the mean)."""
-        tr, t = self.trainer, self.trainer.cfg.training
-        dp, local, device = tr.dp, tr.parallel.local_sequence, tr.device
+        t, device = self.training, self.place.device
         total = torch.zeros((), device=device)
         for index in range(t.eval_batches):
-            batches = self.sampler.micro_batches(self.val, index, dp.rank, dp.size, t.micro_batch)
-            batches = [(local(x).to(device), local(y).to(device)) for x, y in batches]
-            positions = tr.parallel.positions_of(batches[0][0])
-            if tr.pipeline is not None:
-                total += tr.pipeline.forward_only(batches, self.loss, positions)
-                continue
-            for inputs, targets in batches:
-                with self.loss.autocast():
-                    logits, aux = tr.model(inputs, positions, return_aux=True)
-                total += self.loss.of(logits, aux, targets)[1]
+            batches = self.sampler.micro_batches(self.val, index, self.dp.rank, self.dp.size, t.micro_batch)
+            total += self.parallel.run_micro_batches(batches, self.loss, device, backward=False)
         return total
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Collective over the job: the metrics row of the validation loss after optimizer step `step`."""
-        tr = self.trainer
         with loads_not_counted():
             total = self.loss_sum()
-        tr.comm.all_reduce_(total, tr.place.mesh.group("pp"))
-        tr.comm.all_reduce_(total, tr.dp_cp)
-        tr.comm.stats.reset()  # the next step's communication is the step's own
+        comm = self.place.comm
+        comm.all_reduce_(total, self.place.mesh.group("pp"))
+        comm.all_reduce_(total, self.dp_cp)
         loss = float(total)
         return {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

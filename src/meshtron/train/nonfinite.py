@@ -17,10 +17,7 @@ import torch
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.parallel.engine import DataParallelEngine
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row; the message says which steps and what was non-finite."""
+from meshtron.train import TrainingDiverged
 
 
 def _model_order(name: str) -> tuple[int, int, str]:

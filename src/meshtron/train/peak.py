@@ -65,7 +65,7 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 1024, rounds: int = 5, call
 
 def _cache() -> tuple[Any, str]:
     """(the cache file, this machine's key prefix), as the hardware probe keys its measurements."""
-    from meshtron import hardware_probe
+    from meshtron.plan import probe as hardware_probe
 
     machine = f"{socket.gethostname()}|{hardware_probe._cpu_model()}|{os.cpu_count()} cpus"
     return hardware_probe.cache_path().parent / CACHE_FILE, f"{machine}|torch {torch.__version__}"
@@ -73,7 +73,7 @@ def _cache() -> tuple[Any, str]:
 
 def cpu_peak(dtype: torch.dtype, reprobe: bool | None = None) -> tuple[float, str]:
     """This CPU's matmul rate with this process's threads, cached (or measured now and cached)."""
-    from meshtron import hardware_probe
+    from meshtron.plan import probe as hardware_probe
 
     if reprobe is None:
         reprobe = os.environ.get("MESHTRON_REPROBE", "") not in ("", "0")

@@ -4,6 +4,7 @@ run, so that a new user sees what the model learned."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from meshtron.config import Config
@@ -12,8 +13,9 @@ from meshtron.data.dataset import PreparedData
 from meshtron.data.tokenizer import TOKENIZER_FILE, tokenizer_json
 from meshtron.models.generate import generate
 from meshtron.models.llama import Transformer
-from meshtron.records import CONFIG_FILE, config_text
-from meshtron.train.checkpoint import CheckpointError, checkpoint_model, complete_checkpoints
+from meshtron.train import CheckpointError
+from meshtron.train.checkpoint import checkpoint_model, complete_checkpoints
+from meshtron.train.records import CONFIG_FILE, config_text
 
 PROMPT_TOKENS = 16  # the prompt: the first tokens of the validation data (or of the training data)
 
@@ -55,6 +57,21 @@ def print_sample(cfg: Config, world_size: int, model: Transformer, root: Path, d
     new = generate(single, prompt, cfg.run.sample_tokens, eos_id=tok.eos_id)[0].tolist()
     print(
         f"meshtron: sample (greedy, {len(new)} tokens after the data's first {len(prompt)}): "
-        f"{tok.decode(prompt)!r} -> {tok.decode(new)!r}",
+        f"{tok.decode(prompt)!r} -> {readable(tok.decode, new, data.vocab_size)!r}",
         flush=True,
     )
+
+
+def readable(decode: Callable[[list[int]], str], ids: list[int], vocab_size: int) -> str:
+    """`ids` as text; an id past the tokenizer's vocabulary (a model's vocab_size may be larger, and a
+    short run can still pick one) shows as <id N> instead of failing the end of a finished run."""
+    text, run = [], []
+    for i in [*ids, None]:
+        if i is not None and i < vocab_size:
+            run.append(i)
+            continue
+        text.append(decode(run) if run else "")
+        run = []
+        if i is not None:
+            text.append(f"<id {i}>")
+    return "".join(text)

@@ -12,8 +12,6 @@ resumed run compute again keep the crashed attempt's values (the same losses: re
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,26 +19,6 @@ from typing import Any
 from meshtron.config import Config
 
 RUN_ID_FILE = "wandb-run-id"
-
-
-def wandb_missing() -> bool:
-    """Whether `import wandb` would fail; found without importing it (its import takes seconds)."""
-    if "wandb" in sys.modules:  # imported already, or blocked (None), or stood in for by a test
-        return sys.modules["wandb"] is None
-    try:
-        return importlib.util.find_spec("wandb") is None
-    except (ImportError, ValueError):
-        return True
-
-
-def wandb_problems(cfg: Config) -> list[str]:
-    """Config-time check: W&B logging asked for without the package."""
-    if cfg.run.wandb_project and wandb_missing():
-        return [
-            f"run.wandb_project={cfg.run.wandb_project!r} needs the wandb package, which is not installed: "
-            "pip install 'meshtron[wandb]' (or wandb), or leave run.wandb_project empty"
-        ]
-    return []
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from meshtron.config import Config, check
+from meshtron.checks import check
+from meshtron.config import Config
 from meshtron.plan.comm import step_bytes
 from meshtron.testing.parity import run_layout
 from meshtron.testing.workers import WorkerPool, close_pools

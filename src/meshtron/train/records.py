@@ -31,7 +31,6 @@ from typing import Any
 
 import meshtron
 from meshtron.config import Config
-from meshtron.mesh import ParallelDims, resolve_dp_shard
 
 CONFIG_FILE = "config.toml"
 ENVIRONMENT_FILE = "environment.json"
@@ -58,7 +57,7 @@ def config_text(cfg: Config, world_size: int) -> str:
         for key, value in values.items():
             line = f"{key} = {_toml_value(value)}"
             if (section, key, value) == ("parallel", "dp_shard", -1):
-                line += f"  # {resolve_dp_shard(cfg.parallel, world_size)} on {world_size} rank(s)"
+                line += f"  # {cfg.parallel.dp_shard_for(world_size)} on {world_size} rank(s)"
             lines.append(line)
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -121,7 +120,7 @@ def mesh_record(cfg: Config, world_size: int, ranks_per_node: int) -> dict[str, 
     """The mesh in a size that stays small on any cluster: the size of every dim; for each dim of size
     > 1 its number of groups and the first one (the others follow its pattern); the dims whose groups
     cross nodes."""
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims = cfg.parallel.dims(world_size)
     table = dims.group_table()
     return {
         "summary": dims.summary(),

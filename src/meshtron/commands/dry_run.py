@@ -6,7 +6,7 @@ cannot disagree with them:
   1. the resolved config (file, model preset, overrides), as TOML that loads back to the same Config
   2. the mesh (mesh.ParallelDims, dp_shard=-1 resolved), as `meshtron mesh` prints it
   3. the planner's prediction (plan/estimate.py) for exactly this layout on the hardware the run would
-     use: the visible GPU mapped to the planner's table, or this machine's CPU (hardware_probe)
+     use: the visible GPU mapped to the planner's table, or this machine's CPU (plan/probe.py)
   4. the environment (records.py), as the run would write it to run.dir/environment.json
 """
 
@@ -17,12 +17,11 @@ import os
 from typing import NamedTuple
 
 from meshtron.config import Config
-from meshtron.mesh import ParallelDims, resolve_dp_shard
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
-from meshtron.records import config_text, environment, environment_text
+from meshtron.train.records import config_text, environment, environment_text
 
 GiB = 2**30
 MiB = 2**20
@@ -30,7 +29,7 @@ MiB = 2**20
 
 def resolved(cfg: Config, world_size: int) -> Config:
     """`cfg` with dp_shard=-1 replaced by what the world leaves: the planner takes explicit degrees."""
-    parallel = dataclasses.replace(cfg.parallel, dp_shard=resolve_dp_shard(cfg.parallel, world_size))
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(world_size))
     return dataclasses.replace(cfg, parallel=parallel)
 
 
@@ -98,9 +97,9 @@ def detect_hardware(cfg: Config, world_size: int) -> Hardware:
     if cfg.run.device == "cuda" or (cfg.run.device == "auto" and cuda):
         return _cuda_hardware(cfg, world_size)
     try:
-        from meshtron.hardware_probe import cpu_cluster
+        from meshtron.plan.probe import cpu_cluster
     except ImportError:
-        return Hardware(None, "this meshtron has no CPU probe (meshtron.hardware_probe); no prediction")
+        return Hardware(None, "this meshtron has no CPU probe (meshtron.plan.probe); no prediction")
     return Hardware(cpu_cluster(world_size), "this machine's CPU, measured", "rank")
 
 
@@ -152,7 +151,7 @@ def dry_run(cfg: Config, world_size: int, source: str) -> str:
         text,
         "",
         "# mesh",
-        ParallelDims.from_config(cfg.parallel, world_size).describe(per_node),
+        cfg.parallel.dims(world_size).describe(per_node),
         "",
         f"# prediction for layout {layout_of(cfg).describe()}",
         f"hardware: {hardware.says}",

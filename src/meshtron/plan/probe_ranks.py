@@ -1,4 +1,4 @@
-"""What every rank of the hardware probe measures, all ranks at once (hardware_probe.py says how the
+"""What every rank of the hardware probe measures, all ranks at once (probe.py says how the
 figures become the planner's cluster, and why each is measured this way).
 
 Each function runs on every rank of a gloo world of `WorkerPool` processes; collectives go through

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> meshtron models: weight renaming and strict loading (configs: hf_config.py).
+"""Hugging Face checkpoints <-> meshtron models: weight renaming and strict loading (configs: config.py).
 
 `load` reads a directory as `transformers` writes it (config.json + model.safetensors, or shards with
 model.safetensors.index.json) for llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe, and
@@ -45,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshtron.config import ModelConfig
-from meshtron.models.hf_config import config_from_hf, config_to_hf
+from meshtron.hf.config import config_from_hf, config_to_hf, read_hf_config, weight_files
 from meshtron.models.llama import Transformer, rope_inv_freq
 
 # meshtron key suffix inside a layer -> HF key suffix inside `model.layers.{i}.`; `{moe}` is the
@@ -81,45 +81,6 @@ QWEN_EXPERT_NAMES = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 MIXTRAL_EXPERT_NAMES = (("w1", "w1"), ("w3", "w3"), ("w2", "w2"))
 # Buffers older transformers wrote into checkpoints; they are recomputed, never loaded.
 IGNORED_KEY_PATTERN = re.compile(r"\.rotary_emb\.inv_freq$")
-
-
-# Weight files that are Python pickles (and the index of sharded ones): loading a pickle can run any code
-# it carries, so they are never read, only named when a directory has nothing else.
-PICKLE_WEIGHT_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt")
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a single-file or sharded checkpoint. Only safetensors are ever read (a
-    header of JSON and raw tensor bytes, no code); a directory with pickled weights and no safetensors is
-    refused, and so is an index that points at anything but .safetensors files beside it."""
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
-        if outside:
-            raise ValueError(
-                f"{index} lists shard(s) that are not .safetensors files in {path}: {', '.join(outside)}; "
-                "only safetensors shards beside the index are read"
-            )
-        files = [path / name for name in names]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(absent)}")
-    else:
-        pickled = sorted({f.name for pattern in PICKLE_WEIGHT_PATTERNS for f in path.glob(pattern)})
-        if pickled:
-            raise ValueError(
-                f"{path} holds only pickled PyTorch weights ({', '.join(pickled)}) and no safetensors; "
-                "meshtron refuses to unpickle them, because loading a pickle can run any code it "
-                "contains. Use the model's safetensors files (most Hugging Face repositories have them), "
-                "or convert the checkpoint where you trust it, e.g. "
-                "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)"
-            )
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    return files
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -200,15 +161,7 @@ def _moe_block_name(src: _Source, layer: str, model_type: str) -> str:
     return "mlp"
 
 
-def read_hf_config(path: Path) -> dict:
-    """The config.json of a transformers checkpoint directory, as a dict."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist; expected a transformers checkpoint directory")
-    return json.loads(config_file.read_text())
-
-
-def load(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
     """A meshtron Transformer from a transformers checkpoint directory; strict about every tensor."""
     path = Path(path)
     hf_config = read_hf_config(path)
@@ -275,7 +228,7 @@ def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
     """The transformers config.json dict and state dict (classic HF names, per-expert tensors, on CPU,
     each tensor its own storage) of a plain single-device model."""
     cfg = model.cfg
-    hf_config = config_to_hf(cfg, next(model.parameters()).dtype)
+    hf_config = config_to_hf(cfg, str(next(model.parameters()).dtype).removeprefix("torch."))
     model_type = hf_config["model_type"]
     block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     expert_names = dict(MIXTRAL_EXPERT_NAMES if model_type == "mixtral" else QWEN_EXPERT_NAMES)
@@ -299,7 +252,7 @@ def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
     return hf_config, tensors
 
 
-def save(model: Transformer, path: str | Path) -> None:
+def save_model(model: Transformer, path: str | Path) -> None:
     """Write config.json and model.safetensors in the classic HF naming (per-expert tensors).
 
     Expects a plain single-device model; gather a sharded one into a full state first.

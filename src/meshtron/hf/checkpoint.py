@@ -1,14 +1,14 @@
 """A Hugging Face checkpoint directory read tensor by tensor and slice by slice (for `model.init_from`).
 
 `hf.load` reads every tensor into one process. A parallel run instead needs each rank to read only the
-parts of the tensors it holds; this module knows the directory, and train/init_from_hf.py the layout:
+parts of the tensors it holds; this module knows the directory, and init_from.py the layout:
 
   HFCheckpoint        the safetensors files' headers (names, shapes), and `read(name, region)`, which
                       reads just that region through safetensors' `get_slice` (other rows, and other
                       tensors, are never read)
-  checkpoint_config   the ModelConfig of config.json (hf_config.py's mapping), with the output head tied
+  checkpoint_config   the ModelConfig of config.json (config.py's mapping), with the output head tied
                       when the checkpoint has no lm_head, as `hf.load` and transformers tie it
-  parameter_sources   where each meshtron parameter's values lie in the checkpoint (hf.py's names; the
+  parameter_sources   where each meshtron parameter's values lie in the checkpoint (weights.py's names; the
                       experts as one tensor per expert or fused), after checking that the checkpoint has
                       every tensor the model needs at its shape, and nothing else
 """
@@ -16,7 +16,6 @@ parts of the tensors it holds; this module knows the directory, and train/init_f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +25,16 @@ import torch
 from safetensors import safe_open
 
 from meshtron.config import ModelConfig
-from meshtron.models.hf import (
+from meshtron.hf.config import HEAD, weight_files
+from meshtron.hf.weights import (
     GLOBAL_RENAMES,
     IGNORED_KEY_PATTERN,
     LAYER_RENAMES,
     MIXTRAL_EXPERT_NAMES,
     QWEN_EXPERT_NAMES,
-    read_hf_config,
-    weight_files,
 )
-from meshtron.models.hf_config import config_from_hf
 from meshtron.models.llama import Transformer
 
-HEAD = "lm_head.weight"
 Region = Sequence[tuple[int, int]]  # [start, stop) along every dim of a tensor
 
 
@@ -85,19 +81,6 @@ class HFCheckpoint:
         return tensor
 
 
-def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
-    """(the ModelConfig of `path`/config.json, its model_type). Reads config.json and the weight files'
-    headers (is there an lm_head?), never their tensors."""
-    path = Path(path)
-    hf_config = read_hf_config(path)
-    cfg = config_from_hf(hf_config)
-    with HFCheckpoint(path) as checkpoint:
-        has_head = HEAD in checkpoint.handles
-    if not cfg.tie_embeddings and not has_head:  # no lm_head: tied to the embedding, as transformers does
-        cfg = dataclasses.replace(cfg, tie_embeddings=True)
-    return cfg, hf_config["model_type"]
-
-
 @dataclass(frozen=True)
 class Source:
     """Where one meshtron parameter lies in the checkpoint: in one tensor (`names[0]`; for w3 inside a
@@ -119,7 +102,7 @@ class Source:
 
 def _expert_source(names: set[str], layer: str, w: str, cfg: ModelConfig, model_type: str) -> Source:
     """experts.{w1,w3,w2}: from fused gate_up_proj / down_proj, or from one tensor per expert in either
-    spelling (hf.py's `_load_experts` reads the same layouts)."""
+    spelling (weights.py's `_load_experts` reads the same layouts)."""
     # transformers 5 names Mixtral's block `mlp` internally; checkpoints use `block_sparse_moe`.
     blocks = ("block_sparse_moe", "mlp") if model_type == "mixtral" else ("mlp",)
     for block in blocks:

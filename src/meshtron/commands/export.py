@@ -10,6 +10,7 @@ before they carried the config uses its run directory's config.toml, or `--confi
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ from meshtron.config import Config, ConfigError, build_config, load_toml
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
 from meshtron.models.llama import Transformer
-from meshtron.train.checkpoint import CheckpointError, checkpoint_model, complete_checkpoints
+from meshtron.train import CheckpointError
+from meshtron.train.checkpoint import checkpoint_model, complete_checkpoints
 from meshtron.train.checkpoint_integrity import file_problems
 from meshtron.train.sample import CONFIG_FILE
 
@@ -183,3 +185,19 @@ def model_for_generation(
     if tok is None:
         raise CheckpointError(f"{where} carries no tokenizer.json, so a text prompt cannot be encoded")
     return model.to(device), tok
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    print(export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype)))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshtron.models.generate import complete
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(["--max-new-tokens and --temperature must be >= 0, --top-p in (0, 1]"])
+    model, tok = model_for_generation(args.checkpoint, args.hf, args.config, args.device)
+    text = complete(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    print(args.prompt + text)
+    return 0

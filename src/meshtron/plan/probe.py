@@ -72,8 +72,8 @@ from meshtron.plan.estimate import Cluster
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import LinkEfficiency
-from meshtron.probe_ranks import DEMO, ProbeSizes, rank_probe
-from meshtron.probe_ranks import QUICK as QUICK  # re-exported: the probe for tests, a second or two
+from meshtron.plan.probe_ranks import DEMO, ProbeSizes, rank_probe
+from meshtron.plan.probe_ranks import QUICK as QUICK  # re-exported: the probe for tests, a second or two
 
 CACHE_FILE = "hardware-probe.json"
 PROBE_VERSION = 5  # bump when the method changes, so old cache entries are measured again

@@ -3,21 +3,25 @@
 The mapping follows what transformers 5 computes, not only what its configs name: e.g. Qwen2 always has
 q/k/v biases, Qwen3 defaults head_dim to 128, Mixtral always renormalises its top-k routing weights.
 `config_to_hf` picks the one architecture that computes what a ModelConfig does, and refuses one that no
-supported architecture expresses (see hf.py's docstring for the list).
+supported architecture expresses (see weights.py's docstring for the list).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-import torch
+from safetensors import safe_open
 
 from meshtron.config import ModelConfig
 
+HEAD = "lm_head.weight"  # the output head's tensor; a checkpoint without one ties it to the embedding
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 ARCHITECTURES = (
     ("llama", "LlamaForCausalLM"),
@@ -307,11 +311,7 @@ def _hf_model_type(cfg: ModelConfig) -> str:
     return model_type
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A transformers config.json dict for `cfg` (model_type picked by what the config uses)."""
     model_type = _hf_model_type(cfg)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -348,8 +348,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling,
         "rope_parameters": rope_parameters,
-        "dtype": _dtype_name(dtype),
-        "torch_dtype": _dtype_name(dtype),
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
     window = cfg.sliding_window or None
     if model_type in ("llama", "qwen3", "qwen3_moe"):
@@ -384,3 +384,72 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     if model_type == "qwen2_moe":
         out.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_dim, qkv_bias=cfg.qkv_bias)
     return out
+
+
+# Weight files that are Python pickles (and the index of sharded ones): loading a pickle can run any code
+# it carries, so they are never read, only named when a directory has nothing else.
+PICKLE_WEIGHT_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a single-file or sharded checkpoint. Only safetensors are ever read (a
+    header of JSON and raw tensor bytes, no code); a directory with pickled weights and no safetensors is
+    refused, and so is an index that points at anything but .safetensors files beside it."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
+        if outside:
+            raise ValueError(
+                f"{index} lists shard(s) that are not .safetensors files in {path}: {', '.join(outside)}; "
+                "only safetensors shards beside the index are read"
+            )
+        files = [path / name for name in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(absent)}")
+    else:
+        pickled = sorted({f.name for pattern in PICKLE_WEIGHT_PATTERNS for f in path.glob(pattern)})
+        if pickled:
+            raise ValueError(
+                f"{path} holds only pickled PyTorch weights ({', '.join(pickled)}) and no safetensors; "
+                "meshtron refuses to unpickle them, because loading a pickle can run any code it "
+                "contains. Use the model's safetensors files (most Hugging Face repositories have them), "
+                "or convert the checkpoint where you trust it, e.g. "
+                "transformers.AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)"
+            )
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    return files
+
+
+def read_hf_config(path: Path) -> dict:
+    """The config.json of a transformers checkpoint directory, as a dict."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist; expected a transformers checkpoint directory")
+    return json.loads(config_file.read_text())
+
+
+def tensor_names(path: Path) -> set[str]:
+    """The tensor names of a checkpoint's weight files, read from their headers (numpy's view: no torch)."""
+    names: set[str] = set()
+    for file in weight_files(path):
+        with safe_open(str(file), framework="numpy") as f:
+            names.update(f.keys())
+    return names
+
+
+def checkpoint_config(path: str | Path) -> tuple[ModelConfig, str]:
+    """(the ModelConfig of `path`/config.json, its model_type). Reads config.json and the weight files'
+    headers (is there an lm_head?), never their tensors."""
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    cfg = config_from_hf(hf_config)
+    if not cfg.tie_embeddings and HEAD not in tensor_names(
+        path
+    ):  # no lm_head: tied to the embedding, as transformers does
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    return cfg, hf_config["model_type"]

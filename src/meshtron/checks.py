@@ -1,0 +1,79 @@
+"""From files to a checked config: every problem found at once, each with its fix, before any process
+starts (and once more inside the job, where the world size and the device are known).
+
+  load_config        TOML + overrides (config.py); with model.init_from, the checkpoint's architecture
+                     (hf/resolve.py)
+  validate           every problem: the fields' own ranges and options, then each package's rules
+  not_yet_supported  valid layouts this version cannot run yet, each named by the code that will run it
+  check              raise ConfigError listing the problems (or else the unsupported parts); else the config
+
+The rules live beside the code that needs them, in torch-free modules, so that `meshtron plan` checks
+every candidate layout with the rules `meshtron train` applies, without importing torch:
+
+  layout.py           the dims multiply to the world size; ep folds into dp_shard x cp
+  models/rules.py     attention, rotary and routing sizes
+  parallel/rules.py   tensor, context and expert parallel; the data-parallel engines
+  data/rules.py       the batch split; validation data
+  pipeline/rules.py   the layer split, the schedule, micro-batches per step, DualPipeV's overlapped pairs
+  train/rules.py      checkpoints of the layout; Weights & Biases
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshtron.config import Config, field_problems, read_config, refuse
+from meshtron.data.rules import batch_problems, validation_problems
+from meshtron.hf.resolve import resolve_model_keys
+from meshtron.layout import layout_problems
+from meshtron.models.rules import model_problems, moe_problems
+from meshtron.parallel.rules import (
+    context_parallel_problems,
+    data_parallel_unsupported,
+    expert_parallel_problems,
+    expert_parallel_unsupported,
+    tensor_parallel_problems,
+)
+from meshtron.pipeline.rules import pipeline_problems
+from meshtron.train.rules import checkpoint_unsupported, wandb_problems
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """A config from a TOML file (or none) and `--section.key=value` overrides, its model from a preset,
+    or from the checkpoint model.init_from names; unchecked (see `check`)."""
+    return read_config(path, overrides, resolve_model_keys)
+
+
+def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -> list[str]:
+    """Every problem of `cfg` for a job of `world_size` ranks (on `device_type`, once known), each with
+    its fix: the fields' own rules first; the packages' rules divide by the sizes, so they wait for them."""
+    problems, sizes = field_problems(cfg)
+    if sizes:
+        return problems
+    problems += model_problems(cfg.model) + moe_problems(cfg.model)
+    problems += layout_problems(cfg, world_size)
+    problems += tensor_parallel_problems(cfg)
+    problems += context_parallel_problems(cfg)
+    problems += expert_parallel_problems(cfg)
+    problems += batch_problems(cfg, world_size)
+    problems += pipeline_problems(cfg, world_size, device_type)
+    problems += validation_problems(cfg)
+    problems += wandb_problems(cfg)
+    return problems
+
+
+def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
+    """Valid layouts that this version cannot run yet."""
+    return (
+        expert_parallel_unsupported(cfg)
+        + data_parallel_unsupported(cfg, world_size)
+        + checkpoint_unsupported(cfg, world_size)
+    )
+
+
+def check(cfg: Config, world_size: int = 1, device_type: str | None = None) -> Config:
+    """Raise ConfigError listing every problem, or, in a valid config, every part this version cannot run
+    yet; otherwise return cfg."""
+    refuse(validate(cfg, world_size, device_type) or not_yet_supported(cfg, world_size))
+    return cfg

@@ -1,0 +1,23 @@
+"""`meshtron prepare-data`: tokenize text, source, jsonl and parquet files into a prepared token memmap."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    import time
+
+    from meshtron.data.dataset import prepare_data
+
+    start = time.perf_counter()
+    # Progress on stderr when it is a terminal; in a log, the line below is all prepare-data prints.
+    data = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    seconds = time.perf_counter() - start
+    print(
+        f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "
+        f"{data.n_documents} documents from {len(data.sources)} files) to {Path(args.out)} in "
+        f"{seconds:.1f} s ({data.n_tokens / max(seconds, 1e-9):,.0f} tokens/s)"
+    )
+    return 0

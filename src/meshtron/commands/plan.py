@@ -1,0 +1,72 @@
+"""`meshtron plan`: the layout for a model on a cluster, ranked by predicted step time (plan/search.py).
+Torch-free, like the planner: it starts in a fraction of a second."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshtron.checks import load_config
+from meshtron.config import ConfigError, refuse
+
+
+def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
+    """The model (config + --model.* flags), the cluster (--gpu, links) and the held layout keys."""
+    import dataclasses
+
+    from meshtron.models.rules import model_problems, moe_problems
+    from meshtron.plan.estimate import Cluster
+    from meshtron.plan.hardware import accelerator, with_links
+    from meshtron.plan.layout import parse_layout
+
+    problems = [
+        f"{o}: meshtron plan takes --model.KEY=VALUE overrides only"
+        for o in overrides
+        if not o.startswith("--model.")
+    ]
+    if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
+        problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
+    if not args.moe_imbalance >= 1.0:
+        problems.append(f"--moe-imbalance={args.moe_imbalance}: max / mean expert load is at least 1")
+    if args.dtype not in ("bf16", "fp8"):
+        problems.append(f"--dtype={args.dtype} must be bf16 or fp8")
+    if problems:
+        raise ConfigError(problems)
+    cfg = load_config(args.config, overrides)
+    if args.gpu.strip().lower() == "cpu":  # this machine, measured: ranks are processes on its cores
+        from meshtron.plan.probe import cpu_cluster
+
+        cluster = cpu_cluster(args.gpus)
+    else:
+        cluster = Cluster(accelerator(args.gpu), args.gpus, args.dtype)
+    gpu = with_links(cluster.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+    cluster = dataclasses.replace(cluster, gpu=gpu)
+    training = dataclasses.replace(
+        cfg.training,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        dtype="fp32" if cluster.dtype == "fp32" else "bf16",
+    )
+    cfg = dataclasses.replace(cfg, training=training)
+    refuse(model_problems(cfg.model) + moe_problems(cfg.model))
+    return cfg, cluster, parse_layout(args.layout)
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from meshtron.plan.report import fits_nowhere, plan_json, plan_table
+    from meshtron.plan.search import search
+
+    cfg, cluster, fixed = _plan_inputs(args, overrides)
+    plan = search(cfg, cluster, fixed, args.top, args.moe_imbalance)
+    if args.json:
+        print(plan_json(plan))
+    else:
+        print(
+            f"{cfg.model.name or 'model'} on {cluster.describe()}, seq {cfg.training.seq_len}, "
+            f"global batch {cfg.training.global_batch}"
+        )
+        print(plan_table(plan, cluster.gpu.memory_bytes))
+    if not plan.ranked:
+        print(f"meshtron: {fits_nowhere(plan, cluster.gpu.memory_bytes)}", file=sys.stderr)
+        return 1
+    return 0

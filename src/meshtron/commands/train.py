@@ -1,0 +1,86 @@
+"""`meshtron train` and `meshtron verify`: check the config for the world it will run on, then train (on
+N local ranks started through torch's elastic launcher, or under torchrun's), or compare the layout with
+one device on a shrunk model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from meshtron.checks import check, load_config
+
+
+def _under_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+
+
+def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
+    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
+    when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
+    newest complete checkpoint (Trainer.resume_if_asked)."""
+    from torch.distributed.run import get_args_parser, run
+
+    # Drop the launcher's own flags (as "--flag=N" or "--flag N") so the ranks do not launch again.
+    cleaned: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in LAUNCHER_FLAGS:
+            skip = True
+            continue
+        if arg.split("=", 1)[0] in LAUNCHER_FLAGS:
+            continue
+        cleaned.append(arg)
+    launcher_args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
+            "--module",
+            "meshtron",
+            *cleaned,
+        ]
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks' own argv is the launcher's rewrite; environment.json records what the user typed.
+    os.environ["MESHTRON_COMMAND"] = shlex.join(["meshtron", *argv])
+    try:
+        run(launcher_args)
+    except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
+        print(f"meshtron: training failed on one or more ranks: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    check(cfg, world_size)  # every problem reported before any process starts
+    if args.dry_run:  # after check: a layout a real run refuses is refused here the same way
+        from meshtron.commands.dry_run import dry_run
+
+        print(dry_run(cfg, world_size, " ".join([args.config, *overrides])))
+        return 0
+    if args.nproc and args.nproc > 1 and not _under_launcher():
+        return _launch(args.nproc, args.max_restarts, argv)
+    from meshtron.train.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    check(cfg, args.nproc)  # the layout as given must be valid before it is shrunk
+    from meshtron.commands.verify import verify
+
+    return verify(cfg, args.nproc, args.steps, args.tolerance)

@@ -1,0 +1,50 @@
+"""What the data needs of the batch and the validation options: the one batch rule (every data-parallel
+rank takes an equal slice of the global batch and cuts it into equal micro-batches), and how the
+validation options fit together. Torch-free (checks.py gathers every package's rules)."""
+
+from __future__ import annotations
+
+from meshtron.config import Config
+
+
+def batch_split_problem(global_batch: int, micro_batch: int, dp_size: int) -> str | None:
+    """The one rule of splitting a global batch: every data-parallel rank takes an equal slice of it and
+    cuts its slice into equal micro-batches, so global_batch must be a multiple of micro_batch * dp."""
+    if micro_batch >= 1 and global_batch % (micro_batch * dp_size) == 0:
+        return None
+    return (
+        f"training.global_batch={global_batch} is not divisible by micro_batch*dp = {micro_batch}*{dp_size}; "
+        f"use a global_batch that is a multiple of {max(micro_batch, 1) * dp_size}"
+    )
+
+
+def batch_problems(cfg: Config, world_size: int) -> list[str]:
+    """The batch rule for the data-parallel ranks of a job of `world_size` ranks."""
+    dp = cfg.parallel.dp_for(world_size)
+    problem = batch_split_problem(cfg.training.global_batch, cfg.training.micro_batch, dp)
+    return [problem] if problem else []
+
+
+def micro_batches_per_step(global_batch: int, micro_batch: int, dp_size: int) -> int:
+    """How many micro-batches each data-parallel rank runs per optimizer step."""
+    problem = batch_split_problem(global_batch, micro_batch, dp_size)
+    if problem:
+        raise ValueError(problem)
+    return global_batch // (micro_batch * dp_size)
+
+
+def validation_problems(cfg: Config) -> list[str]:
+    """How the validation options fit together (their ranges are on the fields)."""
+    d, t = cfg.data, cfg.training
+    problems = []
+    if d.val_fraction > 0 and d.val_path:
+        problems.append(
+            f"data.val_fraction={d.val_fraction} and data.val_path={d.val_path!r} both name validation "
+            "data; set only one of them"
+        )
+    if t.eval_every > 0 and not (d.val_fraction > 0 or d.val_path):
+        problems.append(
+            f"training.eval_every={t.eval_every} needs validation data; set data.val_fraction (e.g. 0.01) "
+            "or data.val_path, or training.eval_every=0"
+        )
+    return problems

@@ -1,0 +1,281 @@
+"""A training job's set-up on this rank, everything before its first step, in order:
+
+  1  process group    join the job torchrun (or `--nproc`) started, or make a one-rank job
+  2  check            the config against the world size and device the job really has (checks.py)
+  3  directories      run.dir (and checkpoint.dir) writable, found before any work
+  4  mesh, comm       this layout's process groups (mesh.py) and the communication layer (comm.py)
+  5  records          config.toml and environment.json in run.dir (records.py), before the long phases
+  6  data             the prepared tokens (rank 0 prepares the default corpus), the validation split,
+                      the layout-independent sampler
+  7  model            built whole on this rank, every weight seeded per parameter name
+  8  parallelize      every parallelism applied, one step each (parallel/parallelize.py)
+  9  optimizer        AdamW over what the data-parallel engine says to optimise
+ 10  resume           the newest intact checkpoint, with checkpoint.resume or after a restart
+ 11  init_from        else a Hugging Face checkpoint's weights, each rank reading its slices
+
+`set_up` returns a `Job`; trainer.py runs its steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtron.checks import check
+from meshtron.comm import Comm, CommGroup
+from meshtron.comm_record import recorder
+from meshtron.config import Config, ConfigError, DType
+from meshtron.data import DataError
+from meshtron.data.dataset import PreparedData, default_dataset
+from meshtron.data.sampler import BatchSampler
+from meshtron.data.validation import split_validation
+from meshtron.hf.init_from import LoadReport, load_hf_weights
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
+from meshtron.models.llama import Transformer, build_model
+from meshtron.models.loss import MicroBatchLoss
+from meshtron.parallel.expert import expert_parameter_names
+from meshtron.parallel.parallelize import ParallelModel, parallelize
+from meshtron.plan.state import layer_split
+from meshtron.train import CheckpointError
+from meshtron.train.checkpoint import CheckpointInfo, complete_checkpoints, load_checkpoint
+from meshtron.train.checkpoint_blocks import ShardBlocks
+from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
+from meshtron.train.optim import build_optimizer
+from meshtron.train.records import write_run_records
+
+
+@dataclass
+class RankPlace:
+    """Where this process sits in the job: its rank, device, mesh and communication layer."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: ParallelMesh
+    comm: Comm
+    world: CommGroup
+
+
+@dataclass
+class Job:
+    """What one training job holds on this rank once set up."""
+
+    cfg: Config
+    place: RankPlace
+    dims: ParallelDims
+    owns_mesh: bool  # made its process groups (else it reuses a caller's mesh, which keeps them)
+    environment: dict[str, Any] | None  # what records.py wrote (rank 0)
+    dataset: PreparedData  # the training tokens
+    val_data: PreparedData | None  # the validation tokens, if any
+    sampler: BatchSampler
+    model: Transformer  # this rank's part of the model
+    n_params: int  # the whole model's
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    loss: MicroBatchLoss
+    tp_blocks: ShardBlocks | None  # where tensor- and expert-parallel shards sit, for checkpoints
+    start_step: int = 0
+    resumed_from: Path | None = None  # the checkpoint loaded, which takes precedence over init_from
+    init_report: LoadReport | None = None  # what this rank read of model.init_from
+    started: float = 0.0  # perf_counter at the start of set-up: the summary's wall time counts it
+
+
+def _job_store(timeout: datetime.timedelta) -> dist.Store:
+    """The store torchrun (or env://) gives the job. Under torchrun's shared agent store, keys are prefixed
+    by the restart attempt: the store outlives restarts, and without the prefix a restarted rank could
+    read the address a dead rank published in the previous attempt. The attempt number is each node's
+    own, so multi-node restarts need a fresh store per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    docs/launching.md): refused otherwise, before any rank connects."""
+    addr, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # what env:// builds
+        return dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ConfigError(
+            [
+                f"restarts of a {nodes}-node job over torchrun's shared store cannot agree on the attempt; "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (examples/slurm.sh does)"
+            ]
+        )
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"meshtron/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """Join the job torchrun (or our own launcher) started, or make a one-rank job: the same code path
+    then runs on one device and on many, with every group of size 1 costing nothing."""
+    want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["run.device='cuda' but no CUDA device is visible; use run.device='cpu'"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if want_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if want_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=cfg.run.comm_timeout_s)
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            store, rank = _job_store(timeout), int(os.environ["RANK"])
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout
+            )
+            recorder().attach(store, rank)  # what each rank was doing, should a collective hang
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def say(rank: int, text: str) -> None:
+    """One line on rank 0's console: what a long start-up phase is doing."""
+    if rank == 0:
+        print(f"meshtron: {text}", flush=True)
+
+
+def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
+    """The training data; rank 0 prepares the default corpus on first use while the others wait."""
+    if cfg.data.path != "default":
+        dataset = PreparedData.open(cfg.data.path)
+    else:
+        if place.rank == 0:
+            dataset = default_dataset(
+                tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab, say=partial(say, 0)
+            )
+        place.comm.barrier(place.world)
+        if place.rank != 0:
+            dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
+            f"{cfg.model.vocab_size}; set --model.vocab_size={dataset.vocab_size} or larger"
+        )
+    return dataset
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+
+
+def autocast_context(device: torch.device, dtype: DType) -> contextlib.AbstractContextManager:
+    """bf16 autocast over fp32 master weights, or nothing for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDims]:
+    """Steps 1-4: the process group, the checked config, writable directories, the mesh and comm layer.
+    `mesh`: reuse the process groups of an earlier job with the same layout in this process."""
+    rank, world_size, device = init_distributed(cfg)
+    # First, so that any report of a problem says which torch and backend ran it.
+    say(
+        rank,
+        f"torch {torch.__version__}, {dist.get_backend()} backend, {world_size} rank(s) on {device.type}",
+    )
+    check(cfg, world_size, device.type)
+    for directory in [Path(cfg.run.dir)] + ([checkpoint_root(cfg)] if cfg.checkpoint.every else []):
+        why = unwritable(directory, rank)
+        if why:  # found before any work, not at the first checkpoint
+            raise CheckpointError(f"{why}; set run.dir (or checkpoint.dir) to a directory this job can write")
+    dims = cfg.parallel.dims(world_size)
+    if mesh is not None and mesh.dims != dims:
+        raise ValueError(f"the given mesh is {mesh.dims.summary()}, the config asks for {dims.summary()}")
+    comm = Comm(cfg.run.comm_timeout_s)
+    world = comm.group("world", list(range(world_size)), dist.group.WORLD)
+    return RankPlace(rank, world_size, device, mesh or ParallelMesh(dims, device.type), comm, world), dims
+
+
+def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
+    """Steps 1-11 above on this rank (collective over the job); `mesh` as in `_join`."""
+    started = time.perf_counter()
+    place, dims = _join(cfg, mesh)
+    rank, t = place.rank, cfg.training
+    # Before the long phases, so that a run dying in start-up still says what it was (records.py).
+    environment = write_run_records(cfg.run.dir, cfg, place.world_size) if rank == 0 else None
+    torch.manual_seed(t.seed)
+    # With data.val_fraction, training samples only the tokens before the held-out tail.
+    dataset, val_data = split_validation(cfg, open_dataset(cfg, place))
+    sampler = BatchSampler(dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+    m = cfg.model
+    model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {place.device.type}"
+    say(rank, f"building the model ({model_says}) and parallelizing it: {dims.summary()}")
+    model = build_model(cfg.model, seed=t.seed, device=place.device)
+    n_params = model.num_params()
+    parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg))
+    optimizer = build_optimizer(
+        parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
+    )
+    autocast = partial(autocast_context, place.device, t.dtype)
+    loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast)
+    experts = expert_parameter_names(model) if dims.ep > 1 else frozenset()
+    tp_blocks = None
+    if parallel.tp_plan is not None or experts:
+        tp_blocks = ShardBlocks(parallel.tp_plan, place.mesh.grid("dp_shard_cp", "tp"), dims.ep, experts)
+    job = Job(
+        cfg, place, dims, mesh is None, environment, dataset, val_data, sampler, model, n_params, parallel,
+        optimizer, loss, tp_blocks, started=started,
+    )  # fmt: skip
+    resume_if_asked(job)
+    if cfg.model.init_from and job.resumed_from is None:  # a resumed run keeps its own weights
+        say(rank, f"loading the Hugging Face checkpoint {cfg.model.init_from}")
+        ep = place.mesh.group("ep")
+        job.init_report = load_hf_weights(cfg.model.init_from, parallel, cfg.model, ep, place.world)
+        say(
+            rank,
+            f"initialised from {cfg.model.init_from} ({job.init_report.elements:,} values read by rank 0)",
+        )
+    return job
+
+
+def resume_if_asked(job: Job) -> None:
+    """Set the step to start from: the newest intact checkpoint's with checkpoint.resume or after the
+    launcher restarted the ranks (a rank died), else 0. Starting afresh over existing checkpoints is
+    refused so that they are never overwritten by accident."""
+    place, root = job.place, checkpoint_root(job.cfg)
+    existing = complete_checkpoints(root)
+    restarted = False
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # a node whose ranks did not fail keeps its count
+        restarts = torch.tensor([int(os.environ["TORCHELASTIC_RESTART_COUNT"])])
+        restarted = int(place.comm.all_reduce_(restarts, place.world, op="max")) > 0
+    if not (job.cfg.checkpoint.resume or restarted):
+        if existing:
+            raise CheckpointError(
+                f"{root} already holds checkpoints (newest: step {existing[-1].step}); set "
+                "--checkpoint.resume=true to continue from it, or use another run.dir / checkpoint.dir"
+            )
+        return
+    if not existing:
+        return
+    newest = intact_checkpoint(existing, place)
+    say(place.rank, f"loading checkpoint {newest.path}")
+    state = {"sampler": job.sampler.state_dict()}
+    engine = job.parallel.engine
+    train_state = load_checkpoint(newest.path, engine, job.optimizer, state, job.tp_blocks)
+    job.sampler.load_state_dict(train_state["sampler"])  # its next step is the step to resume at
+    job.resumed_from, job.start_step = newest.path, job.sampler.step
+    say(place.rank, f"resumed from {newest.path} at step {job.sampler.step}")
+
+
+def intact_checkpoint(existing: list[CheckpointInfo], place: RankPlace) -> CheckpointInfo:
+    """The newest of `existing` whose files match their manifest; each corrupt one skipped with a warning
+    that names its files."""
+    for info in reversed(existing):
+        problems = corrupt_files(info.path, place.comm, place.world)
+        if not problems:
+            return info
+        say(
+            place.rank,
+            f"warning: checkpoint {info.path} is corrupt ({'; '.join(problems)}); falling back to the "
+            "previous complete checkpoint",
+        )
+    raise CheckpointError(
+        f"every checkpoint in {existing[-1].path.parent} is corrupt; start a new run.dir, or restore one"
+    )
