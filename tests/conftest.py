@@ -1,4 +1,5 @@
-"""Shared fixtures: long-lived gloo worker pools, one per world size, reused by every test."""
+"""Shared fixtures: long-lived gloo worker pools, one per world size, reused by every test; and the quick
+tier (`pytest -m quick`, under three minutes): every feature touched once, for a contributor's loop."""
 
 from __future__ import annotations
 
@@ -42,3 +43,64 @@ def workers():
 
     yield get
     close_pools(list(pools.values()))
+
+
+# The quick tier: a test file (all of it) or a test id (a test, or one parametrized case), each marked
+# `quick`. Every feature once: config and layout rules, the planner, the schedules, the collectives, one
+# parity case per parallelism and composition family, checkpoints, Hugging Face, the command line.
+QUICK = (
+    "tests/test_architecture.py",
+    "tests/test_config.py",
+    "tests/test_split.py",
+    "tests/test_mesh.py::test_full_5d_layout_groups_partition_the_world",
+    "tests/test_mesh.py::test_expert_parallel_folding",
+    "tests/test_schedules.py::test_zero_bubble_h1_has_a_third_of_1f1b_bubble_at_the_same_memory",
+    "tests/test_planner.py::test_search_holds_fixed_keys_counts_refusals_and_ranks_by_time",
+    "tests/test_planner.py::test_plan_json_contract",
+    "tests/test_plan.py::test_predicted_state_and_traffic_equal_measured[zero3_4]",
+    "tests/test_comm.py::test_collective_forward_backward[all_to_all-2]",
+    "tests/test_comm.py::test_recordings_count_their_block_and_nest",
+    "tests/test_model.py::test_moe_gradients_match_per_token_loop",
+    "tests/test_model.py::test_initialisation_is_per_parameter_and_layout_independent",
+    "tests/test_data.py::test_global_batch_independent_of_layout",
+    "tests/test_data_parallel.py::test_parity_with_single_device[ddp2-accumulation]",
+    "tests/test_data_parallel.py::test_parity_with_single_device[zero1_4-one_micro_batch]",
+    "tests/test_data_parallel.py::test_parity_with_single_device[zero3_4-accumulation]",
+    "tests/test_data_parallel.py::test_parity_with_single_device[hsdp2x2-one_micro_batch]",
+    "tests/test_simple_fsdp.py::test_parity_with_single_device[dp_shard2]",
+    "tests/test_tensor_parallel.py::test_parity_with_single_device[tp2_sp]",
+    "tests/test_context_parallel.py::test_parity_with_single_device[ring2]",
+    "tests/test_context_parallel.py::test_parity_with_single_device[alltoall2]",
+    "tests/test_expert_parallel.py::test_parity_with_single_device[ep2_alltoall]",
+    "tests/test_pipeline.py::test_schedules_match_single_device[1f1b-2-4-1]",
+    "tests/test_pipeline.py::test_schedules_match_single_device[zero_bubble-2-4-1]",
+    "tests/test_pipeline_v.py::test_v_schedules_match_single_device[dualpipev-2]",
+    "tests/test_activation_memory.py::test_saved_activations_match_the_formula[2-True-selective]",
+    "tests/test_train.py::test_checkpoint_resume_is_exact",
+    "tests/test_train.py::test_steps_of_degree_one_change_nothing",
+    "tests/test_validation.py::test_val_loss_equals_single_device[cp2]",
+    "tests/test_faults.py::test_a_non_finite_step_is_skipped_and_changes_nothing",
+    "tests/test_hf.py::test_load_matches_transformers[qwen2_moe]",
+    "tests/test_hf.py::test_save_loads_in_transformers[llama]",
+    "tests/test_init_from_hf.py::test_first_loss_is_transformers_in_every_layout[tp2]",
+    "tests/test_compile.py::test_compiled_blocks_give_the_eager_losses[one_device_full_recompute]",
+    "tests/test_cli.py::test_train_on_one_process",
+    "tests/test_cli.py::test_mesh_json",
+    "tests/test_data_parallel.py::test_checkpoint_written_by_zero3_resumes_on_other_layouts",
+    "tests/test_pipeline.py::test_schedules_match_single_device[interleaved-2-4-2]",
+    "tests/test_pipeline_pairs.py::test_overlapped_pairs_compose[pp_only]",
+    "tests/test_context_parallel.py::test_parity_with_single_device[hybrid2x2]",
+    "tests/test_expert_parallel.py::test_parity_with_single_device[ep2_x_zero1_edp2]",
+    "tests/test_fuzz.py::test_fuzzed_layout_matches_single_device[35]",
+    "tests/test_verify.py::test_verify_passes_a_correct_layout",
+    "tests/test_records.py::test_a_run_records_its_config_environment_and_wandb_scalars",
+    "tests/test_export_generate.py::test_cached_decoding_equals_the_whole_sequence[gqa]",
+    "tests/test_export_generate.py::test_commands_and_checkpoint_forms",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        nodeid = item.nodeid
+        if any(nodeid == q or nodeid.startswith((q + "::", q + "[")) for q in QUICK):
+            item.add_marker(pytest.mark.quick)

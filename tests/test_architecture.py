@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshtron"
 # torch.distributed functions that move data between ranks (or wait on all of them).
 COLLECTIVES = {
@@ -283,3 +285,15 @@ def test_private_torch_names_are_listed():
         if names:
             found[str(path.relative_to(SRC))] = names
     assert found == PRIVATE_TORCH
+
+
+def test_every_quick_tier_entry_names_a_collected_test(request):
+    """tests/conftest.py's QUICK names tests that exist (checked whenever their files are collected)."""
+    from conftest import QUICK
+
+    ids = [item.nodeid for item in request.session.items]
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    if not {q.split("::")[0] for q in QUICK} <= files:
+        pytest.skip("run with every file of the quick tier")
+    missing = [q for q in QUICK if not any(i == q or i.startswith((q + "::", q + "[")) for i in ids)]
+    assert missing == []

@@ -148,6 +148,37 @@ def byte_accounting() -> dict:
     }
 
 
+def nested_recordings() -> dict:
+    """An all-reduce in an outer recording, an all-gather in an inner one that keeps spans, another
+    all-reduce after both."""
+    comm = Comm(timeout_s=60)
+    group = _world_group(comm)
+    with comm.recording() as outer:
+        comm.all_reduce_(torch.zeros(100), group)
+        with comm.recording(spans=True) as inner:
+            comm.all_gather_tensor(torch.zeros(100), group)
+        inner_stats = dict(comm.stats.bytes)  # back to the outer's, which now holds both
+    comm.all_reduce_(torch.zeros(100), group)
+    return {
+        "outer": dict(outer.stats.bytes),
+        "inner": dict(inner.stats.bytes),
+        "outer_after_inner": inner_stats,
+        "spans": [(op, name, lane) for op, name, lane, start, end in inner.spans if end >= start],
+        "outer_spans": outer.spans,
+        "base": dict(comm.stats.bytes),
+    }
+
+
+def test_recordings_count_their_block_and_nest(workers):
+    for r in workers(2).run(nested_recordings):
+        reduce, gather = ("world", "all_reduce"), ("world", "all_gather")
+        # 100 floats all-reduced: 2 * 400 bytes * (n - 1) / n; gathered into 200: 800 * (n - 1) / n
+        assert r["inner"] == {gather: 800 / 2}
+        assert r["outer"] == r["outer_after_inner"] == {reduce: 2 * 400 / 2, gather: 800 / 2}
+        assert r["spans"] == [("all_gather", "world", "main")] and r["outer_spans"] is None
+        assert r["base"] == {reduce: 2 * 2 * 400 / 2, gather: 800 / 2}  # the comm's own, since it was made
+
+
 def test_byte_accounting_matches_ring_volumes(workers):
     for r in workers(4).run(byte_accounting):
         n = r["n"]

@@ -80,120 +80,152 @@ def test_missing_file_and_malformed_toml(tmp_path):
 @pytest.mark.parametrize(
     "overrides, world, expected",
     [
-        ("--model.dim=0", 1, "model.dim=0 must be positive"),
-        ("--training.micro_batch=-2", 1, "training.micro_batch=-2 must be positive"),
-        ("--parallel.tp=0", 1, "parallel.tp=0 must be positive"),
-        ("--parallel.dp_shard=0", 1, "parallel.dp_shard=0 must be positive, or -1"),
-        ("--model.n_experts=-1", 1, "model.n_experts=-1 must be >= 0"),
-        ("--parallel.zero=4", 1, "parallel.zero=4 is not one of 1, 2, 3"),
-        ("--training.min_lr_ratio=2.0", 1, "training.min_lr_ratio=2.0 must be between 0 and 1"),
-        ("--training.dtype=fp16", 1, "training.dtype='fp16' is not one of fp32, bf16"),
-        ("--training.recompute=some", 1, "training.recompute='some' is not one of none, selective, full"),
-        ("--parallel.pp_schedule=1f1f", 1, "did you mean '1f1b'?"),
+        (["--model.dim=0"], 1, "model.dim=0 must be positive"),
+        (["--training.micro_batch=-2"], 1, "training.micro_batch=-2 must be positive"),
+        (["--parallel.tp=0"], 1, "parallel.tp=0 must be positive"),
+        (["--parallel.dp_shard=0"], 1, "parallel.dp_shard=0 must be positive, or -1"),
+        (["--model.n_experts=-1"], 1, "model.n_experts=-1 must be >= 0"),
+        (["--parallel.zero=4"], 1, "parallel.zero=4 is not one of 1, 2, 3"),
+        (["--training.min_lr_ratio=2.0"], 1, "training.min_lr_ratio=2.0 must be between 0 and 1"),
+        (["--training.dtype=fp16"], 1, "training.dtype='fp16' is not one of fp32, bf16"),
+        (["--training.recompute=some"], 1, "training.recompute='some' is not one of none, selective, full"),
+        (["--parallel.pp_schedule=1f1f"], 1, "did you mean '1f1b'?"),
         (
-            "--parallel.cp_impl=ulysses",
+            ["--parallel.cp_impl=ulysses"],
             1,
             "parallel.cp_impl='ulysses' is not one of ring, allgather, alltoall, hybrid",
         ),
-        ("--model.router=topk", 1, "model.router='topk' is not one of softmax, sigmoid"),
-        ("--model.rope_scaling=yarn", 1, "model.rope_scaling='yarn' is not one of none, llama3"),
-        ("--run.device=tpu", 1, "run.device='tpu' is not one of auto, cpu, cuda"),
-        ("--data.tokenizer=wordpiece", 1, "data.tokenizer='wordpiece' is not one of bpe, byte"),
-        ("--model.dim=100 --model.n_heads=8", 1, "model.dim=100 is not divisible by model.n_heads=8"),
-        ("--model.dim=24 --model.n_heads=8", 1, "head size 3 must be even"),
+        (["--model.router=topk"], 1, "model.router='topk' is not one of softmax, sigmoid"),
+        (["--model.rope_scaling=yarn"], 1, "model.rope_scaling='yarn' is not one of none, llama3"),
+        (["--run.device=tpu"], 1, "run.device='tpu' is not one of auto, cpu, cuda"),
+        (["--data.tokenizer=wordpiece"], 1, "data.tokenizer='wordpiece' is not one of bpe, byte"),
+        (["--model.dim=100", "--model.n_heads=8"], 1, "model.dim=100 is not divisible by model.n_heads=8"),
+        (["--model.dim=24", "--model.n_heads=8"], 1, "head size 3 must be even"),
         (
-            "--model.n_heads=8 --model.n_kv_heads=3",
+            ["--model.n_heads=8", "--model.n_kv_heads=3"],
             1,
             "model.n_heads=8 is not divisible by model.n_kv_heads=3; use n_kv_heads in [1, 2, 4, 8]",
         ),
-        ("--model.n_experts=4 --model.top_k=5", 1, "model.top_k=5 must be between 1 and model.n_experts=4"),
-        ("--model.n_experts=4 --model.dense_layers=[9]", 1, "model.dense_layers [9] are outside 0..3"),
-        ("--model.n_experts=4 --model.shared_expert_gate=true", 1, "needs model.n_shared_experts >= 1"),
-        ("--model.rope_scaling=llama3 --model.rope_high_freq_factor=0.5", 1, "must exceed"),
         (
-            "--parallel.tp=2",
+            ["--model.n_experts=4", "--model.top_k=5"],
+            1,
+            "model.top_k=5 must be between 1 and model.n_experts=4",
+        ),
+        (["--model.n_experts=4", "--model.dense_layers=[9]"], 1, "model.dense_layers [9] are outside 0..3"),
+        (["--model.n_experts=4", "--model.shared_expert_gate=true"], 1, "needs model.n_shared_experts >= 1"),
+        (["--model.rope_scaling=llama3", "--model.rope_high_freq_factor=0.5"], 1, "must exceed"),
+        (
+            ["--parallel.tp=2"],
             3,
             "world size 3 is not divisible by tp=2 (dp_shard takes the rest); launch --nproc 2",
         ),
         (
-            "--parallel.dp_shard=2",
+            ["--parallel.dp_shard=2"],
             4,
             "multiply to dp_shard=2 but the world size is 4; launch --nproc 2, or set",
         ),
         (
-            "--model.n_heads=12 --model.dim=96 --parallel.tp=8",
+            ["--model.n_heads=12", "--model.dim=96", "--parallel.tp=8"],
             8,
             "model.n_heads=12 is not divisible by parallel.tp=8; use tp in [1, 2, 3, 4, 6, 12]",
         ),
-        ("--model.n_heads=8 --model.n_kv_heads=4 --parallel.tp=8 --model.ffn_dim=96", 8, None),
+        (["--model.n_heads=8", "--model.n_kv_heads=4", "--parallel.tp=8", "--model.ffn_dim=96"], 8, None),
         (
-            "--model.n_heads=12 --model.dim=96 --model.n_kv_heads=4 --parallel.tp=6",
+            ["--model.n_heads=12", "--model.dim=96", "--model.n_kv_heads=4", "--parallel.tp=6"],
             6,
             "model.n_kv_heads=4 and parallel.tp=6: one must divide the other",
         ),
-        ("--model.ffn_dim=100 --parallel.tp=8", 8, "model.ffn_dim=100 is not divisible by parallel.tp=8"),
         (
-            "--model.n_experts=4 --model.moe_ffn_dim=6 --parallel.tp=4",
+            ["--model.ffn_dim=100", "--parallel.tp=8"],
+            8,
+            "model.ffn_dim=100 is not divisible by parallel.tp=8",
+        ),
+        (
+            ["--model.n_experts=4", "--model.moe_ffn_dim=6", "--parallel.tp=4"],
             4,
             "expert ffn dim 6 is not divisible by parallel.tp=4",
         ),
-        ("--parallel.sp=true", 1, "parallel.sp=true needs parallel.tp > 1"),
+        (["--parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
         (
-            "--model.n_experts=4 --model.moe_ffn_dim=8 --model.n_shared_experts=1 --model.shared_ffn_dim=6 --parallel.tp=4",
+            [
+                "--model.n_experts=4",
+                "--model.moe_ffn_dim=8",
+                "--model.n_shared_experts=1",
+                "--model.shared_ffn_dim=6",
+                "--parallel.tp=4",
+            ],
             4,
             "shared expert ffn dim 6 is not divisible",
         ),
         (
-            "--parallel.sp=true --parallel.tp=2 --training.seq_len=33",
+            ["--parallel.sp=true", "--parallel.tp=2", "--training.seq_len=33"],
             2,
             "training.seq_len=33 must be divisible by tp*cp=2",
         ),
-        ("--parallel.cp=2 --training.seq_len=34", 2, "training.seq_len=34 must be divisible by 4 for cp=2"),
-        ("--parallel.cp=2 --parallel.tp=4 --parallel.cp_impl=alltoall", 8, None),
         (
-            "--parallel.cp=4 --parallel.tp=4 --parallel.cp_impl=alltoall",
+            ["--parallel.cp=2", "--training.seq_len=34"],
+            2,
+            "training.seq_len=34 must be divisible by 4 for cp=2",
+        ),
+        (["--parallel.cp=2", "--parallel.tp=4", "--parallel.cp_impl=alltoall"], 8, None),
+        (
+            ["--parallel.cp=4", "--parallel.tp=4", "--parallel.cp_impl=alltoall"],
             16,
             "cp_impl='alltoall' splits the 2 query heads of a tp rank over 4 ranks",
         ),
-        ("--parallel.pp=8 --training.global_batch=64", 8, "model.n_layers=4 cannot fill pp*vpp=8"),
-        ("--parallel.vpp=2", 1, "parallel.vpp=2 needs the interleaved schedule"),
+        (["--parallel.pp=8", "--training.global_batch=64"], 8, "model.n_layers=4 cannot fill pp*vpp=8"),
+        (["--parallel.vpp=2"], 1, "parallel.vpp=2 needs the interleaved schedule"),
         (
-            "--parallel.pp=2 --parallel.pp_schedule=interleaved --training.global_batch=16",
+            ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--training.global_batch=16"],
             2,
             "needs parallel.vpp >= 2",
         ),
         (
-            "--parallel.pp=2 --parallel.pp_layers=[1,2] --training.global_batch=16",
+            ["--parallel.pp=2", "--parallel.pp_layers=[1, 2]", "--training.global_batch=16"],
             2,
             "parallel.pp_layers=[1, 2] must give pp*vpp=2 positive layer counts adding up to model.n_layers=4",
         ),
-        ("--parallel.pp=2 --parallel.pp_layers=[1,3] --parallel.pp_head_layers=1", 2, "set one or the other"),
-        ("--parallel.ep=2", 2, "parallel.ep=2 needs an MoE model (model.n_experts > 0)"),
-        ("--model.n_experts=6 --parallel.ep=4", 4, "model.n_experts=6 is not divisible by parallel.ep=4"),
         (
-            "--model.n_experts=4 --parallel.ep=4 --parallel.tp=2 --training.global_batch=16",
+            ["--parallel.pp=2", "--parallel.pp_layers=[1, 3]", "--parallel.pp_head_layers=1"],
+            2,
+            "set one or the other",
+        ),
+        (["--parallel.ep=2"], 2, "parallel.ep=2 needs an MoE model (model.n_experts > 0)"),
+        (
+            ["--model.n_experts=6", "--parallel.ep=4"],
+            4,
+            "model.n_experts=6 is not divisible by parallel.ep=4",
+        ),
+        (
+            ["--model.n_experts=4", "--parallel.ep=4", "--parallel.tp=2", "--training.global_batch=16"],
             4,
             "parallel.ep=4 must divide dp_shard*cp=2",
         ),
         (
-            "--training.global_batch=12 --training.micro_batch=4",
+            ["--training.global_batch=12", "--training.micro_batch=4"],
             2,
             "training.global_batch=12 is not divisible by micro_batch*dp = 4*2",
         ),
         (
-            "--parallel.pp=4 --training.global_batch=8 --training.micro_batch=4",
+            ["--parallel.pp=4", "--training.global_batch=8", "--training.micro_batch=4"],
             4,
             "2 micro-batch(es) per step cannot fill pp=4 stages",
         ),
         (
-            "--parallel.pp=2 --parallel.vpp=2 --parallel.pp_schedule=interleaved --training.global_batch=24 --training.micro_batch=8",
+            [
+                "--parallel.pp=2",
+                "--parallel.vpp=2",
+                "--parallel.pp_schedule=interleaved",
+                "--training.global_batch=24",
+                "--training.micro_batch=8",
+            ],
             2,
             "interleaved 1F1B needs micro-batches per step (3) to be a multiple of pp=2",
         ),
     ],
 )
 def test_validation_errors(overrides, world, expected):
-    problems = validate(load_config(None, overrides.split()), world)
+    problems = validate(load_config(None, overrides), world)
     if expected is None:
         assert problems == []
     else:
@@ -301,3 +333,37 @@ def test_every_enumerated_option_suggests_the_near_miss(where, options):
     typo = option[:-1] + ("x" if option[-1] != "x" else "y")
     problems = validate(load_config(None, [f"--{where}={typo}"]), 1)
     assert problems == [f"{where}={typo!r} is not one of {', '.join(options)}; did you mean {option!r}?"]
+
+
+def test_v_schedules_imply_two_chunks_per_rank():
+    """A V holds two chunks per rank by definition: vpp = 2 unless set; an explicit other value is refused."""
+    for schedule in ("zbv", "dualpipev"):
+        overrides = ["--parallel.pp=2", f"--parallel.pp_schedule={schedule}", "--training.global_batch=32"]
+        overrides += ["--training.micro_batch=2"]
+        cfg = load_config(None, overrides)
+        assert cfg.parallel.vpp == 2 and validate(cfg, 2) == []
+        refused = validate(load_config(None, [*overrides, "--parallel.vpp=1"]), 2)
+        assert refused == [
+            f"parallel.pp_schedule='{schedule}' holds two chunks per rank in a V: set parallel.vpp=2"
+        ]
+    assert load_config(None, ["--parallel.pp=2"]).parallel.vpp == 1
+
+
+def test_a_world_size_that_does_not_fit_is_one_problem_with_fixes_that_work():
+    """--nproc 3 with tp=2: one problem, offering world sizes that fit and degrees that divide 3; each fix
+    named passes."""
+    problems = validate(load_config(None, ["--parallel.tp=2"]), 3)
+    assert problems == [
+        "the world size 3 is not divisible by tp=2 (dp_shard takes the rest); launch --nproc 2 or --nproc 4, "
+        "or use tp in [1, 3]"
+    ]
+    for world, tp in ((2, 2), (4, 2), (3, 1), (3, 3)):
+        layout = validate(load_config(None, [f"--parallel.tp={tp}", "--model.n_heads=6", "--model.dim=96",
+                                             "--model.n_kv_heads=6", "--model.ffn_dim=96", "--training.global_batch=12",
+                                             "--training.micro_batch=1"]), world)  # fmt: skip
+        assert layout == [], (world, tp, layout)
+    explicit = validate(load_config(None, ["--parallel.dp_shard=3", "--training.global_batch=24"]), 4)
+    assert explicit == [
+        "the dims multiply to dp_shard=3 but the world size is 4; launch --nproc 3, or set parallel.dp_shard=4 "
+        "(or -1, which takes the rest)"
+    ]

@@ -324,21 +324,17 @@ def hf_moe_logits(path: str, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]
     return ids, logits
 
 
+# fmt: off
 HF_MOE_CASES = {
     "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe_shared_gate": QWEN2_MOE_SHARED,
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        dict(
-            num_key_value_heads=2,
-            head_dim=12,
-            moe_intermediate_size=20,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-        ),
+        dict(num_key_value_heads=2, head_dim=12, moe_intermediate_size=20, num_experts=4, num_experts_per_tok=2,
+             norm_topk_prob=True),
     ),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])

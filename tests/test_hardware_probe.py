@@ -15,25 +15,12 @@ from meshtron.plan.estimate import estimate
 from meshtron.plan.layout import Layout
 
 FIGURES = dict(
-    ranks=2,
-    threads=1,
-    matmul_flops_per_s=5e10,
-    attention_share=0.2,
-    memory_bytes_per_s=5e9,
-    elementwise_share=0.4,
-    all_reduce_bytes_per_s=1e9,
-    all_reduce_latency_s=1e-4,
-    all_gather_bytes_per_s=5e8,
-    all_gather_latency_s=2e-4,
-    loaded_latency_s=5e-4,
-    p2p_latency_s=1e-3,
-    p2p_bytes_per_s=4e8,
-    context_bytes=2.5e8,
-    host_memory_bytes=16 * 2**30,
-    cpu="test CPU",
-    measured_at="today",
-    probe_seconds=1.0,
-)
+    ranks=2, threads=1, matmul_flops_per_s=5e10, attention_share=0.2, memory_bytes_per_s=5e9,
+    elementwise_share=0.4, all_reduce_bytes_per_s=1e9, all_reduce_latency_s=1e-4,
+    all_gather_bytes_per_s=5e8, all_gather_latency_s=2e-4, loaded_latency_s=5e-4, p2p_latency_s=1e-3,
+    p2p_bytes_per_s=4e8, context_bytes=2.5e8, host_memory_bytes=16 * 2**30, cpu="test CPU",
+    measured_at="today", probe_seconds=1.0,
+)  # fmt: skip
 
 
 @pytest.fixture

@@ -25,141 +25,40 @@ BATCH, SEQ = 2, 12
 
 def hf_case(name: str) -> tuple[str, dict[str, Any]]:
     """(transformers config class, its kwargs) for a tiny, deliberately odd-sized model."""
-    llama3_rope = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        # With head_dim 16 this puts frequencies in all three llama3 bands (kept, smoothed, scaled).
-        "original_max_position_embeddings": 256,
-    }
+    # With head_dim 16 this puts frequencies in all three llama3 bands (kept, smoothed, scaled).
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
     small = dict(hidden_size=40, num_attention_heads=5, vocab_size=97, num_hidden_layers=2)
+    wide = dict(hidden_size=48, num_attention_heads=6)
+    # fmt: off
     cases: dict[str, tuple[str, dict[str, Any]]] = {
-        "llama": (
-            "LlamaConfig",
-            dict(
-                hidden_size=48,
-                num_attention_heads=6,
-                num_key_value_heads=2,
-                intermediate_size=100,
-                vocab_size=101,
-                num_hidden_layers=3,
-                rms_norm_eps=1e-5,
-                rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-            ),
-        ),
-        "llama3_rope": (
-            "LlamaConfig",
-            dict(
-                hidden_size=48,
-                num_attention_heads=3,
-                num_key_value_heads=1,
-                intermediate_size=72,
-                vocab_size=101,
-                num_hidden_layers=2,
-                rope_parameters=llama3_rope,
-            ),
-        ),
-        "llama_tied": (
-            "LlamaConfig",
-            dict(**small, num_key_value_heads=1, intermediate_size=68, tie_word_embeddings=True),
-        ),
-        "mistral": (
-            "MistralConfig",
-            dict(
-                hidden_size=48,
-                num_attention_heads=6,
-                num_key_value_heads=3,
-                intermediate_size=84,
-                vocab_size=101,
-                num_hidden_layers=2,
-                sliding_window=5,  # shorter than SEQ, so the window changes the result
-            ),
-        ),
-        "qwen2": (
-            "Qwen2Config",
-            dict(
-                **small,
-                num_key_value_heads=5,
-                intermediate_size=76,
-                # Qwen2 windows the layers from max_window_layers on: here all of them.
-                use_sliding_window=True,
-                sliding_window=6,
-                max_window_layers=0,
-            ),
-        ),
-        "qwen3": (
-            "Qwen3Config",
-            dict(
-                hidden_size=48,
-                num_attention_heads=6,
-                num_key_value_heads=2,
-                head_dim=12,  # not hidden/heads: the mapping must carry it
-                intermediate_size=92,
-                vocab_size=97,
-                num_hidden_layers=2,
-            ),
-        ),
-        "mixtral": (
-            "MixtralConfig",
-            dict(
-                **small,
-                num_key_value_heads=1,
-                intermediate_size=56,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-            ),
-        ),
-        "qwen2_moe": (
-            "Qwen2MoeConfig",
-            dict(
-                hidden_size=40,
-                num_attention_heads=5,
-                num_key_value_heads=1,
-                vocab_size=97,
-                num_hidden_layers=4,
-                intermediate_size=60,
-                moe_intermediate_size=20,
-                shared_expert_intermediate_size=36,
-                num_experts=5,
-                num_experts_per_tok=2,
-                norm_topk_prob=False,
-                decoder_sparse_step=1,
-                mlp_only_layers=[2],
-            ),
-        ),
-        "qwen2_moe_sparse_step": (
-            "Qwen2MoeConfig",
-            dict(
-                **small,
-                num_key_value_heads=5,
-                intermediate_size=60,
-                moe_intermediate_size=28,
-                shared_expert_intermediate_size=44,
-                num_experts=3,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-                decoder_sparse_step=2,
-            ),
-        ),
-        "qwen3_moe": (
-            "Qwen3MoeConfig",
-            dict(
-                hidden_size=48,
-                num_attention_heads=6,
-                num_key_value_heads=3,
-                head_dim=10,
-                vocab_size=101,
-                num_hidden_layers=2,
-                intermediate_size=64,
-                moe_intermediate_size=24,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-            ),
-        ),
+        "llama": ("LlamaConfig", dict(**wide, num_key_value_heads=2, intermediate_size=100, vocab_size=101,
+                  num_hidden_layers=3, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})),
+        "llama3_rope": ("LlamaConfig", dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                        intermediate_size=72, vocab_size=101, num_hidden_layers=2, rope_parameters=llama3_rope)),
+        "llama_tied": ("LlamaConfig", dict(**small, num_key_value_heads=1, intermediate_size=68, tie_word_embeddings=True)),
+        # a window shorter than SEQ, so that it changes the result
+        "mistral": ("MistralConfig", dict(**wide, num_key_value_heads=3, intermediate_size=84, vocab_size=101,
+                    num_hidden_layers=2, sliding_window=5)),
+        # Qwen2 windows the layers from max_window_layers on: here all of them.
+        "qwen2": ("Qwen2Config", dict(**small, num_key_value_heads=5, intermediate_size=76, use_sliding_window=True,
+                  sliding_window=6, max_window_layers=0)),
+        # head_dim not hidden/heads: the mapping must carry it
+        "qwen3": ("Qwen3Config", dict(**wide, num_key_value_heads=2, head_dim=12, intermediate_size=92, vocab_size=97,
+                  num_hidden_layers=2)),
+        "mixtral": ("MixtralConfig", dict(**small, num_key_value_heads=1, intermediate_size=56, num_local_experts=4,
+                    num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2MoeConfig", dict(**small | dict(num_hidden_layers=4), num_key_value_heads=1,
+                      intermediate_size=60, moe_intermediate_size=20, shared_expert_intermediate_size=36, num_experts=5,
+                      num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2])),
+        "qwen2_moe_sparse_step": ("Qwen2MoeConfig", dict(**small, num_key_value_heads=5, intermediate_size=60,
+                                  moe_intermediate_size=28, shared_expert_intermediate_size=44, num_experts=3,
+                                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(**wide, num_key_value_heads=3, head_dim=10, vocab_size=101,
+                      num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True)),
     }
+    # fmt: on
     return cases[name]
 
 

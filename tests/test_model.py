@@ -17,17 +17,8 @@ from meshtron.train.metrics import active_params, flops_per_token
 
 
 def moe_config(**overrides) -> ModelConfig:
-    base = dict(
-        dim=24,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=40,
-        vocab_size=61,
-        n_experts=5,
-        top_k=2,
-        moe_ffn_dim=20,
-    )
+    base = dict(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=61, n_experts=5, top_k=2,
+                moe_ffn_dim=20)  # fmt: skip
     base.update(overrides)
     return ModelConfig(**base)
 

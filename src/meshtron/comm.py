@@ -92,6 +92,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _splits_evenly(op: str, x: torch.Tensor, dim: int, group: CommGroup) -> None:
+    if x.shape[dim] % group.size:
+        raise ValueError(
+            f"{op} on '{group.name}': dim {dim} of size {x.shape[dim]} is not divisible by the group size "
+            f"{group.size}"
+        )
+
+
 class Pending:
     """An in-flight collective; `wait()` blocks (with the comm deadline) until its buffers are valid."""
 
@@ -253,11 +261,7 @@ class Comm:
         `consume`, x is the caller's scratch: gloo's path may reduce it in place instead of a copy."""
         if group.size == 1:
             return x
-        if x.shape[dim] % group.size:
-            raise ValueError(
-                f"reduce_scatter on '{group.name}': dim {dim} of size {x.shape[dim]} "
-                f"is not divisible by the group size {group.size}"
-            )
+        _splits_evenly("reduce_scatter", x, dim, group)
         moved = x.movedim(dim, 0).contiguous()
         if moved.data_ptr() == x.data_ptr() and not consume:
             moved = moved.clone()  # the async path reduces its input in place; never the caller's tensor
@@ -271,11 +275,7 @@ class Comm:
         """Split `x` into n chunks along split_dim, send chunk j to rank j, concat what arrives on concat_dim."""
         if group.size == 1:
             return x
-        if x.shape[split_dim] % group.size:
-            raise ValueError(
-                f"all_to_all on '{group.name}': dim {split_dim} of size {x.shape[split_dim]} "
-                f"is not divisible by the group size {group.size}"
-            )
+        _splits_evenly("all_to_all", x, split_dim, group)
         self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
         inputs = [c.contiguous() for c in x.chunk(group.size, dim=split_dim)]
         outputs = [torch.empty_like(c) for c in inputs]
@@ -300,20 +300,23 @@ class Comm:
 
     def broadcast_(self, x: torch.Tensor, group: CommGroup, src: int) -> torch.Tensor:
         """In place from the group's local rank `src`."""
-        if group.size == 1:
-            return x
-        self.stats.record(group.name, "broadcast", _nbytes(x) * (group.size - 1) / group.size)
-        work = dist.broadcast(x, src=group.ranks[src], group=self._pg(group), async_op=True)
-        self.wait(work, "broadcast", group)
-        return x
+        return self._rooted("broadcast", x, group, src)
 
     def reduce_(self, x: torch.Tensor, group: CommGroup, dst: int) -> torch.Tensor:
         """Sum into the group's local rank `dst`, in place (other ranks' x is left undefined)."""
+        return self._rooted("reduce", x, group, dst)
+
+    def _rooted(self, op: str, x: torch.Tensor, group: CommGroup, root: int) -> torch.Tensor:
+        """A collective with a root (the group's local rank `root`): broadcast from it, or reduce to it."""
         if group.size == 1:
             return x
-        self.stats.record(group.name, "reduce", _nbytes(x) * (group.size - 1) / group.size)
-        work = dist.reduce(x, dst=group.ranks[dst], group=self._pg(group), async_op=True)
-        self.wait(work, "reduce", group)
+        self.stats.record(group.name, op, _nbytes(x) * (group.size - 1) / group.size)
+        pg, rank = self._pg(group), group.ranks[root]
+        if op == "broadcast":
+            work = dist.broadcast(x, src=rank, group=pg, async_op=True)
+        else:
+            work = dist.reduce(x, dst=rank, group=pg, async_op=True)
+        self.wait(work, op, group)
         return x
 
     def isend(self, x: torch.Tensor, group: CommGroup, dst: int) -> Pending:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
@@ -111,7 +111,8 @@ class ParallelDims:
     cp_ulysses: int = 1
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
+        degrees = {f.name: getattr(self, f.name) for f in fields(ParallelDims)}
+        bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {bad}")
         if self.cp % self.cp_ulysses:

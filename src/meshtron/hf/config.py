@@ -37,67 +37,34 @@ ARCHITECTURES = (
 DEFAULT_MAX_POSITIONS = 8192
 
 
+# transformers 5's config defaults that matter when a config.json omits a key: for every model type, then
+# per type (keys shared by the MoE types in _MOE).
+_DEFAULTS = dict(
+    num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    hidden_act="silu", max_position_embeddings=2048, initializer_range=0.02, attention_bias=False,
+    mlp_bias=False, sliding_window=None, use_sliding_window=False, max_window_layers=28,
+)  # fmt: skip
+_MOE = dict(router_aux_loss_coef=0.001, decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=None)
+_QWEN = dict(sliding_window=4096, max_position_embeddings=32768)
+# fmt: off
+_DEFAULTS_BY_TYPE: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": dict(num_key_value_heads=8, sliding_window=4096, max_position_embeddings=4096 * 32),
+    "qwen2": dict(num_key_value_heads=32, **_QWEN),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, **_QWEN),
+    "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096 * 32,
+                    num_experts_per_tok=2, num_local_experts=8, router_aux_loss_coef=0.001),
+    "qwen2_moe": dict(num_key_value_heads=16, **_QWEN, **_MOE, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60, qkv_bias=True),
+    "qwen3_moe": dict(num_key_value_heads=4, **_QWEN, **_MOE, moe_intermediate_size=768, num_experts_per_tok=8,
+                      num_experts=128),
+}
+# fmt: on
+
+
 def _defaults(model_type: str) -> dict[str, Any]:
     """The transformers 5 config defaults that matter when a config.json omits a key."""
-    defaults: dict[str, Any] = dict(
-        num_key_value_heads=None,
-        head_dim=None,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        initializer_range=0.02,
-        attention_bias=False,
-        mlp_bias=False,
-        sliding_window=None,
-        use_sliding_window=False,
-        max_window_layers=28,
-    )
-    per_type: dict[str, dict[str, Any]] = {
-        "llama": {},
-        "mistral": dict(num_key_value_heads=8, sliding_window=4096, max_position_embeddings=4096 * 32),
-        "qwen2": dict(num_key_value_heads=32, sliding_window=4096, max_position_embeddings=32768),
-        "qwen3": dict(
-            num_key_value_heads=32, head_dim=128, sliding_window=4096, max_position_embeddings=32768
-        ),
-        "mixtral": dict(
-            num_key_value_heads=8,
-            rms_norm_eps=1e-5,
-            rope_theta=1e6,
-            max_position_embeddings=4096 * 32,
-            num_experts_per_tok=2,
-            num_local_experts=8,
-            router_aux_loss_coef=0.001,
-        ),
-        "qwen2_moe": dict(
-            num_key_value_heads=16,
-            sliding_window=4096,
-            max_position_embeddings=32768,
-            decoder_sparse_step=1,
-            moe_intermediate_size=1408,
-            shared_expert_intermediate_size=5632,
-            num_experts_per_tok=4,
-            num_experts=60,
-            norm_topk_prob=False,
-            router_aux_loss_coef=0.001,
-            mlp_only_layers=None,
-            qkv_bias=True,
-        ),
-        "qwen3_moe": dict(
-            num_key_value_heads=4,
-            sliding_window=4096,
-            max_position_embeddings=32768,
-            decoder_sparse_step=1,
-            moe_intermediate_size=768,
-            num_experts_per_tok=8,
-            num_experts=128,
-            norm_topk_prob=False,
-            router_aux_loss_coef=0.001,
-            mlp_only_layers=None,
-        ),
-    }
-    return {**defaults, **per_type[model_type]}
+    return {**_DEFAULTS, **_DEFAULTS_BY_TYPE[model_type]}
 
 
 def _rope_from_hf(hf: Mapping[str, Any], get: Callable[[str], Any], problems: list[str]) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from meshtron.config import Config, ConfigError, suggest
@@ -40,16 +39,11 @@ KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One candidate; `dp_shard` is resolved (never -1)."""
+class Layout(ParallelDims):
+    """One candidate: the mesh's degrees (layout.ParallelDims, `dp_shard` resolved, never -1; world size,
+    dp and groups come from there) and the per-step choices."""
 
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
     vpp: int = 1
-    ep: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
     zero: int = 1
     micro_batch: int = 1
     recompute: str = "none"
@@ -57,26 +51,6 @@ class Layout:
     cp_impl: str = "ring"
     sp: bool = False
     pp_head_layers: float = 0.0
-
-    @cached_property
-    def dims(self) -> ParallelDims:
-        """The mesh's degrees (layout.py: world size, dp, groups)."""
-        return ParallelDims(
-            pp=self.pp,
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            tp=self.tp,
-            ep=self.ep,
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
 
     def apply(self, cfg: Config) -> Config:
         """`cfg` with this layout's parallel degrees, micro-batch and recompute mode."""

@@ -106,7 +106,8 @@ class Measurement:
 # -- in the parent --
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's processor, as /proc/cpuinfo (or the platform) names it."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -188,7 +189,7 @@ def measure(ranks: int, threads: int, sizes: ProbeSizes = DEMO) -> Measurement:
         p2p_bytes_per_s=p2p[1],
         context_bytes=slowest("context"),
         host_memory_bytes=_host_memory_bytes(),
-        cpu=f"{_cpu_model()} ({os.cpu_count()} logical CPUs)",
+        cpu=f"{cpu_model()} ({os.cpu_count()} logical CPUs)",
         measured_at=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         probe_seconds=time.perf_counter() - start,
     )
@@ -259,7 +260,7 @@ def cache_path() -> Path:
 def cache_key(ranks: int, threads: int, sizes: ProbeSizes) -> str:
     import torch
 
-    machine = f"{socket.gethostname()}|{_cpu_model()}|{os.cpu_count()} cpus|torch {torch.__version__}"
+    machine = f"{socket.gethostname()}|{cpu_model()}|{os.cpu_count()} cpus|torch {torch.__version__}"
     return f"{machine}|{ranks} ranks|{threads} threads|{sizes.tag}"
 
 

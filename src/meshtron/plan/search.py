@@ -88,7 +88,10 @@ def candidates(cfg: Config, gpus: int, per_node: int, fixed: dict[str, Any]) -> 
             for (rep, shard, zero), (schedule, vpp), impl in itertools.product(
                 _dp_splits(fixed, dp, tp * cp, per_node), _schedules(fixed, pp), impls
             ):
-                base = Layout(tp, cp, pp, vpp, 1, rep, shard, zero, 1, "none", schedule, impl, tp > 1)
+                base = Layout(
+                    pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, vpp=vpp, zero=zero,
+                    pp_schedule=schedule, cp_impl=impl, sp=tp > 1,
+                )  # fmt: skip
                 yield from _finish(cfg, gpus, fixed, base)
 
 

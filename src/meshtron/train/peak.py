@@ -67,7 +67,7 @@ def _cache() -> tuple[Any, str]:
     """(the cache file, this machine's key prefix), as the hardware probe keys its measurements."""
     from meshtron.plan import probe as hardware_probe
 
-    machine = f"{socket.gethostname()}|{hardware_probe._cpu_model()}|{os.cpu_count()} cpus"
+    machine = f"{socket.gethostname()}|{hardware_probe.cpu_model()}|{os.cpu_count()} cpus"
     return hardware_probe.cache_path().parent / CACHE_FILE, f"{machine}|torch {torch.__version__}"
 
 

@@ -17,14 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.comm import Comm
 from meshtron.config import Config
 from meshtron.data.rules import micro_batches_per_step
 from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
-from meshtron.models.llama import Transformer
-from meshtron.parallel.engine import DataParallelEngine
-from meshtron.parallel.parallelize import ParallelModel
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.train.checkpoint import save_checkpoint
 from meshtron.train.evaluate import Evaluator
@@ -59,29 +55,13 @@ class Trainer:
             )
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
 
-    @property
-    def cfg(self) -> Config:
-        return self.job.cfg
-
-    @property
-    def comm(self) -> Comm:
-        return self.job.place.comm
-
-    @property
-    def model(self) -> Transformer:
-        return self.job.model
-
-    @property
-    def parallel(self) -> ParallelModel:
-        return self.job.parallel
-
-    @property
-    def engine(self) -> DataParallelEngine:
-        return self.job.parallel.engine
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.job.optimizer
+    # What a test or a benchmark reaches for most, by name.
+    cfg = property(lambda self: self.job.cfg)
+    comm = property(lambda self: self.job.place.comm)
+    model = property(lambda self: self.job.model)
+    parallel = property(lambda self: self.job.parallel)
+    engine = property(lambda self: self.job.parallel.engine)
+    optimizer = property(lambda self: self.job.optimizer)
 
     def compute_gradients(self) -> torch.Tensor:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
