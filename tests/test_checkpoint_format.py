@@ -3,7 +3,8 @@ tp/ep shards) still loads into every layout, and a newer format is refused by na
 
 tests/data/checkpoint-format-1 was written by meshtron at commit 59a7e0a (torch 2.13) after one step of
 the tiny MoE under tp 2 + sp, ep 2 and ZeRO-3 over dp_shard 2 (4 ranks); its `losses.json` holds that
-uninterrupted run's first three losses, as the writing code computed them.
+uninterrupted run's first three losses, as the writing code computed them: a run resumed from it must
+compute its steps 2 and 3 again (the initialisation has changed since, which a resumed run never reads).
 """
 
 from __future__ import annotations
@@ -31,54 +32,53 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def straight(workers, tmp_path_factory) -> tuple[list[dict], Path]:
-    """The uninterrupted single-device run of the fixture's config, 4 steps, keeping its checkpoints of
-    every step: (rows, its checkpoint of step 1)."""
-    run = tmp_path_factory.mktemp("straight")
-    overrides = [
-        *SINGLE,
-        "--training.steps=4",
-        "--checkpoint.keep=4",
-        f"--run.dir={run}",
-        f"--checkpoint.dir={run / 'ck'}",
-    ]
-    rows = workers(1).run(train_rows, overrides, FIXTURE / "config.toml")[0]
-    # The data and the model are what the fixture was written with: the same first losses.
-    assert [relative(r["loss"], want) <= 1e-5 for r, want in zip(rows[:3], WRITTEN_LOSSES, strict=True)] == [
-        True
-    ] * 3
-    return rows, run / "ck" / "step-00000001"
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_format_1_checkpoint_resumes_on_any_layout(workers, tmp_path, straight, layout):
+def resumed_rows(workers, tmp_path: Path, layout: str, steps: int = 4) -> list[dict]:
+    """The fixture's run resumed from its step-1 checkpoint (a copy) on `layout`, to `steps` steps."""
     world, overrides = LAYOUTS[layout]
     (tmp_path / "ck").mkdir()
     shutil.copytree(FIXTURE, tmp_path / "ck" / "step-00000001")
     resumed = [
         *overrides,
-        "--training.steps=4",
+        f"--training.steps={steps}",
         "--checkpoint.resume=true",
+        "--checkpoint.keep=4",
         f"--checkpoint.dir={tmp_path / 'ck'}",
         f"--run.dir={tmp_path / 'run'}",
     ]
-    rows = workers(world).run(train_rows, resumed, FIXTURE / "config.toml")[0]
-    assert_losses_match(rows, straight[0][1:])
+    return workers(world).run(train_rows, resumed, FIXTURE / "config.toml")[0]
 
 
-def test_format_1_weights_equal_a_format_2_checkpoint_of_the_same_step(straight):
-    """load_model_weights (export, generate) reads both formats; the step-1 weights agree to fp32
-    rounding of the two layouts that computed them."""
+@pytest.fixture(scope="module")
+def on_one_device(workers, tmp_path_factory) -> tuple[list[dict], Path]:
+    """The fixture resumed on one device, every step checkpointed: (rows, its checkpoint of step 2)."""
+    tmp = tmp_path_factory.mktemp("single")
+    rows = resumed_rows(workers, tmp, "single", steps=4)
+    return rows, tmp / "ck" / "step-00000002"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_format_1_checkpoint_resumes_on_any_layout(workers, tmp_path, on_one_device, layout):
+    """Resumed on any layout, the run continues the one that wrote the checkpoint: its steps 2 and 3 are
+    the losses the writing code computed, and every layout agrees on step 4 too."""
+    rows = on_one_device[0] if layout == "single" else resumed_rows(workers, tmp_path, layout)
+    assert [r["step"] for r in rows] == [2, 3, 4]
+    for row, want in zip(rows[:2], WRITTEN_LOSSES[1:], strict=True):
+        assert relative(row["loss"], want) <= 1e-5, (row["step"], row["loss"], want)
+    assert_losses_match(rows, on_one_device[0])
+
+
+def test_format_1_and_format_2_checkpoints_hold_the_same_kind_of_state(on_one_device):
+    """load_model_weights (export, generate) reads both formats: the format-2 checkpoint the resumed run
+    wrote after one more step holds the fixture's weights moved by one small optimizer step."""
     cfg = load_config(FIXTURE / "config.toml", SINGLE)
-    ck = straight[1]
+    ck = on_one_device[1]
     assert json.loads((ck / FORMAT_FILE).read_text())["format"] == FORMAT
     old_model, new_model = Transformer(cfg.model), Transformer(cfg.model)
     load_model_weights(FIXTURE, old_model)
     load_model_weights(ck, new_model)
-    new_sd = new_model.state_dict()
-    for name, old in old_model.state_dict().items():
-        assert float((old - new_sd[name]).norm() / new_sd[name].norm()) <= 1e-5, name
+    new_params = dict(new_model.named_parameters())  # (the balancing bias may step back to zero)
+    for name, old in old_model.named_parameters():
+        assert 0 < float((old - new_params[name]).norm() / new_params[name].norm()) <= 0.25, name  # lr 3e-3
 
 
 def test_a_newer_format_is_refused_by_name(tmp_path):

@@ -206,3 +206,60 @@ def test_a_trained_bpe_tokenizer_exports_for_auto_tokenizer(tmp_path):
     assert hf.encode(sample, add_special_tokens=False) == tok.encode(sample)
     assert hf.decode(tok.encode(sample)) == sample
     assert hf.eos_token_id == tok.eos_id
+
+
+def test_streamed_weights_are_sharded_as_transformers_writes_them(tmp_path):
+    """Past the size limit the weights go to several safetensors files and an index, each tensor as the
+    safetensors library reads it back; transformers loads the directory with meshtron's logits."""
+    from safetensors import safe_open
+
+    from meshtron.hf.stream import INDEX_FILE
+    from meshtron.hf.weights import hf_state_dict, save_model
+
+    model = odd_model(n_experts=4, top_k=2, moe_ffn_dim=48)
+    save_model(model, tmp_path, max_shard_bytes=60_000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    _, want = hf_state_dict(model)
+    assert set(index["weight_map"]) == set(want)
+    for file in files:
+        with safe_open(str(tmp_path / file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                assert index["weight_map"][key] == file and torch.equal(f.get_tensor(key), want[key]), key
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[5, 17, 2, 60, 33, 8]])
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, model(ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(FileExistsError, match="export to a new directory"):
+        save_model(model, tmp_path)
+
+
+def test_export_holds_one_parameter_at_a_time(tmp_path, monkeypatch):
+    """`meshtron export` streams: each parameter is read from the checkpoint when its tensors are written
+    and let go before the next one is read (so its peak is about the largest parameter, not the model)."""
+    import weakref
+
+    from meshtron.commands import export as export_module
+
+    run_dir = tmp_path / "run"
+    train(load_config(None, [*TINY, *MIXTRAL, *SAVING, "--run.sample_tokens=0", f"--run.dir={run_dir}"]))
+    alive: list[weakref.ref] = []
+    most = [0]
+    real = export_module.read_model_tensor
+
+    def tracked(path: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        most[0] = max(most[0], sum(ref() is not None for ref in alive))
+        tensor = real(path, name, shape)
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(export_module, "read_model_tensor", tracked)
+    export(run_dir, tmp_path / "hf", max_shard_bytes=100_000)
+    assert len(alive) == sum(1 for _ in load_checkpoint_model(resolve_checkpoint(run_dir), checkpoint_config(
+        resolve_checkpoint(run_dir))).parameters())  # fmt: skip
+    assert most[0] == 0  # none of the earlier ones was alive when the next was read
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert theirs.config.model_type == "mixtral"

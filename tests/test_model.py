@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from meshtron.checks import load_config
 from meshtron.config import ModelConfig
-from meshtron.models.llama import build_model, init_parameter, rope_inv_freq
+from meshtron.models.init import init_region
+from meshtron.models.llama import build_model, rope_inv_freq
 from meshtron.models.moe import MoE, capacity_keep, router_losses
 from meshtron.train.metrics import active_params, flops_per_token
 
@@ -178,7 +179,7 @@ def test_initialisation_is_per_parameter_and_layout_independent():
     params = dict(a.named_parameters())
     assert not torch.equal(params["layers.0.attention.wq.weight"], params["layers.1.attention.wq.weight"])
     assert torch.equal(params["norm.weight"], torch.ones(cfg.dim))
-    assert torch.equal(init_parameter("x.wq.bias", torch.empty(4), cfg, 0), torch.zeros(4))
+    assert torch.equal(init_region("x.wq.bias", (4,), [(0, 4)], cfg, 0), torch.zeros(4))
     assert params["layers.0.feed_forward.w1.weight"].std().item() == pytest.approx(cfg.init_std, rel=0.1)
 
 

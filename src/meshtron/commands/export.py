@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from meshtron import hf
 from meshtron.config import Config, ConfigError, build_config, load_toml
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
+from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES
+from meshtron.hf.weights import save_streamed_model
 from meshtron.models.llama import Transformer
 from meshtron.train import CheckpointError
-from meshtron.train.checkpoint import checkpoint_model, complete_checkpoints
+from meshtron.train.checkpoint import check_format, checkpoint_model, complete_checkpoints, read_model_tensor
 from meshtron.train.checkpoint_integrity import file_problems
 from meshtron.train.sample import CONFIG_FILE
 
@@ -140,15 +143,25 @@ def export(
     out: str | Path,
     config: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write checkpoint (a step directory or a checkpoints directory: its newest complete one) to `out` as
-    a Hugging Face directory; returns a line saying what was written."""
+    a Hugging Face directory, streamed: one parameter in memory at a time, safetensors shards and an
+    index past `max_shard_bytes`; returns a line saying what was written."""
     step_dir = resolve_checkpoint(checkpoint)
     cfg = checkpoint_config(step_dir, config)
-    model = load_checkpoint_model(step_dir, cfg).to(dtype)
+    check_format(step_dir)
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg.model).named_parameters()}
     out = Path(out)
-    try:
-        hf.save(model, out)
+    try:  # one parameter at a time: the checkpoint is read, converted and written tensor by tensor
+        save_streamed_model(
+            cfg.model,
+            lambda name: read_model_tensor(step_dir, name, shapes[name]),
+            out,
+            dtype,
+            max_shard_bytes,
+        )
     except (ValueError, FileExistsError) as err:
         raise CheckpointError(f"cannot export {step_dir}: {err}") from None
     tok = checkpoint_tokenizer(step_dir, cfg)
@@ -156,7 +169,7 @@ def export(
         save_hf_tokenizer(tok, out)
     model_type = json.loads((out / "config.json").read_text())["model_type"]
     return (
-        f"wrote {out}: {model_type}, {model.num_params():,} parameters ({str(dtype).removeprefix('torch.')}) "
+        f"wrote {out}: {model_type}, {sum(math.prod(s) for s in shapes.values()):,} parameters ({str(dtype).removeprefix('torch.')}) "
         f"from {step_dir}; tokenizer: {'yes' if tok is not None else 'unknown, none written'}"
     )
 
@@ -188,7 +201,8 @@ def model_for_generation(
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    print(export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype)))
+    max_bytes = int(args.max_shard_gb * 10**9)
+    print(export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype), max_bytes))
     return 0
 
 

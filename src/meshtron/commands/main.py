@@ -30,6 +30,12 @@ def _add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
         "--out", required=True, help="directory for config.json, model.safetensors, tokenizer"
     )
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    export.add_argument(
+        "--max-shard-gb",
+        type=float,
+        default=5.0,
+        help="safetensors files of at most this many GB (10^9 bytes), with an index past one, as transformers",
+    )
     export.add_argument("--config", help=config)
     gen = sub.add_parser(
         "generate",

@@ -49,7 +49,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from torch.distributed.tensor import DTensor
 
 from meshtron.comm import CommGroup
 from meshtron.config import ModelConfig
@@ -59,10 +58,8 @@ from meshtron.hf.checkpoint import (
     read_source,
 )
 from meshtron.hf.config import HEAD, checkpoint_config
-from meshtron.parallel.engine import OwnedRows
-from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel
-from meshtron.parallel.tensor import TensorParallelPlan
+from meshtron.parallel.regions import Region, fill_owned_
 
 TIED_WEIGHT = "tok_embeddings.weight"
 
@@ -76,60 +73,19 @@ class LoadReport:
     elements: int  # elements it read (each only once, except a tied head compared with the embedding)
 
 
-def _local_rows(entry: OwnedRows) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
-    """(the tensor this rank holds of `entry`, the index of its first row and its number of rows in the
-    parameter as tensor and expert parallel left it, that parameter's shape)."""
-    param = entry.param
-    if isinstance(param, DTensor):  # fully_shard: the DTensor's placements say where its rows sit
-        # DTensor's side of DCP's checkpoint protocol: the box of the logical tensor this rank holds.
-        (box,) = param.__create_chunk_list__()
-        return param.to_local(), box.offsets[0], box.sizes[0], tuple(param.shape)
-    return param.data, entry.start, entry.rows, entry.shape
-
-
-def logical_region(
-    name: str,
-    local_shape: tuple[int, ...],
-    start: int,
-    rows: int,
-    plan: TensorParallelPlan | None,
-    expert: tuple[int, int] | None,
-) -> list[tuple[int, int]]:
-    """The region of logical parameter `name` held in rows [start, start + rows) of this rank's
-    `local_shape` tensor (cut by tensor parallel per `plan`, then by expert parallel when `expert` is
-    (ep rank, ep size)), without the rows past the logical end (the padded vocabulary's)."""
-    offsets, logical = [0] * len(local_shape), list(local_shape)
-    ep_rank, ep = expert if expert is not None else (0, 1)
-    offsets[0], logical[0] = ep_rank * local_shape[0], local_shape[0] * ep
-    split = plan.split_dims.get(name) if plan is not None else None
-    if split is not None:  # tensor parallel cut first: its blocks hold whole ep blocks along dim 0
-        dim, size = split
-        offsets[dim] += plan.tp.rank * local_shape[dim] * (ep if dim == 0 else 1)
-        logical[dim] = size
-    region = [(o, o + n) for o, n in zip(offsets, local_shape, strict=True)]
-    first = offsets[0] + start
-    region[0] = (min(first, logical[0]), min(first + rows, logical[0]))
-    return region
-
-
 def _read_owned(
     path: Path, parallel: ParallelModel, cfg: ModelConfig, ep: CommGroup, model_type: str
 ) -> tuple[LoadReport, list[str]]:
     """Read this rank's regions of every parameter it holds into its tensors; (report, problems)."""
-    experts = expert_parameter_names(parallel.model) if ep.size > 1 else frozenset()
     problems = []
     with HFCheckpoint(path) as checkpoint:
         sources = parameter_sources(cfg, model_type, checkpoint)
         compare_head = cfg.tie_embeddings and HEAD in checkpoint.handles
-        for entry in parallel.engine.owned_rows():
-            target, start, rows, shape = _local_rows(entry)
-            where = (ep.rank, ep.size) if entry.name in experts else None
-            region = logical_region(entry.name, shape, start, rows, parallel.tp_plan, where)
-            if any(stop <= first for first, stop in region):
-                continue  # padding only
-            values = read_source(checkpoint, sources[entry.name], region)
+
+        def read(name: str, _shape: tuple[int, ...], region: Region) -> torch.Tensor:
+            values = read_source(checkpoint, sources[name], region)
             if (
-                entry.name == TIED_WEIGHT
+                name == TIED_WEIGHT
                 and compare_head
                 and not torch.equal(values, checkpoint.read(HEAD, region))
             ):
@@ -137,7 +93,9 @@ def _read_owned(
                     "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; set "
                     "tie_word_embeddings=false in config.json to train a separate output head"
                 )
-            target[: region[0][1] - region[0][0]].copy_(values.to(target.dtype))
+            return values
+
+        fill_owned_(parallel, read, ep)
         report = LoadReport(path, len(checkpoint.tensors_read), checkpoint.elements_read)
     return report, problems
 

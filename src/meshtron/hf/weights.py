@@ -37,15 +37,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from meshtron.config import ModelConfig
 from meshtron.hf.config import config_from_hf, config_to_hf, read_hf_config, weight_files
+from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, Entry, save_streamed
 from meshtron.models.llama import Transformer, rope_inv_freq
 
 # meshtron key suffix inside a layer -> HF key suffix inside `model.layers.{i}.`; `{moe}` is the
@@ -224,45 +224,72 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transfor
     return model.eval()
 
 
-def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The transformers config.json dict and state dict (classic HF names, per-expert tensors, on CPU,
-    each tensor its own storage) of a plain single-device model."""
-    cfg = model.cfg
-    hf_config = config_to_hf(cfg, str(next(model.parameters()).dtype).removeprefix("torch."))
+def hf_entries(cfg: ModelConfig, dtype: str = "float32") -> tuple[dict, list[Entry]]:
+    """The transformers config.json dict of `cfg`, and its checkpoint's tensors in the classic HF names
+    (per-expert tensors), each with the meshtron parameter it comes from (shapes from a meta build)."""
+    hf_config = config_to_hf(cfg, dtype)
     model_type = hf_config["model_type"]
     block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     expert_names = dict(MIXTRAL_EXPERT_NAMES if model_type == "mixtral" else QWEN_EXPERT_NAMES)
     renames = {ours: theirs.format(moe=block) for ours, theirs in LAYER_RENAMES}
     global_names = dict(GLOBAL_RENAMES)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        # Clones: safetensors refuses tensors that share storage (tied weights, per-expert views).
-        tensor = tensor.detach().to("cpu")
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+    entries = []
+    for name, shape in shapes.items():
         if not name.startswith("layers."):
-            tensors[global_names[name]] = tensor.clone()
+            entries.append(Entry(global_names[name], shape, name))
             continue
         _, i, suffix = name.split(".", 2)
         layer = f"model.layers.{i}."
         if suffix.startswith("moe.experts."):
             w = suffix.rsplit(".", 1)[1]
-            for j in range(tensor.shape[0]):
-                tensors[f"{layer}{block}.experts.{j}.{expert_names[w]}.weight"] = tensor[j].clone()
+            expert = f"{layer}{block}.experts.{{}}.{expert_names[w]}.weight"
+            entries += [Entry(expert.format(j), shape[1:], name, j) for j in range(shape[0])]
         else:
-            tensors[layer + renames[suffix]] = tensor.clone()
-    return hf_config, tensors
+            entries.append(Entry(layer + renames[suffix], shape, name))
+    return hf_config, entries
 
 
-def save_model(model: Transformer, path: str | Path) -> None:
-    """Write config.json and model.safetensors in the classic HF naming (per-expert tensors).
+def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The transformers config.json dict and state dict (classic HF names, per-expert tensors, on CPU,
+    each tensor its own storage) of a plain single-device model."""
+    dtype = next(model.parameters()).dtype
+    hf_config, entries = hf_entries(model.cfg, str(dtype).removeprefix("torch."))
+    params = dict(model.named_parameters())
+    # Clones: safetensors refuses tensors that share storage (tied weights, per-expert views).
+    return hf_config, {
+        e.name: (params[e.source] if e.part is None else params[e.source][e.part]).detach().to("cpu").clone()
+        for e in entries
+    }
 
-    Expects a plain single-device model; gather a sharded one into a full state first.
-    """
+
+def save_streamed_model(
+    cfg: ModelConfig,
+    read: Callable[[str], torch.Tensor],
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write config.json and the weights (`read(name)`: meshtron parameter `name`, asked for one at a
+    time) as a directory transformers loads: model.safetensors, or shards and their index past
+    `max_shard_bytes` (stream.py)."""
     path = Path(path)
-    if (path / "model.safetensors.index.json").exists():
-        raise FileExistsError(
-            f"{path} holds a sharded checkpoint whose index would shadow the new weights; save elsewhere"
-        )
-    hf_config, tensors = hf_state_dict(model)
+    stale = [
+        p
+        for p in (path / INDEX_FILE, path / SINGLE_FILE, *path.glob("model-*-of-*.safetensors"))
+        if p.exists()
+    ]
+    if stale:
+        raise FileExistsError(f"{path} holds weights already ({stale[0].name}); export to a new directory")
+    hf_config, entries = hf_entries(cfg, str(dtype).removeprefix("torch."))
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_streamed(path, entries, dtype, read, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write a plain single-device model as a directory transformers loads (save_streamed_model)."""
+    params = dict(model.named_parameters())
+    dtype = next(model.parameters()).dtype
+    save_streamed_model(model.cfg, lambda name: params[name], path, dtype, max_shard_bytes)

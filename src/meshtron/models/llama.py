@@ -9,13 +9,13 @@ D model dim, H query heads, K key/value heads, Dh head dim, F ffn dim, V vocab.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.models.init import init_weights
 from meshtron.models.layers import FeedForward, RMSNorm
 from meshtron.models.moe import MoE
 
@@ -225,6 +225,13 @@ class Transformer(nn.Module):
         logits = output_logits(h, self.norm, self.output, self.tok_embeddings)
         return (logits, aux_loss) if return_aux else logits
 
+    def reset_buffers(self, device: torch.device) -> None:
+        """The buffers' initial values on `device` (after a build on the meta device)."""
+        self.rope_inv_freq = rope_inv_freq(self.cfg).to(device)
+        for block in self.layers.values():
+            if block.moe is not None:
+                block.moe.reset_buffers(device)
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())
         return total - self.tok_embeddings.weight.numel() if exclude_embedding else total
@@ -238,33 +245,17 @@ def output_logits(
     return F.linear(h_BSD, tok_embeddings.weight) if output is None else output(h_BSD)
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """A seed per logical parameter, so every layout draws the same values for it before slicing."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def init_parameter(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full logical value of parameter `name` (any parallel layout slices this same tensor)."""
-    *_, owner, leaf = ("",) + tuple(name.split("."))
-    if "norm" in owner:
-        return torch.ones(param.shape)
-    if leaf == "bias":
-        return torch.zeros(param.shape)
-    std = cfg.init_std
-    if owner in ("wo", "w2") or name.endswith("experts.w2"):
-        std = std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs, as in GPT-2
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    for name, param in model.named_parameters():
-        param.copy_(init_parameter(name, param, cfg, seed))
-
-
 def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:
-    """A single-device model with layout-independent initial weights."""
+    """A single-device model with layout-independent initial weights (init.py)."""
     model = Transformer(cfg)
     init_weights(model, cfg, seed)
     return model.to(device)
+
+
+def build_meta_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> Transformer:
+    """The model's structure with its parameters on the meta device (shapes, no storage) and its buffers
+    on `device`: what `parallelize` cuts before each rank materialises only the parameters it holds."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.reset_buffers(torch.device(device))
+    return model

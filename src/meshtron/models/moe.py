@@ -255,6 +255,12 @@ class MoE(nn.Module):
         # Assignments routed to / kept by each expert since the last `take_loads` (metrics, bias updates).
         self.register_buffer("loads_2E", torch.zeros(2, cfg.n_experts), persistent=False)
 
+    def reset_buffers(self, device: torch.device) -> None:
+        """The buffers' initial values on `device`: no loads counted, a zero balancing bias."""
+        self.loads_2E = torch.zeros(2, self.n_experts, device=device)
+        if self.router.expert_bias is not None:
+            self.router.expert_bias = torch.zeros(self.n_experts, device=device)
+
     def capacity(self, n_tokens: int) -> int | None:
         if self.capacity_factor <= 0:
             return None

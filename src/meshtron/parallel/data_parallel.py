@@ -33,6 +33,7 @@ from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.expert_data_parallel import ExpertDataParallel, ParameterSubset
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.parallel.materialize import is_meta, materialize_
 from meshtron.parallel.simple_fsdp import SimpleFSDP
 from meshtron.parallel.zero import ZeroShardedOptimizer
 
@@ -48,11 +49,13 @@ class DataParallelSettings:
     reduce_dtype: torch.dtype = torch.float32  # gradient reductions
     reshard_after_forward: bool = True  # ZeRO-3: free gathered units after each forward
     compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
+    device: torch.device = torch.device("cpu")  # where what a rank holds lives (a meta build gets it here)
 
     @classmethod
-    def of(cls, cfg: Config) -> DataParallelSettings:
+    def of(cls, cfg: Config, device: torch.device) -> DataParallelSettings:
         p = cfg.parallel
         return cls(
+            device=device,
             zero=p.zero,
             fsdp_impl=p.fsdp_impl,
             bucket_bytes=int(p.bucket_mb * 2**20),
@@ -103,10 +106,14 @@ def _engine(
     across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
     s = settings
     shard, replicate = mesh.group(shard_dim), mesh.group("dp_replicate")
+    built_on_meta = is_meta(model.parameters())
+    if shard.size == 1 or s.zero in (1, 2):  # whole parameters on every rank: they get their storage now
+        materialize_(model.parameters(), s.device)
     if shard.size == 1:
         return DistributedDataParallel(
-            model, comm, mesh.group(whole_dim), bucket_bytes=s.bucket_bytes, reduce_dtype=s.reduce_dtype
-        )
+            model, comm, mesh.group(whole_dim), bucket_bytes=s.bucket_bytes, reduce_dtype=s.reduce_dtype,
+            broadcast=not built_on_meta,
+        )  # fmt: skip
     dtypes = {"param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
     if s.zero in (1, 2):
         return ZeroShardedOptimizer(
@@ -116,14 +123,15 @@ def _engine(
     if s.fsdp_impl == "simple":
         return SimpleFSDP(
             model, [*(roots or [model]), *blocks], comm, shard, replicate, **dtypes,
-            shard_mesh=mesh.mesh(shard_dim), compiled=blocks if s.compiled else None,
+            shard_mesh=mesh.mesh(shard_dim), compiled=blocks if s.compiled else None, device=s.device,
         )  # fmt: skip
     if s.fsdp_impl == "torch":
         device_mesh = mesh.world["dp_replicate", shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
         return TorchFSDP(
-            model, blocks, device_mesh, shard, **dtypes, reshard_after_forward=s.reshard_after_forward
-        )
+            model, blocks, device_mesh, shard, **dtypes, reshard_after_forward=s.reshard_after_forward,
+            device=s.device,
+        )  # fmt: skip
     return FullyShardedDataParallel(
         model, blocks, comm, shard, replicate, **dtypes, reshard_after_forward=s.reshard_after_forward,
-        shard_mesh=mesh.mesh(shard_dim), roots=roots,
+        shard_mesh=mesh.mesh(shard_dim), roots=roots, device=s.device,
     )  # fmt: skip

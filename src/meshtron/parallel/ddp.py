@@ -112,14 +112,19 @@ class DistributedDataParallel(BucketedEngine):
         group: CommGroup,
         bucket_bytes: int = 25 * 2**20,
         reduce_dtype: torch.dtype | None = None,
+        broadcast: bool = True,
     ):
+        """`broadcast`: make the replicas identical from rank 0's values (not needed when every replica
+        is then initialised or loaded identically, as after a meta-device build)."""
         self.model, self.comm, self.group = model, comm, group
         self.reduce_dtype = reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = [_Bucket(b) for b in make_buckets(self.params, bucket_bytes)]
         self._watch_buckets()
         with torch.no_grad():
-            for p in self.params:  # replicas start identical by construction; make it a fact
+            for p in (
+                self.params if broadcast else ()
+            ):  # replicas start identical by construction; make it a fact
                 comm.broadcast_(p.data, group, src=0)
 
     def optimizer_params(self) -> list[nn.Parameter]:

@@ -30,6 +30,7 @@ from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
+from meshtron.parallel.materialize import is_meta, materialize_
 from meshtron.parallel.shard import FlatLayout
 from meshtron.parallel.staging import Staging
 
@@ -38,22 +39,31 @@ class FSDPUnit:
     """The parameters of one module, sharded over the dp_shard group."""
 
     def __init__(
-        self, names: list[str], params: list[nn.Parameter], shard: CommGroup, param_dtype: torch.dtype
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        shard: CommGroup,
+        param_dtype: torch.dtype,
+        device: torch.device,
     ):
+        """`params` on `device`, or on the meta device (built without storage: the shards start at zero
+        and are filled through `owned_rows`, regions.py)."""
         self.names, self.params, self.param_dtype = names, params, param_dtype
         self.rank = shard.rank
         self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
-        device = params[0].device
         self.master_flat = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
-        self.layout.pack_local([p.data for p in params], self.master_flat)
+        if not is_meta(params):
+            self.layout.pack_local([p.data for p in params], self.master_flat)
         # Padding rows have zero gradients, so AdamW leaves them at zero: they never leak into the model.
         self.master = [nn.Parameter(v) for v in self.layout.local_views(self.master_flat)]
         self.grad_flat = torch.zeros_like(self.master_flat)
         for m, g in zip(self.master, self.layout.local_views(self.grad_flat), strict=True):
             m.grad = g
+        materialize_(params, device, param_dtype, empty=True)
         for p in params:
-            p.data = torch.empty(p.shape, dtype=param_dtype, device=device)
-            p.untyped_storage().resize_(0)
+            if p.untyped_storage().nbytes():  # built with values: they live in the shards now
+                p.data = torch.empty(p.shape, dtype=param_dtype, device=device)
+                p.untyped_storage().resize_(0)
         self.gathering: tuple[Pending, torch.Tensor] | None = None
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
@@ -106,10 +116,12 @@ class FullyShardedDataParallel(DataParallelEngine):
         reshard_after_forward: bool = True,
         shard_mesh: Any = None,
         roots: list[nn.Module] | None = None,
+        device: torch.device | None = None,
     ):
         """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
         head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
-        the first rank of a V schedule: each gathers the root unit before it runs)."""
+        the first rank of a V schedule: each gathers the root unit before it runs). `device`: where the
+        shards live (default: the parameters'; needed for a model built on the meta device)."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.shard_mesh = shard_mesh
         self.norm_group = shard
@@ -123,14 +135,15 @@ class FullyShardedDataParallel(DataParallelEngine):
         hooked = [roots or [model], *([b] for b in blocks)]
         modules = [(mods, group) for mods, group in zip(hooked, named, strict=True) if group]
         self.has_root = bool(named[0])
+        device = device or next(iter(model.parameters())).device
         self.units = [
-            FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype) for _, group in modules
+            FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype, device)
+            for _, group in modules
         ]
         # Gathered units and reduce-scatter inputs (with the received shard after it) in two persistent
         # buffers each, of the largest block (staging.py; the root unit, often larger, gets its own).
         blocks_only = self.units[1:] if self.has_root and len(self.units) > 1 else self.units
         largest = max(u.layout.shard_numel for u in blocks_only)
-        device = self.units[0].master_flat.device
         self.gathers = Staging(largest * shard.size, device)
         self.reductions = Staging(largest * (shard.size + 1), device)
         for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
@@ -252,7 +265,10 @@ class TorchFSDP(DataParallelEngine):
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         reshard_after_forward: bool = True,
+        device: torch.device | None = None,
     ):
+        """`device`: where a model built on the meta device gets its shards (fully_shard first shards
+        the meta parameters, then they get storage: FSDP2's meta-device flow)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.norm_group, self.shard_mesh = model, shard, device_mesh
@@ -265,6 +281,8 @@ class TorchFSDP(DataParallelEngine):
             # (a plain SUM: gloo has neither AVG nor PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+        if device is not None and is_meta(model.parameters()):
+            model.to_empty(device=device)  # the buffers too: parallelize resets them after this step
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())

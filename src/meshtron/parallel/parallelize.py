@@ -120,6 +120,7 @@ def parallelize(
     mesh: ParallelMesh,
     cfg: Config,
     layer_split: list[list[int]] | None = None,
+    device: torch.device | None = None,
 ) -> ParallelModel:
     """Apply every parallelism of `cfg` to `model` (built whole, on this rank) in the order above.
 
@@ -130,7 +131,11 @@ def parallelize(
         cfg: the checked config (checks.check): nothing is validated again here.
         layer_split: with pp > 1, the layers of each of the pp·vpp chunks (plan.state.layer_split: the
             split the planner models).
+        device: this rank's device, where what it holds lives (default: where the buffers are). The
+            model may be built on the meta device (models/llama.py's `build_meta_model`): then only the
+            parameters this rank holds get storage, uninitialised (regions.py fills them).
     """
+    device = device or model.rope_inv_freq.device
     p = cfg.parallel
     if mesh.size("pp") > 1:
         if layer_split is None:
@@ -159,7 +164,8 @@ def parallelize(
             model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
         )
     roots = pipeline.boundary_chunks() if pipeline is not None else None
-    engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg), roots)
+    engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots)
+    model.reset_buffers(device)  # built on the meta device, or emptied with fully_shard's shards
     if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
         engine.expect_grad_uses(model.tok_embeddings.weight, 2)  # a V's first rank: head and embedding
     token_loss = (

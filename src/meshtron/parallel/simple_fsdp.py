@@ -175,12 +175,15 @@ class SimpleFSDP(DataParallelEngine):
         reduce_dtype: torch.dtype = torch.float32,
         shard_mesh: Any = None,
         compiled: list[nn.Module] | None = None,
+        device: torch.device | None = None,
     ):
         """`hooked`: the modules whose forwards save gathered weights for backward (the blocks and the
         modules that run the embedding and the head): the saved-tensor hooks are active inside them.
         `compiled`: modules whose forwards run compiled; their parameters take the traced path, whose
-        bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter)."""
+        bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter).
+        `device`: where the shards live (default: the parameters'; needed for a meta-device build)."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
+        self.device = device or next(iter(model.parameters())).device
         self.shard_mesh, self.norm_group = shard_mesh, shard
         self.saved = _SavedGathers()
         self.specs: dict[int, ShardedParam] = {}  # id of the original parameter -> its sharded form
@@ -207,8 +210,9 @@ class SimpleFSDP(DataParallelEngine):
     ) -> ShardedParam:
         shape = ShardedShape(tuple(p.shape), self.shard.size)
         start, stop = shape.row_range(self.shard.rank)
-        block = torch.zeros((shape.rows, *p.shape[1:]), dtype=torch.float32, device=p.device)
-        block[: stop - start] = p.detach()[start:stop]
+        block = torch.zeros((shape.rows, *p.shape[1:]), dtype=torch.float32, device=self.device)
+        if not p.is_meta:  # built without values: filled through owned_rows (regions.py)
+            block[: stop - start] = p.detach()[start:stop]
         block = nn.Parameter(block)
         # The gradient's row block, kept across steps (autograd accumulates into it in place).
         block.grad = torch.zeros_like(block)

@@ -83,9 +83,13 @@ class RowParallelLinear(nn.Linear):
     """y = exit(x_local W_local^T): partial sums over the input features, reduced on the way out."""
 
     def __init__(
-        self, in_features: int, out_features: int, exit_fn: Callable[[torch.Tensor], torch.Tensor] | None
+        self,
+        in_features: int,
+        out_features: int,
+        exit_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        device: torch.device | None = None,
     ):
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features, bias=False, device=device)
         self.exit_fn = exit_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +102,8 @@ class KVHeadLinear(nn.Linear):
     heads read kept: used when there are fewer key/value heads than tp ranks."""
 
     def __init__(self, source: nn.Linear, head: int, head_dim: int):
-        super().__init__(source.in_features, source.out_features, bias=source.bias is not None)
+        bias, device = source.bias is not None, source.weight.device
+        super().__init__(source.in_features, source.out_features, bias=bias, device=device)
         self.keep = slice(head * head_dim, (head + 1) * head_dim)
         with torch.no_grad():
             self.weight.copy_(source.weight)
@@ -270,7 +275,8 @@ class _Sharder:
 
     def column(self, linear: nn.Linear, name: str) -> ColumnParallelLinear:
         n, r, out_features = self.n, self.r, linear.out_features
-        local = ColumnParallelLinear(linear.in_features, out_features // n, bias=linear.bias is not None)
+        bias, device = linear.bias is not None, linear.weight.device  # meta when built on the meta device
+        local = ColumnParallelLinear(linear.in_features, out_features // n, bias=bias, device=device)
         with torch.no_grad():
             local.weight.copy_(_rows(linear.weight, 0, r, n))
             if linear.bias is not None:
@@ -288,7 +294,8 @@ class _Sharder:
         return local
 
     def row(self, linear: nn.Linear, name: str) -> RowParallelLinear:
-        local = RowParallelLinear(linear.in_features // self.n, linear.out_features, self.exit_region)
+        in_local, device = linear.in_features // self.n, linear.weight.device
+        local = RowParallelLinear(in_local, linear.out_features, self.exit_region, device)
         with torch.no_grad():
             local.weight.copy_(_rows(linear.weight, 1, self.r, self.n))
         self.plan.split_dims[f"{name}.weight"] = (1, linear.in_features)

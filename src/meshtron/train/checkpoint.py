@@ -259,6 +259,22 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model: {detail}") from None
 
 
+def read_model_tensor(path: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Logical parameter `name` (of `shape`, fp32) from checkpoint `path` (written by any layout), in
+    this process alone, reading only that parameter's blocks: what `meshtron export` streams."""
+    tensor = torch.empty(shape)
+    state = {"model": {name: tensor}}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    except (CheckpointException, RuntimeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} has no parameter {name} of shape {list(shape)}: {err}"
+        ) from None
+    return tensor
+
+
 def checkpoint_model(path: Path, cfg: ModelConfig) -> Transformer:
     """The single-device model checkpoint `path` holds, whatever layout wrote it: fp32 (the master
     weights), on the CPU."""

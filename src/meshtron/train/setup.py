@@ -7,11 +7,14 @@
   5  records          config.toml and environment.json in run.dir (records.py), before the long phases
   6  data             the prepared tokens (rank 0 prepares the default corpus), the validation split,
                       the layout-independent sampler
-  7  model            built whole on this rank, every weight seeded per parameter name
-  8  parallelize      every parallelism applied, one step each (parallel/parallelize.py)
+  7  model            built on the meta device: its structure, no storage for its parameters
+  8  parallelize      every parallelism applied, one step each (parallel/parallelize.py); the engine gives
+                      storage to what this rank holds, and nothing else
   9  optimizer        AdamW over what the data-parallel engine says to optimise
  10  resume           the newest intact checkpoint, with checkpoint.resume or after a restart
  11  init_from        else a Hugging Face checkpoint's weights, each rank reading its slices
+ 12  initialise       else the seeded initialisation, each rank drawing only its regions (regions.py,
+                      models/init.py): the single-device run's values, whatever the layout
 
 `set_up` returns a `Job`; trainer.py runs its steps.
 """
@@ -41,10 +44,11 @@ from meshtron.data.validation import split_validation
 from meshtron.hf.init_from import LoadReport, load_hf_weights
 from meshtron.layout import ParallelDims
 from meshtron.mesh import ParallelMesh
-from meshtron.models.llama import Transformer, build_model
+from meshtron.models.llama import Transformer, build_meta_model
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel, parallelize
+from meshtron.parallel.regions import initialize_
 from meshtron.plan.state import layer_split
 from meshtron.train import CheckpointError
 from meshtron.train.checkpoint import CheckpointInfo, complete_checkpoints, load_checkpoint
@@ -207,9 +211,9 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     m = cfg.model
     model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {place.device.type}"
     say(rank, f"building the model ({model_says}) and parallelizing it: {dims.summary()}")
-    model = build_model(cfg.model, seed=t.seed, device=place.device)
+    model = build_meta_model(cfg.model, place.device)
     n_params = model.num_params()
-    parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg))
+    parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg), place.device)
     optimizer = build_optimizer(
         parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
     )
@@ -224,14 +228,16 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         optimizer, loss, tp_blocks, started=started,
     )  # fmt: skip
     resume_if_asked(job)
-    if cfg.model.init_from and job.resumed_from is None:  # a resumed run keeps its own weights
+    if job.resumed_from is not None:  # a resumed run keeps its own weights
+        return job
+    ep = place.mesh.group("ep")
+    if cfg.model.init_from:
         say(rank, f"loading the Hugging Face checkpoint {cfg.model.init_from}")
-        ep = place.mesh.group("ep")
         job.init_report = load_hf_weights(cfg.model.init_from, parallel, cfg.model, ep, place.world)
-        say(
-            rank,
-            f"initialised from {cfg.model.init_from} ({job.init_report.elements:,} values read by rank 0)",
-        )
+        read = job.init_report.elements
+        say(rank, f"initialised from {cfg.model.init_from} ({read:,} values read by rank 0)")
+    else:
+        initialize_(parallel, cfg.model, t.seed, ep)
     return job
 
 
