@@ -58,6 +58,14 @@ LAYOUTS = {
     "moe_ep2_zero3_edp2": (4, [*MOE, "--parallel.ep=2", "--training.micro_batch=2"]),
     "moe_ep2_zero1_tp2_etp1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--training.micro_batch=4"]),
     "moe_ep2_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--training.micro_batch=4"]),
+    # bf16: whole parameters once in bf16 beside fp32 masters (whole, or owned rows); ZeRO-3 as in fp32
+    "bf16_single": (1, ["--training.dtype=bf16"]),
+    "bf16_ddp2": (2, ["--training.dtype=bf16", "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
+    "bf16_zero1_4": (4, ["--training.dtype=bf16", "--parallel.zero=1", "--training.micro_batch=2"]),
+    "bf16_zero2_4": (4, ["--training.dtype=bf16", "--parallel.zero=2", "--training.micro_batch=2"]),
+    "bf16_zero3_4": (4, ["--training.dtype=bf16", "--parallel.zero=3", "--training.micro_batch=2"]),
+    "bf16_pp2_zero1_2_tied": (4, ["--training.dtype=bf16", "--parallel.pp=2", "--parallel.zero=1", "--model.tie_embeddings=true", "--training.micro_batch=2"]),
+    "bf16_moe_ep2_zero2_tp2": (4, [*MOE, "--training.dtype=bf16", "--parallel.ep=2", "--parallel.tp=2", "--parallel.zero=2", "--training.micro_batch=4"]),
 }  # fmt: skip
 
 

@@ -45,7 +45,7 @@ class DataParallelSettings:
     zero: int = 3  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
     fsdp_impl: FsdpImpl = "meshtron"  # ZeRO-3's engine
     bucket_bytes: int = 25 * 2**20  # DDP and ZeRO-1/2 gradient buckets
-    param_dtype: torch.dtype = torch.float32  # ZeRO-3's gathered (compute) copy
+    param_dtype: torch.dtype = torch.float32  # the compute copy: the module's (gathered) parameters
     reduce_dtype: torch.dtype = torch.float32  # gradient reductions
     reshard_after_forward: bool = True  # ZeRO-3: free gathered units after each forward
     compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
@@ -112,13 +112,14 @@ def _engine(
     if shard.size == 1:
         return DistributedDataParallel(
             model, comm, mesh.group(whole_dim), bucket_bytes=s.bucket_bytes, reduce_dtype=s.reduce_dtype,
-            broadcast=not built_on_meta,
+            broadcast=not built_on_meta, param_dtype=s.param_dtype,
         )  # fmt: skip
     dtypes = {"param_dtype": s.param_dtype, "reduce_dtype": s.reduce_dtype}
     if s.zero in (1, 2):
         return ZeroShardedOptimizer(
             model, comm, shard, replicate, stage=s.zero, bucket_bytes=s.bucket_bytes,
             reduce_dtype=s.reduce_dtype, shard_mesh=mesh.mesh(shard_dim), blocks=blocks, roots=roots,
+            param_dtype=s.param_dtype,
         )  # fmt: skip
     if s.fsdp_impl == "simple":
         return SimpleFSDP(

@@ -21,19 +21,23 @@ from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
+from meshtron.parallel.mixed_precision import accumulate_in_fp32, to_compute_dtype_
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of about bucket_bytes, in reverse order (backward produces the last layer's
-    gradients first)."""
+def make_buckets(
+    params: list[nn.Parameter], bucket_bytes: int, grad_bytes: int | None = None
+) -> list[list[nn.Parameter]]:
+    """Consecutive groups of about bucket_bytes of gradient (`grad_bytes` per element, default the
+    parameter's), in reverse order (backward produces the last layer's gradients first)."""
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in reversed(params):
-        if buckets[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+        nbytes = p.numel() * (grad_bytes or p.element_size())
+        if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(p)
-        size += p.numel() * p.element_size()
+        size += nbytes
     return buckets
 
 
@@ -92,15 +96,22 @@ class BucketedEngine(DataParallelEngine):
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], masters: list[nn.Parameter] | None = None):
+        """`masters`: fp32 master weights of bf16 `params` (mixed_precision.py): the buffer holds their
+        gradients, into which the parameters' are accumulated; None: the parameters' own `.grad`."""
         self.params = params
-        dtype = params[0].dtype
+        dtype = torch.float32 if masters is not None else params[0].dtype
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         self.pending: Pending | None = None
         self.send: torch.Tensor | None = None  # narrowed copy when reducing in a smaller dtype
         offset = 0
-        for p in params:
-            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+        for i, p in enumerate(params):
+            view = self.flat[offset : offset + p.numel()].view_as(p)
+            if masters is None:
+                p.grad = view
+            else:
+                masters[i].grad = view
+                accumulate_in_fp32(p, view)
             offset += p.numel()
 
 
@@ -113,13 +124,23 @@ class DistributedDataParallel(BucketedEngine):
         bucket_bytes: int = 25 * 2**20,
         reduce_dtype: torch.dtype | None = None,
         broadcast: bool = True,
+        param_dtype: torch.dtype = torch.float32,
     ):
         """`broadcast`: make the replicas identical from rank 0's values (not needed when every replica
-        is then initialised or loaded identically, as after a meta-device build)."""
+        is then initialised or loaded identically, as after a meta-device build). `param_dtype` other
+        than fp32: the parameters become that compute copy, with fp32 masters (mixed_precision.py)."""
         self.model, self.comm, self.group = model, comm, group
         self.reduce_dtype = reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = [_Bucket(b) for b in make_buckets(self.params, bucket_bytes)]
+        self.masters: list[nn.Parameter] | None = None
+        if param_dtype != torch.float32:
+            values = to_compute_dtype_(self.params, param_dtype)
+            self.masters = [nn.Parameter(v) for v in values]
+        of = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets = [
+            _Bucket(b, None if self.masters is None else [self.masters[of[id(p)]] for p in b])
+            for b in make_buckets(self.params, bucket_bytes, grad_bytes=4 if self.masters else None)
+        ]
         self._watch_buckets()
         with torch.no_grad():
             for p in (
@@ -128,12 +149,22 @@ class DistributedDataParallel(BucketedEngine):
                 comm.broadcast_(p.data, group, src=0)
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return self.params
+        return self.params if self.masters is None else self.masters
 
     def owned_rows(self) -> list[OwnedRows]:
+        held = dict(zip(map(id, self.params), self.optimizer_params(), strict=True))
         return [
-            OwnedRows(name, p, 0, p.shape[0], tuple(p.shape)) for name, p in self.model.named_parameters()
+            OwnedRows(name, held[id(p)], 0, p.shape[0], tuple(p.shape))
+            for name, p in self.model.named_parameters()
         ]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for p, master in zip(self.params, self.masters or [], strict=False):
+            p.copy_(master)  # the new values into the compute copies
+
+    def load_owned_rows(self) -> None:
+        self.after_step()
 
     def prepare_micro_batch(self, is_last: bool) -> None:
         self._start_micro_batch(sync=is_last)

@@ -261,8 +261,8 @@ class _Sharder:
         )
 
     def sum_gradient(self, param: nn.Parameter) -> None:
-        def summed(grad: torch.Tensor) -> torch.Tensor:
-            return self.comm.all_reduce_(grad.clone(), self.tp)
+        def summed(grad: torch.Tensor) -> torch.Tensor:  # summed in fp32 (a bf16 parameter's too)
+            return self.comm.all_reduce_(grad.to(torch.float32, copy=True), self.tp).to(grad.dtype)
 
         param.register_hook(summed)
         # An engine that stores the parameter as a new tensor re-registers it there (simple_fsdp.py).

@@ -45,6 +45,7 @@ from torch import nn
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.ddp import BucketedEngine, make_buckets
 from meshtron.parallel.engine import OwnedRows
+from meshtron.parallel.mixed_precision import accumulate_in_fp32, to_compute_dtype_
 from meshtron.parallel.shard import FlatLayout
 from meshtron.parallel.staging import Staging
 
@@ -57,33 +58,55 @@ class _ShardedBucket:
         stage: int,
         reduce_dtype: torch.dtype,
         in_place: bool,
+        mixed: bool = False,
     ):
+        """`mixed`: `params` hold bf16 compute copies (mixed_precision.py): the owned rows are fp32
+        masters of their own, and stage 1 accumulates whole gradients in an fp32 buffer."""
         self.params = params
         self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
         self.row_ranges = [s.row_range(shard.rank) for s in self.layout.shapes]
-        # This rank's rows of each parameter, as parameters of their own (views: no extra memory).
-        self.owned = [
-            nn.Parameter(p.data[slice(*rows)]) for p, rows in zip(params, self.row_ranges, strict=True)
-        ]
         like = params[0].data
+        if mixed:  # this rank's rows of each parameter as fp32 masters, in one segment
+            self.master_segment = torch.zeros(
+                self.layout.shard_numel, dtype=torch.float32, device=like.device
+            )
+            views = self.layout.local_views(self.master_segment, valid_only=True)
+            for view, p, rows in zip(views, params, self.row_ranges, strict=True):
+                view.copy_(p.data[slice(*rows)])
+            self.owned = [nn.Parameter(view) for view in views]
+        else:  # this rank's rows of each parameter, as parameters of their own (views: no extra memory)
+            self.owned = [
+                nn.Parameter(p.data[slice(*rows)]) for p, rows in zip(params, self.row_ranges, strict=True)
+            ]
+        grad_dtype = torch.float32 if mixed else like.dtype
         # Stage 2 accumulates the reduced rows here over micro-batches; stage 1 writes them into `.grad`.
         self.grad_segment: torch.Tensor | None = None
         if stage == 2:
-            self.grad_segment = torch.zeros(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+            self.grad_segment = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=like.device)
             views = self.layout.local_views(self.grad_segment, valid_only=True)
             for owned, view in zip(self.owned, views, strict=True):
                 owned.grad = view
         self.pending: Pending | None = None
         self.flat: torch.Tensor | None = None
         self.send: torch.Tensor | None = None  # narrowed copy of `flat` when reducing in a smaller dtype
-        if in_place:  # stage 1, all-reduced in place: gradients live in one flat buffer, as DDP's do
-            self.flat = torch.zeros(sum(p.numel() for p in params), dtype=like.dtype, device=like.device)
-            offset = 0
+        # Stage 1 under mixed precision: each parameter's whole fp32 gradient, a view of `flat`.
+        self.whole_grads: list[torch.Tensor] | None = None
+        if in_place or (mixed and stage == 1):  # gradients live in one flat buffer, as DDP's do
+            self.flat = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype, device=like.device)
+            offset, self.whole_grads = 0, []
             for p, owned, rows in zip(params, self.owned, self.row_ranges, strict=True):
-                p.grad = self.flat[offset : offset + p.numel()].view_as(p)
-                owned.grad = p.grad[slice(*rows)]
+                view = self.flat[offset : offset + p.numel()].view_as(p)
+                if mixed:
+                    accumulate_in_fp32(p, view)
+                else:
+                    p.grad = view
+                self.whole_grads.append(view)
+                owned.grad = view[slice(*rows)]
                 offset += p.numel()
-            return
+            self.in_place = in_place
+            if in_place:
+                return
+        self.in_place = False
         self.received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=like.device)
 
 
@@ -136,9 +159,12 @@ class ZeroShardedOptimizer(BucketedEngine):
         shard_mesh: Any = None,
         blocks: list[nn.Module] | None = None,
         roots: list[nn.Module] | None = None,
+        param_dtype: torch.dtype = torch.float32,
     ):
         """`blocks`: modules whose parameters are gathered as a unit each, waited for in their forward
-        pre-hooks; the other parameters are waited for when one of `roots` (default: the model) runs."""
+        pre-hooks; the other parameters are waited for when one of `roots` (default: the model) runs.
+        `param_dtype` other than fp32: the parameters become that compute copy, the owned rows fp32
+        masters of their own (mixed_precision.py), and the gathers move the compute dtype."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroShardedOptimizer handles stages 1 and 2, not {stage}")
         self.model, self.comm, self.shard, self.replicate, self.stage = model, comm, shard, replicate, stage
@@ -146,15 +172,20 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.norm_group = shard
         self.reduce_dtype = reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grad_dtype = self.params[0].dtype
+        self.mixed = param_dtype != torch.float32
+        self.grad_dtype = torch.float32 if self.mixed else self.params[0].dtype
         reduce = reduce_dtype or self.grad_dtype
         # Stage 1 keeps whole gradients; where a reduce-scatter would be an all-reduce anyway (gloo),
         # all-reducing them in place skips packing them rank-major and copying the rows back.
         self.in_place = stage == 1 and replicate.size == 1 and comm.reduce_scatter_is_all_reduce(shard)
         self.buckets = [
-            _ShardedBucket(b, shard, stage, reduce, self.in_place)
-            for b in make_buckets(self.params, bucket_bytes)
+            _ShardedBucket(b, shard, stage, reduce, self.in_place, self.mixed)
+            for b in make_buckets(self.params, bucket_bytes, grad_bytes=4 if self.mixed else None)
         ]
+        # Each parameter's owned rows: where the gathers after a step read its new values.
+        self.owned_of = {id(p): o for b in self.buckets for p, o in zip(b.params, b.owned, strict=True)}
+        if self.mixed:
+            to_compute_dtype_(self.params, param_dtype)
         self.units = []
         for index, (modules, group) in enumerate(gather_units(model, self.params, blocks or [], roots)):
             self.units.append(_GatherUnit(group, shard))
@@ -189,14 +220,16 @@ class ZeroShardedOptimizer(BucketedEngine):
 
     def _launch(self, bucket: _ShardedBucket) -> None:
         dtype = self.reduce_dtype or self.grad_dtype
-        if bucket.flat is not None:
+        if bucket.in_place:
             buffer = bucket.flat
             if dtype != buffer.dtype:
                 bucket.send = buffer = buffer.to(dtype)
             counted = bucket.layout.shard_numel * self.shard.size
             bucket.pending = self.comm.reduce_scatter_kept_whole_async(buffer, self.shard, counted)
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = bucket.whole_grads or [
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params
+        ]
         numel = bucket.layout.shard_numel * self.shard.size
         send = self.staging.take(dtype, numel)
         bucket.layout.pack(grads, send)
@@ -231,7 +264,7 @@ class ZeroShardedOptimizer(BucketedEngine):
         self._collect()
         self.staging.drain()
         for bucket in self.buckets:
-            if bucket.flat is not None:  # the whole sum, each owned row block a view of it
+            if bucket.in_place:  # the whole sum, each owned row block a view of it
                 self._wait(bucket)
                 continue
             if self.stage == 2:
@@ -239,12 +272,13 @@ class ZeroShardedOptimizer(BucketedEngine):
                 continue
             reduced = self.comm.all_reduce_(bucket.received.to(self.grad_dtype), self.replicate)
             views = bucket.layout.local_views(reduced, valid_only=True)
-            for p, owned, rows, view in zip(
-                bucket.params, bucket.owned, bucket.row_ranges, views, strict=True
+            for i, (p, owned, rows, view) in enumerate(
+                zip(bucket.params, bucket.owned, bucket.row_ranges, views, strict=True)
             ):
-                if p.grad is None:
+                if bucket.whole_grads is None and p.grad is None:
                     p.grad = torch.zeros_like(p)
-                owned.grad = p.grad[slice(*rows)]  # this rank's reduced rows, inside the full gradient
+                whole = p.grad if bucket.whole_grads is None else bucket.whole_grads[i]
+                owned.grad = whole[slice(*rows)]  # this rank's reduced rows, inside the full gradient
                 owned.grad.copy_(view)
 
     def after_step(self) -> None:
@@ -262,7 +296,13 @@ class ZeroShardedOptimizer(BucketedEngine):
             return
         unit = self.units[self.launched]
         self.launched += 1
-        unit.layout.pack_local([p.data for p in unit.params], unit.segment)
+        if self.mixed:  # the masters' new rows, in the compute dtype
+            for p, view in zip(unit.params, unit.layout.local_views(unit.segment), strict=True):
+                owned = self.owned_of[id(p)]
+                view[: owned.shape[0]].copy_(owned.detach())
+                view[owned.shape[0] :].zero_()
+        else:
+            unit.layout.pack_local([p.data for p in unit.params], unit.segment)
         unit.gathered = self.staging.take(unit.segment.dtype, unit.full_numel)
         unit.pending = self.comm.all_gather_async(unit.gathered, unit.segment, self.shard, booked=True)
         self.staging.hold(unit.finish)
@@ -297,4 +337,5 @@ class ZeroShardedOptimizer(BucketedEngine):
                     p.grad.zero_()
 
     def grad_buffers(self) -> list[torch.Tensor]:
-        return [b.grad_segment for b in self.buckets if b.grad_segment is not None]
+        segments = [b.grad_segment for b in self.buckets if b.grad_segment is not None]
+        return segments + ([b.flat for b in self.buckets if b.flat is not None] if self.mixed else [])

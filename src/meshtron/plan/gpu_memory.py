@@ -1,15 +1,15 @@
 """Bytes one GPU holds at the peak of a step, for one pipeline stage, by part.
 
   part          bytes
-  params        plan/state.py: fp32 masters (a ZeRO-3 shard, or whole)
+  params        plan/state.py: fp32 masters (a ZeRO-3 shard, or whole); with bf16, engines that keep
+                whole parameters hold them once in bf16 (every micro-batch shares that copy) besides
+                the fp32 masters (ZeRO-1/2: the owned rows; parallel/mixed_precision.py)
   grads         plan/state.py: fp32 gradients (bucket buffers, a ZeRO-2/3 shard)
   optimizer     plan/state.py: AdamW's fp32 m and v of the owned rows
   activations   the most micro-batches the schedule keeps in flight on the stage (the simulator's
                 `peak_in_flight`, counted in chunks: interleaving's extra factor comes from there), each
-                holding its chunk's layers (plan/memory.py, per layer kind and recompute mode), the
-                head's logits on the last chunk, and under bf16 autocast the bf16 copies of the chunk's
-                weights that its matmuls keep for backward (not under ZeRO-3, whose gathered weights are
-                freed after forward and gathered again)
+                holding its chunk's layers (plan/memory.py, per layer kind and recompute mode) and the
+                head's logits on the last chunk (the weights it reads are the parameters themselves)
   buffers       ZeRO-3: the gathered layer and the next one (prefetch) in the compute dtype, and one
                 layer's unsharded fp32 gradient before its reduce-scatter
   reserved      the CUDA context, library workspaces and the caching allocator's fragmentation:
@@ -52,19 +52,6 @@ def _cached(key: tuple, compute: Callable[[], int]) -> int:
     return _SUMS[key]
 
 
-def _matmul_weight_elements(cfg: Config, pp_rank: int, layers: list[int], last: bool) -> int:
-    """Elements of the chunk's matmul weights on one rank (what autocast casts to bf16)."""
-    prefixes = tuple(f"layers.{layer}." for layer in layers) + (("output.",) if last else ())
-    return _cached(
-        ("weights", stage_key(cfg, pp_rank), prefixes),
-        lambda: sum(
-            math.prod(x.shape)
-            for x in rank_parameters(cfg, pp_rank)
-            if len(x.shape) >= 2 and x.name.startswith(prefixes)
-        ),
-    )
-
-
 def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
     """Bytes layer `layer` keeps for one micro-batch (plan/memory.py; MoE layers at balanced routing)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -86,9 +73,6 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, layers: list[int], last: b
         total += layer_bytes(cfg, layer, t.recompute)
     if last:
         total += head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
-    sharded = p.zero == 3 and p.dp_shard * p.cp > 1
-    if t.dtype == "bf16" and not sharded:
-        total += 2 * _matmul_weight_elements(cfg, pp_rank, layers, last)
     return total
 
 

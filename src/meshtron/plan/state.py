@@ -160,16 +160,22 @@ def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:
     return (rows if padded else min(rows, shape[0])) * math.prod(shape[1:])
 
 
-def engine_state_bytes(shapes: list[tuple[int, ...]], shard: int, zero: int) -> dict[str, int]:
-    """Rank 0's bytes of parameters, gradients and AdamW state under the engine of a group of `shard`."""
+def engine_state_bytes(
+    shapes: list[tuple[int, ...]], shard: int, zero: int, mixed: bool = False
+) -> dict[str, int]:
+    """Rank 0's bytes of parameters, gradients and AdamW state under the engine of a group of `shard`.
+    `mixed` (bf16 training): engines with whole parameters hold them in bf16 besides fp32 masters (the
+    owned rows under ZeRO-1/2, counted with the parameters); ZeRO-3's parameters are its fp32 shards
+    either way (their bf16 units are gathered per use: gpu_memory.py's buffers)."""
     full = sum(math.prod(s) for s in shapes)
     padded = sum(_rows(s, shard, True) for s in shapes)
     owned = sum(_rows(s, shard, False) for s in shapes)
-    if shard == 1:
-        return {"params": 4 * full, "grads": 4 * full, "optimizer": 8 * full}
-    if zero == 3:
+    if shard > 1 and zero == 3:
         return {"params": 4 * padded, "grads": 4 * padded, "optimizer": 8 * padded}
-    return {"params": 4 * full, "grads": 4 * (full if zero == 1 else padded), "optimizer": 8 * owned}
+    if shard == 1:
+        return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": 8 * full}
+    params = 2 * full + 4 * padded if mixed else 4 * full
+    return {"params": params, "grads": 4 * (full if zero == 1 else padded), "optimizer": 8 * owned}
 
 
 def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int]:
@@ -177,14 +183,17 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
     p = cfg.parallel
     dp_shard = p.dp_shard_for(world_size)
     shard = dp_shard * p.cp
-    key = (stage_key(cfg, pp_rank), shard, p.zero)
+    mixed = cfg.training.dtype != "fp32"
+    key = (stage_key(cfg, pp_rank), shard, p.zero, mixed)
     if key not in _STATES:
         if len(_STATES) > 4096:
             _STATES.clear()
         params = rank_parameters(cfg, pp_rank)
-        dense = engine_state_bytes([x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero)
+        dense = engine_state_bytes(
+            [x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero, mixed
+        )
         if p.ep > 1:
-            experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero)
+            experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero, mixed)
             dense = {k: dense[k] + experts[k] for k in dense}
         _STATES[key] = dense
     return dict(_STATES[key])
