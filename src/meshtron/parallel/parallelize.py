@@ -97,6 +97,7 @@ class ParallelModel:
             with loss.autocast():
                 logits, aux = self.model(inputs, positions, return_aux=True)
             total, ce = loss.of(logits, aux, targets)
+            del logits  # backward needs the loss's log-probabilities, not these: tokens x vocab freed now
             if backward:
                 total.backward()
             ce_sum += ce.detach()

@@ -198,6 +198,17 @@ def least_memory(cfg: Config, cluster: Cluster) -> float:
     )
 
 
+def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> list[dict[str, float]]:
+    """Each pipeline stage's rank 0 at its peak, bytes by part (gpu_memory.py), with the micro-batches
+    in flight the schedule's simulator gives (what `estimate` reports the most loaded of)."""
+    p, t = cfg.parallel, cfg.training
+    micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    compute, comm = _chunk_costs(cfg, cluster, 1.0)
+    totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
+    _, in_flight, _ = _run_pipeline(cfg, totals, micro, simulated)
+    return [stage_memory(cfg, cluster.gpus, r, in_flight[r], cluster.memory) for r in range(p.pp)]
+
+
 def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
     """Predict one step of `cfg` (its layout already in cfg.parallel, dp_shard resolved) on `cluster`;
     `simulated=False` takes the pipeline's closed forms instead of the simulator (the search's screen);
