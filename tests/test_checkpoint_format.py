@@ -78,7 +78,9 @@ def test_format_1_and_format_2_checkpoints_hold_the_same_kind_of_state(on_one_de
     load_model_weights(ck, new_model)
     new_params = dict(new_model.named_parameters())  # (the balancing bias may step back to zero)
     for name, old in old_model.named_parameters():
-        assert 0 < float((old - new_params[name]).detach().norm() / new_params[name].detach().norm()) <= 0.25, name
+        assert (
+            0 < float((old - new_params[name]).detach().norm() / new_params[name].detach().norm()) <= 0.25
+        ), name
 
 
 def test_a_newer_format_is_refused_by_name(tmp_path):
