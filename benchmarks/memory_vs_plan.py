@@ -3,18 +3,20 @@
 For every layout, a fresh gloo world trains a few steps of a mid-sized model (30M parameters, sequences
 of 512: model state and activations of a few hundred MB, well above the noise), and each rank reports:
 
-  fixed overhead   its resident peak (ru_maxrss) just before the model is built: Python, torch, gloo's
-                   process groups and buffers, the opened data; measured in the same process, by
-                   wrapping train/setup.py's `build_meta_model`
-  measured         its resident peak after the steps, minus that fixed overhead
+  fixed overhead   what is resident after the last step beyond the tensors alive then (every tensor
+                   storage Python reaches, counted once): the interpreter, torch's libraries and their
+                   workspaces (oneDNN's, the BLAS threads'), gloo's process groups and buffers, the
+                   allocator's slack; measured in the same process, between steps, where no activation
+                   is alive
+  measured         its resident peak (ru_maxrss) over the steps, minus that fixed overhead
   predicted        plan/gpu_memory.py's parts for its pipeline stage (params, grads, optimizer,
-                   activations with the schedule's micro-batches in flight, ZeRO-3 buffers), without
-                   the GPU's reserved context (plan/estimate.py's `stage_memories`)
+                   activations with the schedule's micro-batches in flight, transient, the engine's
+                   buffers), without the GPU's reserved context (plan/estimate.py's `stage_memories`)
 
 and the ratio measured / predicted. The planner's activation model counts the tensors each layer keeps
-for backward (tests/test_activation_memory.py checks it tensor by tensor); what a step also holds for a
-moment (a layer's gradients in flight, the logits' softmax and its gradient, the allocator's slack) is
-the gap this benchmark measures.
+for backward (tests/test_activation_memory.py checks it tensor by tensor); what a step holds for a moment
+(the loss's gradients, a recomputed layer, AdamW's temporary) and the engines' buffers are modelled too;
+what is left is what this benchmark measures.
 
 Usage: python benchmarks/memory_vs_plan.py [--only NAME ...] [--steps N] [--out RESULTS.md | -]
 """
@@ -26,6 +28,7 @@ import dataclasses
 import os
 import resource
 import sys
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -75,31 +78,42 @@ def maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_tensor_bytes() -> int:
+    """The bytes of every tensor storage Python can reach (each storage once)."""
+    import gc
+
+    import torch
+
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def measure(overrides: list[str], steps: int) -> dict[str, Any]:
     """On every rank: its pipeline stage, whether it is the first of its data-parallel group, its resident
-    peak before the model was built and after `steps` steps."""
-    import meshtron.train.setup as setup
+    peak over `steps` steps, and its fixed overhead: what is resident between steps beyond the tensors
+    alive then (the model state, the data), measured after the last step."""
+    import warnings
+
     from meshtron.train.trainer import Trainer
 
-    before: list[int] = []
-    build = setup.build_meta_model
-
-    def measured_build(*args: Any) -> Any:
-        before.append(maxrss())
-        return build(*args)
-
-    setup.build_meta_model = measured_build
     trainer = Trainer(load_config(None, overrides))
     for step in range(steps):
         trainer.step(step)
     mesh = trainer.job.place.mesh
-    first = mesh.local_rank("dp_shard_cp") == 0 and mesh.local_rank("dp_replicate") == 0
-    return {
-        "pp_rank": mesh.local_rank("pp"),
-        "first": first,
-        "fixed": before[0],
-        "peak": maxrss(),
-    }
+    first = all(mesh.local_rank(dim) == 0 for dim in ("dp_shard_cp", "dp_replicate", "tp"))
+    with warnings.catch_warnings():  # gc also meets torch's deprecated module aliases
+        warnings.simplefilter("ignore")
+        fixed = resident() - live_tensor_bytes()
+    return {"pp_rank": mesh.local_rank("pp"), "first": first, "fixed": fixed, "peak": maxrss()}
 
 
 def predicted(overrides: list[str], world: int) -> list[dict[str, float]]:
@@ -108,7 +122,8 @@ def predicted(overrides: list[str], world: int) -> list[dict[str, float]]:
     cluster = Cluster(
         accelerator("h100"), world, cfg.training.dtype if cfg.training.dtype != "fp32" else "bf16"
     )
-    cluster = dataclasses.replace(cluster, memory=MemoryOverhead(context_bytes=0.0, fragmentation=0.0))
+    memory = MemoryOverhead(context_bytes=0.0, fragmentation=0.0, in_place_reduce=True)  # gloo
+    cluster = dataclasses.replace(cluster, memory=memory)
     return [{k: v for k, v in stage.items() if k != "reserved"} for stage in stage_memories(cfg, cluster)]
 
 
@@ -133,6 +148,26 @@ def run(names: list[str], steps: int) -> list[list[Any]]:
     return rows
 
 
+def report(rows: list[list[Any]], steps: int) -> str:
+    header = (
+        "layout | fixed overhead MiB | measured MiB (resident peak - fixed) | predicted MiB "
+        "| measured / predicted | predicted parts (MiB)"
+    )
+    ratios = [float(r[4]) for r in rows]
+    within = sum(abs(x - 1) <= 0.10 for x in ratios)
+    return "\n".join(
+        [
+            f"Model: dim 512, 8 layers, 8 heads (4 KV), FFN 1536, vocabulary 8192, sequences of 512, global batch 8; "
+            f"{steps} steps; CPU: {cpu_model()}; each rank's resident peak (ru_maxrss), the first rank of "
+            "each stage's data-parallel and tensor-parallel groups. Reproduce: `python benchmarks/memory_vs_plan.py`.",
+            "",
+            f"Within ±10%: {within} of {len(rows)} (measured / predicted {min(ratios):.2f} to {max(ratios):.2f}).",
+            "",
+            *table(header, rows),
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None)
@@ -140,21 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     rows = run(args.only or list(LAYOUTS), args.steps)
-    header = (
-        "layout | fixed overhead MiB | measured MiB (resident peak - fixed) | predicted MiB "
-        "| measured / predicted | predicted parts (MiB)"
-    )
-    body = "\n".join(
-        [
-            f"Model: dim 512, 8 layers, 8 heads (4 KV), FFN 1536, vocabulary 8192, sequences of 512, global batch 8; "
-            f"{args.steps} steps; CPU: {cpu_model()}; each rank's resident peak (ru_maxrss), the first rank of "
-            "each stage's data-parallel group.",
-            "",
-            *table(header, rows),
-        ]
-    )
     if args.out != "-":
-        write_section(args.out, "Memory: the planner against measured peaks", __file__, body)
+        write_section(
+            Path(args.out), "Memory: the planner against measured peaks", __file__, report(rows, args.steps)
+        )
     return 0
 
 

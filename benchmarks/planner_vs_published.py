@@ -41,7 +41,7 @@ from meshtron.checks import load_config
 from meshtron.config import Config, ModelConfig
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.compute_time import MATMUL_EFFICIENCY, ComputeEfficiency
-from meshtron.plan.estimate import Cluster, Estimate, estimate
+from meshtron.plan.estimate import Cluster, Estimate, estimate, stage_memories
 from meshtron.plan.flops import executed_flops_per_token, training_flops_per_token
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
@@ -57,6 +57,7 @@ ASYNC_TP = Overlap(tp=True)
 # the SXM's and the NVL's, not known exactly; the SXM's is used here, as they did).
 TITAN_GPU = dict(memory_bytes=96 * 2**30, hbm_bytes_per_s=2.4e12)
 DUALPIPE = Overlap(ep=True, dp_gather=True)
+META = Overlap(dp_gather=True)  # Llama 3's FSDP-style data parallel overlaps its gathers; tp is exposed
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,9 @@ def korthikanti_runs() -> list[Run]:
             dp_replicate=gpus // (tp * pp),
             dp_shard=1,
             cp=1,
+            sp=True,
             recompute="selective",
+            micro_batch=1,
             pp_head_layers=EVEN,
         )
         published = from_tflops(spec, 2048, mfu * 312)
@@ -164,8 +167,28 @@ def korthikanti_runs() -> list[Run]:
     return out
 
 
+def narayanan_runs() -> list[Run]:
+    """Narayanan et al. 2021, Table 1 (A100 80GB, seq 2048, vocab 51200, full recompute, micro-batch 1;
+    TFLOP/s counted with recompute's extra forward), its three largest runs."""
+    rows = (  # name, h, heads, L, tp, pp, gpus, batch, TFLOP/s
+        ("310B", 16384, 128, 96, 8, 16, 1920, 2160, 155),
+        ("530B", 20480, 128, 105, 8, 35, 2520, 2520, 163),
+        ("1T", 25600, 160, 128, 8, 64, 3072, 3072, 163),
+    )
+    out = []
+    for name, h, heads, layers, tp, pp, gpus, batch, tflops in rows:
+        spec = gpt(h, heads, layers, 51200)
+        layout = dict(tp=tp, sp=False, pp=pp, dp_replicate=gpus // (tp * pp), dp_shard=1, cp=1, recompute="full",
+                      micro_batch=1, pp_head_layers=EVEN)  # fmt: skip
+        source = "Narayanan et al. 2021, Table 1, A100 80GB, seq 2048"
+        published = from_tflops(spec, 2048, tflops, "recompute")
+        out.append(Run(f"Megatron-LM {name}", source, "a100-80gb", gpus, spec, 2048, batch, layout, published,
+                       MEGATRON_2021))  # fmt: skip
+    return out
+
+
 def other_runs() -> list[Run]:
-    one_t = gpt(25600, 160, 128, 51200)
+    bloom = gpt(14336, 112, 70, 250880)
     llama = {n: dict(name=f"llama3-{n}") for n in ("8b", "70b", "405b")}
     titan = (
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, H100 96 GB HBM2e 2.4 TB/s at 500 W, seq 8192"
@@ -179,9 +202,14 @@ def other_runs() -> list[Run]:
         n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, dense_layers="[0,1,2]",
     )  # fmt: skip
     return [
-        Run("Megatron-LM 1T", "Narayanan et al. 2021, Table 1, A100 80GB, seq 2048", "a100-80gb", 3072, one_t,
-            2048, 3072, dict(tp=8, pp=64, dp_replicate=6, dp_shard=1, recompute="full", pp_head_layers=EVEN),
-            from_tflops(one_t, 2048, 163, "recompute"), MEGATRON_2021),
+        Run("Llama 3 405B", "Dubey et al. 2024, Table 4 (8,192 H100 80GB, seq 8192, 16M-token batch, 430 "
+            "TFLOP/s/GPU)", "h100", 8192, llama["405b"], 8192, 2048, dict(tp=8, sp=True, pp=16, dp_shard=64,
+            zero=2, cp=1, micro_batch=1, recompute="full", pp_head_layers=EVEN), from_tflops(llama["405b"], 8192,
+            430), META),
+        Run("BLOOM 176B", "Le Scao et al. 2022 (384 A100 80GB, seq 2048, batch 2048, 156 TFLOP/s/GPU incl. "
+            "recompute)", "a100-80gb", 384, bloom, 2048, 2048, dict(tp=4, sp=False, pp=12, dp_replicate=1,
+            dp_shard=8, zero=1, cp=1, micro_batch=2, recompute="full", pp_head_layers=EVEN), from_tflops(bloom, 2048, 156,
+            "recompute"), MEGATRON_2021),
         Run("torchtitan 8B", f"{titan}, Table 1 (bf16, eager, selective AC)", "h100", 8, llama["8b"], 8192, 16,
             dict(tp=1, pp=1, dp_shard=8, zero=3, cp=1, micro_batch=2, recompute="selective"), 5762, TITAN, TITAN_GPU),
         Run("torchtitan 70B", f"{titan}, Table 4 (compile, Float8, full AC)", "h100", 256, llama["70b"], 8192, 512,
@@ -279,6 +307,53 @@ HEADER = (
 )
 
 
+MEMORY_RUNS = ("Llama 3 405B", "BLOOM 176B", "Korthikanti 175B", "Korthikanti 530B", "Korthikanti 1T",
+               "Megatron-LM 310B", "Megatron-LM 530B", "Megatron-LM 1T")  # fmt: skip
+MEMORY_HEADER = (
+    "| run | layout | params + grads + optimizer | activations | transient | buffers | reserved | total (GPU) | "
+    "first stage's activations: planner / paper's formula |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def paper_activations(run: Run, layout: Layout) -> float | None:
+    """The first pipeline stage's activation bytes as Korthikanti et al. 2022 count them (16-bit, 1F1B's
+    first stage holding pp micro-batches of L/pp layers): 34·s·b·h·L/t with sp + selective recompute
+    (their Table 2), the layers' inputs 2·s·b·h·L with full recompute and no sp (Narayanan et al. 2021).
+    None where the publication states no formula."""
+    s, b, h, layers = run.seq_len, layout.micro_batch, run.model.get("dim"), run.model.get("n_layers")
+    if run.name.startswith("Korthikanti"):
+        return 34 * s * b * h * layers / layout.tp
+    if run.name.startswith("Megatron-LM"):
+        return 2 * s * b * h * layers
+    return None
+
+
+def memory_rows(runs: list[Run]) -> list[str]:
+    """The published layouts planned in meshtron's memory: the search holds every published key and
+    must find one that fits; its breakdown by part (GiB), and the first stage's activations beside the
+    papers' formula."""
+    lines = []
+    for run in (r for r in runs if r.name in MEMORY_RUNS):
+        cfg, cluster = base_config(run), cluster_for(run, None)
+        plan = search(cfg, cluster, run.layout, top=1)
+        if not plan.ranked:
+            lines.append(f"| {run.name} | {run.layout} | does not fit | | | | | | |")
+            continue
+        layout, est = plan.ranked[0]
+        parts = est.memory
+        gib = {k: v / 2**30 for k, v in parts.items()}
+        first = stage_memories(layout.apply(cfg), cluster)[0]["activations"]
+        paper = paper_activations(run, layout)
+        versus = f"{first / 2**30:.1f} / {paper / 2**30:.1f} GiB" if paper else f"{first / 2**30:.1f} GiB / -"
+        lines.append(
+            f"| {run.name} | {layout.describe()} | {gib['params'] + gib['grads'] + gib['optimizer']:.1f} | "
+            f"{gib['activations']:.1f} | {gib['transient']:.1f} | {gib['buffers']:.1f} | {gib['reserved']:.1f} | "
+            f"{sum(gib.values()):.1f} ({cluster.gpu.memory_bytes / 2**30:.0f}) | {versus} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
 def calibrate(runs: list[Run]) -> dict[str, ComputeEfficiency]:
     """Grid search of the compute constants minimising the mean squared log error of the runs'
     predicted throughput, the unstated settings held at what the default constants chose; Ampere's and
@@ -322,11 +397,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-search", action="store_true", help="skip the planner's own search per run")
     parser.add_argument("--out", default=str(RESULTS), help="results file ('-': print only)")
     args = parser.parse_args(argv)
-    runs = megatron_core_runs() + korthikanti_runs() + other_runs()
+    runs = megatron_core_runs() + korthikanti_runs() + narayanan_runs() + other_runs()
     if args.calibrate:
         calibrate(runs)
         return 0
     started = time.time()
+    print(MEMORY_HEADER)
+    memory = memory_rows(runs)
     print(HEADER)
     rows = evaluate(runs, None, not args.no_search)
     within = sum(abs(r["error"]) <= 0.15 for r in rows)
@@ -337,7 +414,9 @@ def main(argv: list[str]) -> int:
         f"- constants: {ComputeEfficiency()}, matmul share by GPU {MATMUL_EFFICIENCY}; links {LinkEfficiency()}",
         f"- within ±15%: {within} of {len(rows)}; the search finds the published layout: {found} of {len(rows)}",
     ]
-    body = "\n".join([*facts, "", HEADER, *(_line(r) for r in rows)]) + "\n"
+    fitting = f"- the published layouts in meshtron's memory: {sum('does not fit' not in m for m in memory)} of {len(memory)} fit"
+    facts.append(fitting)
+    body = "\n".join([*facts, "", HEADER, *(_line(r) for r in rows), "", MEMORY_HEADER, *memory]) + "\n"
     print("\n".join(facts))
     if args.out != "-":
         write_section(Path(args.out), "## Planner against published runs", "planner_vs_published.py", body)

@@ -199,14 +199,18 @@ def least_memory(cfg: Config, cluster: Cluster) -> float:
 
 
 def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> list[dict[str, float]]:
-    """Each pipeline stage's rank 0 at its peak, bytes by part (gpu_memory.py), with the micro-batches
-    in flight the schedule's simulator gives (what `estimate` reports the most loaded of)."""
+    """Each pipeline stage's rank 0 at its peak, bytes by part (gpu_memory.py), with the activations its
+    schedule holds at most, or (`simulated=False`) the screen's closed-form count of micro-batches in
+    flight (what `estimate` reports the most loaded of)."""
     p, t = cfg.parallel, cfg.training
     micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
     compute, comm = _chunk_costs(cfg, cluster, 1.0)
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     _, in_flight, _ = _run_pipeline(cfg, totals, micro, simulated)
-    return [stage_memory(cfg, cluster.gpus, r, in_flight[r], cluster.memory) for r in range(p.pp)]
+    return [
+        stage_memory(cfg, cluster.gpus, r, None if simulated else in_flight[r], cluster.memory)
+        for r in range(p.pp)
+    ]
 
 
 def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
@@ -234,7 +238,7 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: f
         chunks = _chunks(cfg, r)
         mb = sum((totals[c] for c in chunks), PassTimes())
         layers = sum(len(split[c]) for c in chunks)
-        stage = stage_memory(cfg, world, r, in_flight[r], cluster.memory)
+        stage = stage_memory(cfg, world, r, None if simulated else in_flight[r], cluster.memory)
         if sum(stage.values()) > sum(memory.values()):
             memory = stage
         owned = stage["optimizer"] / 8

@@ -6,12 +6,18 @@
                 the fp32 masters (ZeRO-1/2: the owned rows; parallel/mixed_precision.py)
   grads         plan/state.py: fp32 gradients (bucket buffers, a ZeRO-2/3 shard)
   optimizer     plan/state.py: AdamW's fp32 m and v of the owned rows
-  activations   the most micro-batches the schedule keeps in flight on the stage (the simulator's
-                `peak_in_flight`, counted in chunks: interleaving's extra factor comes from there), each
-                holding its chunk's layers (plan/memory.py, per layer kind and recompute mode) and the
-                head's logits on the last chunk (the weights it reads are the parameters themselves)
-  buffers       ZeRO-3: the gathered layer and the next one (prefetch) in the compute dtype, and one
-                layer's unsharded fp32 gradient before its reduce-scatter
+  activations   the most the stage's pipeline schedule keeps at once, walked action by action: each
+                forward keeps its chunk's layers (plan/memory.py, per layer kind and recompute mode) and
+                the head's log-probabilities on the last chunk until its backward; with a split backward
+                the linear layers' inputs and output gradients stay until the weight-gradient pass
+                (the search's screen multiplies the largest chunk by a closed-form count instead)
+  transient     what a step holds for a moment beyond the parts above, the larger of: on the stage with
+                the head, the loss's working set for one micro-batch (its gradients of the
+                log-probabilities and of the logits); under full recompute, a layer's activations while
+                its backward reruns its forward; after backward, with the activations gone, foreach
+                AdamW's temporary (one fp32 value per owned element) less the activations it replaces
+  buffers       the data-parallel engine's communication buffers (plan/buffers.py): ZeRO-1/2's staging,
+                received and packed shards; ZeRO-3's gathered blocks, reduce-scatter inputs and root
   reserved      the CUDA context, library workspaces and the caching allocator's fragmentation:
                 `MemoryOverhead` (calibrated, docs/planner.md)
 
@@ -24,10 +30,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshtron.config import Config
-from meshtron.pipeline.actions import chunks_of_rank
+from meshtron.config import SPLIT_BACKWARD, Config
+from meshtron.pipeline.actions import Kind, chunks_of_rank
+from meshtron.pipeline.schedules import build_schedule
+from meshtron.plan.buffers import engine_buffers
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
-from meshtron.plan.state import layer_split, rank_parameters, stage_key, state_bytes
+from meshtron.plan.state import layer_split, state_bytes
 
 GiB = 2**30
 
@@ -38,6 +46,7 @@ class MemoryOverhead:
 
     context_bytes: float = 2.0 * GiB  # CUDA context, cuBLAS / NCCL workspaces
     fragmentation: float = 0.05  # of the counted bytes, the allocator's unusable gaps
+    in_place_reduce: bool = False  # gloo: ZeRO-1 all-reduces whole buckets in place (plan/buffers.py)
 
 
 _SUMS: dict[tuple, int] = {}
@@ -76,36 +85,99 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, layers: list[int], last: b
     return total
 
 
-def _zero3_buffers(cfg: Config, pp_rank: int) -> float:
-    """The gathered current and next layer in the compute dtype and one layer's fp32 gradient."""
-    p, t = cfg.parallel, cfg.training
-    if p.zero != 3 or p.dp_shard * p.cp == 1:
+def loss_transient_bytes(cfg: Config) -> float:
+    """What the loss holds for a moment beyond what it keeps, for one micro-batch on the stage with the
+    head: the gradients of the log-probabilities and of the logits while the kept log-probabilities are
+    there (under tp, the shifted logits and their exponentials in forward): about 3 fp32 values per token
+    and vocabulary entry of this rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    return 3 * 4 * (t.micro_batch * t.seq_len // p.cp) * math.ceil(m.vocab_size / p.tp)
+
+
+def recompute_transient_bytes(cfg: Config, layers: list[int]) -> float:
+    """Under full recompute, a layer's backward first runs its forward again: for a moment the layer holds
+    what it keeps without recompute (the largest of the stage's layers)."""
+    t = cfg.training
+    if t.recompute != "full" or not layers:
         return 0.0
+    return max(layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, "full") for layer in layers)
 
-    def largest_unit() -> int:
-        sizes: dict[str, int] = {}
-        for x in rank_parameters(cfg, pp_rank):
-            unit = ".".join(x.name.split(".")[:2]) if x.name.startswith("layers.") else x.name
-            sizes[unit] = sizes.get(unit, 0) + math.prod(x.shape)
-        return max(sizes.values(), default=0)
 
-    largest = _cached(("unit", stage_key(cfg, pp_rank)), largest_unit)
-    return largest * (2 * (2 if t.dtype == "bf16" else 4) + 4)
+def optimizer_transient_bytes(optimizer_bytes: float) -> float:
+    """foreach AdamW's temporary: the square root of the second moment of a whole parameter group at once,
+    one fp32 value per owned element (m and v hold two): half the optimizer state (the 1-D group, norms,
+    is a rounding error next to the matrices')."""
+    return optimizer_bytes / 2
+
+
+def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> float:
+    """Split-backward schedules (pipeline/zero_bubble.py): what one micro-batch of a chunk keeps between
+    its B and its W, every linear layer's input and output gradient (the rest of its activations are
+    freed by B). Attention's projections share one input, as the MLP's gate and up; MoE experts run
+    outside the linear layers and are not deferred, their router is."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tokens, act = t.micro_batch * t.seq_len // p.cp, 2 if t.dtype == "bf16" else 4
+    q, kv, ffn = m.n_heads * m.head_size // p.tp, m.kv_heads_per_rank(p.tp) * m.head_size, m.ffn_dim // p.tp
+    attention = (m.dim + q) + (q + 2 * kv + m.dim)  # inputs: normed x, attention out; output gradients
+    mlp = (m.dim + ffn) + (2 * ffn + m.dim)
+    router = m.dim + m.n_experts
+    values = sum(attention + (router if m.is_moe_layer(layer) else mlp) for layer in layers)
+    if last:
+        values += m.dim + math.ceil(m.vocab_size / p.tp)
+    return tokens * act * values
+
+
+def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]]) -> float:
+    """The most activation bytes stage `pp_rank` holds at once, walking its action list: a forward (F)
+    keeps its chunk's activations until the input-gradient backward (B); with a split backward, B leaves
+    the linear layers' inputs and output gradients until the weight-gradient pass (W). Chunk 0 never
+    waits: nothing needs its input gradient, so its B computes the weight gradients at once."""
+    p, t = cfg.parallel, cfg.training
+    m = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    last, splits = p.pp * p.vpp - 1, p.pp_schedule in SPLIT_BACKWARD
+    chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+    kept = {c: chunk_activation_bytes(cfg, pp_rank, split[c], c == last) for c in chunks}
+    waiting = {
+        c: waiting_weight_grad_bytes(cfg, split[c], c == last) if splits and c > 0 else 0 for c in chunks
+    }
+
+    def walk() -> int:
+        alive = peak = 0
+        for a in build_schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank]:
+            if a.kind == Kind.F:
+                alive += kept[a.chunk]
+            elif a.kind == Kind.B:
+                alive += waiting[a.chunk] - kept[a.chunk]
+            elif a.kind == Kind.W:
+                alive -= waiting[a.chunk]
+            peak = max(peak, alive)
+        return peak
+
+    key = ("walk", p.pp, p.vpp, m, p.pp_schedule, pp_rank, tuple(kept.items()), tuple(waiting.items()))
+    return _cached(key, walk)
 
 
 def stage_memory(
-    cfg: Config, world_size: int, pp_rank: int, in_flight: int, overhead: MemoryOverhead
+    cfg: Config, world_size: int, pp_rank: int, in_flight: int | None, overhead: MemoryOverhead
 ) -> dict[str, float]:
     """Bytes of stage `pp_rank`'s rank 0 at its peak, by part (the module docstring's table), with
-    `in_flight` chunk-micro-batches kept at once (the simulator's peak for the rank)."""
+    `in_flight` of its largest chunk's micro-batches kept at once (a bound: the search's screen), or
+    None: the activations its pipeline schedule holds at most (walked action by action)."""
     p = cfg.parallel
     split = layer_split(cfg)
     chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     last_chunk = p.pp * p.vpp - 1
-    largest = max(chunk_activation_bytes(cfg, pp_rank, split[c], c == last_chunk) for c in chunks)
     out: dict[str, float] = dict(state_bytes(cfg, world_size, pp_rank))
-    out["activations"] = in_flight * largest
-    out["buffers"] = _zero3_buffers(cfg, pp_rank)
+    if in_flight is None and p.pp > 1:
+        out["activations"] = schedule_activation_bytes(cfg, pp_rank, split)
+    else:
+        largest = max(chunk_activation_bytes(cfg, pp_rank, split[c], c == last_chunk) for c in chunks)
+        out["activations"] = (in_flight or 1) * largest
+    loss = loss_transient_bytes(cfg) if last_chunk in chunks else 0.0
+    backward = max(loss, recompute_transient_bytes(cfg, [layer for c in chunks for layer in split[c]]))
+    # The optimizer's temporary comes after the activations are gone: it adds only where it is larger.
+    out["transient"] = max(backward, optimizer_transient_bytes(out["optimizer"]) - out["activations"])
+    out["buffers"] = engine_buffers(cfg, world_size, pp_rank, overhead.in_place_reduce)
     counted = sum(out.values())
     out["reserved"] = overhead.context_bytes + overhead.fragmentation * counted
     return out

@@ -234,7 +234,7 @@ def cluster_from(m: Measurement) -> Cluster:
             p2p_latency_s=m.p2p_latency_s,
         ),
         overlap=Overlap(**{f.name: False for f in fields(Overlap)}),
-        memory=MemoryOverhead(context_bytes=m.context_bytes),
+        memory=MemoryOverhead(context_bytes=m.context_bytes, in_place_reduce=True),
         alone_speedup=max(1.0, m.ranks * m.threads / _cores()),
     )
 

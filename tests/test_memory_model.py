@@ -1,0 +1,104 @@
+"""The planner's activation and transient memory against independent counts: the pipeline walk against
+the schedule simulator's in-flight count (and the published 1F1B / GPipe closed forms), zero-bubble's
+waiting weight gradients, and the step's transients. benchmarks/memory_vs_plan.py measures the whole
+against each rank's resident peak (docs/planner.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.checks import load_config
+from meshtron.commands.dry_run import resolved
+from meshtron.pipeline.actions import chunks_of_rank
+from meshtron.pipeline.schedules import build_schedule, simulate
+from meshtron.plan.gpu_memory import (
+    MemoryOverhead,
+    chunk_activation_bytes,
+    optimizer_transient_bytes,
+    schedule_activation_bytes,
+    stage_memory,
+    waiting_weight_grad_bytes,
+)
+from meshtron.plan.state import layer_split
+from meshtron.testing.tiny import TINY
+
+NONE = MemoryOverhead(context_bytes=0.0, fragmentation=0.0)
+
+
+def pipeline_cfg(pp: int, vpp: int, schedule: str, micro: int, layers: int = 8):
+    return resolved(
+        load_config(
+            None,
+            [
+                *TINY,
+                f"--model.n_layers={layers}",
+                f"--parallel.pp={pp}",
+                f"--parallel.vpp={vpp}",
+                f"--parallel.pp_schedule={schedule}",
+                "--training.micro_batch=1",
+                f"--training.global_batch={micro}",
+            ],
+        ),
+        pp,
+    )
+
+
+@pytest.mark.parametrize(
+    "pp,vpp,schedule,micro",
+    [
+        (4, 1, "1f1b", 8),
+        (4, 1, "1f1b", 3),
+        (4, 1, "gpipe", 6),
+        (2, 2, "interleaved", 4),
+        (4, 2, "interleaved", 8),
+    ],
+)
+def test_walk_holds_the_simulators_in_flight_chunks(pp, vpp, schedule, micro):
+    """Uniform chunks without the head: the walk's peak is the simulator's in-flight count of chunks
+    times one chunk's bytes (a different code path: the simulator times the schedule)."""
+    cfg = pipeline_cfg(pp, vpp, schedule, micro)
+    split = layer_split(cfg)
+    in_flight = simulate(build_schedule(pp, vpp, micro, schedule)).peak_in_flight
+    head = pp * vpp - 1
+    for r in range(pp):
+        if head in chunks_of_rank(r, pp, vpp, schedule):
+            continue
+        chunk = chunk_activation_bytes(cfg, r, split[chunks_of_rank(r, pp, vpp, schedule)[0]], False)
+        assert schedule_activation_bytes(cfg, r, split) == in_flight[r] * chunk
+        if schedule == "1f1b":  # Narayanan et al. 2021: stage r holds min(m, pp - r) micro-batches
+            assert in_flight[r] == min(micro, pp - r)
+        if schedule == "gpipe":
+            assert in_flight[r] == micro
+
+
+def test_zero_bubble_first_stage_waits_for_nothing_and_later_stages_keep_weight_inputs():
+    """Chunk 0's B computes its weight gradients at once (nothing needs its input gradient), so stage 0
+    holds what 1F1B holds; a later stage also keeps, between B and W, its linear layers' inputs and
+    output gradients: more than 1F1B, less than keeping whole chunks to W."""
+    zb, one = pipeline_cfg(4, 1, "zero_bubble", 8), pipeline_cfg(4, 1, "1f1b", 8)
+    split = layer_split(zb)
+    assert schedule_activation_bytes(zb, 0, split) == schedule_activation_bytes(one, 0, split)
+    waiting = waiting_weight_grad_bytes(zb, split[2], False)
+    kept = chunk_activation_bytes(zb, 2, split[2], False)
+    assert 0 < waiting < kept
+    zb2, one2 = schedule_activation_bytes(zb, 2, split), schedule_activation_bytes(one, 2, split)
+    assert one2 < zb2 <= one2 + 8 * waiting
+    assert (zb2 - one2) % waiting == 0  # whole micro-batches' worth of waiting weight gradients
+
+
+def test_optimizer_temporary_counts_only_where_it_exceeds_the_activations():
+    """foreach AdamW's temporary (half the optimizer state) comes after backward freed the activations:
+    under full recompute (few activations) it sets the peak, without recompute it does not."""
+    for recompute, micro, sets_peak in (("full", 1, True), ("none", 8, False)):
+        cfg = resolved(
+            load_config(
+                None, [*TINY, f"--training.micro_batch={micro}", f"--training.recompute={recompute}"]
+            ),
+            1,
+        )
+        stage = stage_memory(cfg, 1, 0, None, NONE)
+        temporary = optimizer_transient_bytes(stage["optimizer"])
+        assert temporary == stage["optimizer"] / 2
+        peak = stage["activations"] + stage["transient"]
+        assert (peak == temporary) is sets_peak
+        assert peak >= temporary
