@@ -15,8 +15,10 @@ group, with the engines' exact storage (shard.py's dim-0 row blocks of ceil(d0/n
                         (gathered in the compute dtype only while a unit runs)
 
 P counts elements, owned rows are this rank's unpadded rows of each parameter and a padded shard is
-sum over parameters of ceil(d0/n)·(row size). Parameters are fp32 masters in every mode (bf16 is an
-autocast). The most loaded rank is rank 0 of each group, which holds full blocks.
+sum over parameters of ceil(d0/n)·(row size). In bf16 (parallel/mixed_precision.py) the engines with
+whole parameters hold them in bf16 (2·P) beside the fp32 masters of their optimizer (4·P under DDP, 4·
+owned rows padded under ZeRO-1/2), both counted as parameters; ZeRO-3's parameters are its fp32 shards.
+The most loaded rank is rank 0 of each group, which holds full blocks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""A rank's measured resident peak against the planner's prediction: the small version of
+benchmarks/big_model.py (a model bigger than one rank, under ZeRO-3 x 4, tp x pp and pp 4) and of
+benchmarks/memory_vs_plan.py (26 stage rows within 10%). Fresh processes, since a resident peak
+never falls: pipeline 2 x ZeRO-3 2, every stage's first rank within 15% of its prediction."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.testing.peak_memory import FIXED_MMAP_THRESHOLD, MID_MODEL, measure_peak, predicted_stages
+from meshtron.testing.workers import WorkerPool
+
+MODEL = [*MID_MODEL, "--training.micro_batch=1"]
+LAYOUT = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3"]
+
+
+def test_each_stages_peak_is_within_15_percent_of_the_planner(monkeypatch, tmp_path):
+    for key, value in FIXED_MMAP_THRESHOLD.items():
+        monkeypatch.setenv(key, value)
+    overrides = [*MODEL, *LAYOUT, f"--run.dir={tmp_path}"]
+    pool = WorkerPool(4, timeout_s=300)
+    try:
+        results = pool.run(measure_peak, overrides, 2)
+    finally:
+        pool.close()
+    stages = predicted_stages(overrides, 4)
+    firsts = sorted((r for r in results if r["first"]), key=lambda r: r["pp_rank"])
+    assert [r["pp_rank"] for r in firsts] == [0, 1]
+    for r in firsts:
+        predicted = sum(stages[r["pp_rank"]].values())
+        measured = r["peak"] - r["fixed"]
+        assert measured == pytest.approx(predicted, rel=0.15), (r["pp_rank"], measured / predicted)
