@@ -58,6 +58,7 @@ QUICK = (
     "tests/test_planner.py::test_search_holds_fixed_keys_counts_refusals_and_ranks_by_time",
     "tests/test_planner.py::test_plan_json_contract",
     "tests/test_plan.py::test_predicted_state_and_traffic_equal_measured[zero3_4]",
+    "tests/test_memory_model.py",
     "tests/test_comm.py::test_collective_forward_backward[all_to_all-2]",
     "tests/test_comm.py::test_recordings_count_their_block_and_nest",
     "tests/test_model.py::test_moe_gradients_match_per_token_loop",
