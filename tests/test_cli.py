@@ -152,6 +152,22 @@ def test_train_on_one_process(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (tmp_path / "loss.png").exists()
+    # README's workflow goes on from the demo's run directory: the demo saves a checkpoint at its end.
+    exported = meshtron("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    sample = meshtron("generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "4")
+    assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr
+
+
+def test_export_of_a_run_that_saved_no_checkpoint_says_how_to_save_one(tmp_path):
+    out = meshtron("train", "--config", "configs/demo.toml", "--training.steps=1", "--model.n_layers=1",
+                   "--training.seq_len=32", "--checkpoint.every=0", f"--run.dir={tmp_path}")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    refused = meshtron("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf"))
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert f"the run in {tmp_path} saved no checkpoint" in refused.stderr
+    assert "--checkpoint.every=N" in refused.stderr
 
 
 NPROC_COMMON = [

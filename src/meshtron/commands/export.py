@@ -46,6 +46,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = complete_checkpoints(root)
+    if not found and (path / "metrics.jsonl").is_file():
+        raise CheckpointError(
+            f"the run in {path} saved no checkpoint: runs save one every checkpoint.every steps (0, the "
+            "default, saves none; any N > 0 also saves one at the end): train again with "
+            "--checkpoint.every=N"
+        )
     if not found:
         raise CheckpointError(
             f"{path} is neither a checkpoint (a step-NNNNNNNN directory) nor a directory holding complete "
