@@ -288,6 +288,8 @@ def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_star
     assert f"tokens/s per rank  {est.tokens_per_sec_per_gpu:,.0f}" in rest
     assert f"MFU                {100 * est.mfu:.1f}%" in rest
     assert "of 8.00 GiB" in rest and ": fits" in rest and "  optimizer " in rest and "  compute " in rest
+    assert "4 gloo rank(s) on this CPU (" in rest and "fp32 matmul 50.0 GFLOP/s per rank" in rest
+    assert "8.0 GiB of host memory per rank" in rest and "loopback 5.00 GB/s" in rest and "NVLink" not in rest
     environment = rest.split("# environment")[1]  # what the run would write to environment.json
     assert "\nworld_size: 4\n" in environment and "\ntorch: " in environment and "\ngit: " in environment
     assert '"tp": {"count": 2, "first": [0, 1]}' in environment and "\ncommand: " in environment

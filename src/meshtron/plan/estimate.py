@@ -16,6 +16,7 @@ A step, on the slowest stage:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -54,6 +55,13 @@ class Cluster:
 
     def describe(self) -> str:
         g = self.gpu
+        if g.name == "cpu":  # a measured machine (plan/probe.py): said in a CPU's terms
+            return (
+                f"{self.gpus} gloo rank(s) on this CPU ({os.cpu_count()} cores; measured fp32 matmul "
+                f"{(g.fp32_flops_per_s or self.peak) / 1e9:,.1f} GFLOP/s per rank, "
+                f"{g.memory_bytes / 2**30:.1f} GiB of host memory per rank, collectives over loopback "
+                f"{g.intra_node_bytes_per_s / 1e9:.2f} GB/s)"
+            )
         return (
             f"{self.gpus} x {g.name} ({self.dtype} peak {self.peak / 1e12:,.1f} TFLOP/s, "
             f"{g.memory_bytes / 2**30:.0f} GiB, {g.gpus_per_node} per node, NVLink "
