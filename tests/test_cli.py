@@ -155,7 +155,8 @@ def test_train_on_one_process(tmp_path):
     # README's workflow goes on from the demo's run directory: the demo saves a checkpoint at its end.
     exported = meshtron("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    weights, config = tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json"
+    assert weights.stat().st_mode & 0o777 == config.stat().st_mode & 0o777  # the umask's, as every file
     sample = meshtron("generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "4")
     assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr
 

@@ -71,6 +71,13 @@ def test_cache_location(tmp_path, monkeypatch):
     assert hp.cache_path() == tmp_path / "home" / ".cache" / "meshtron" / hp.CACHE_FILE
     monkeypatch.setenv("MESHTRON_CACHE", str(tmp_path / "data"))  # beside the prepared corpus
     assert hp.cache_path() == tmp_path / "data" / hp.CACHE_FILE
+    # The prepared corpus and the MFU reference live in the same place, XDG_CACHE_HOME honoured alike.
+    from meshtron.cache import cache_dir
+    from meshtron.data import dataset
+
+    monkeypatch.delenv("MESHTRON_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert dataset.meshtron_cache_dir is cache_dir and cache_dir() == tmp_path / "xdg" / "meshtron"
 
 
 def test_cpu_cluster_measures_two_ranks(cache, monkeypatch):

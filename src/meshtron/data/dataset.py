@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from meshtron.cache import cache_dir as meshtron_cache_dir
 from meshtron.data import DataError
 from meshtron.data.corpus import collect_files, iter_documents, stdlib_files
 from meshtron.data.progress import Progress
@@ -268,11 +269,6 @@ def prepare_data(
     return PreparedData.open(out_dir)
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("MESHTRON_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "meshtron"
-
-
 def default_dataset(
     cache_dir: str | Path | None = None,
     tokenizer: str = "bpe",
@@ -281,7 +277,7 @@ def default_dataset(
 ) -> PreparedData:
     """The stdlib corpus, prepared on first use and cached; safe to call from several processes at once.
     `say` is told, in one line, when it has to be built (which takes a while)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = Path(cache_dir) if cache_dir is not None else meshtron_cache_dir()
     py = f"py{sys.version_info.major}.{sys.version_info.minor}"
     if tokenizer == "byte":
         tag = "byte"

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from meshtron.cache import cache_dir
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.compute_time import ComputeEfficiency
 from meshtron.plan.estimate import Cluster
@@ -250,11 +251,8 @@ def _cores() -> int:
 
 
 def cache_path() -> Path:
-    """Where measurements are kept: beside the prepared data (`$MESHTRON_CACHE`), else the XDG cache."""
-    if os.environ.get("MESHTRON_CACHE"):
-        return Path(os.environ["MESHTRON_CACHE"]) / CACHE_FILE
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "meshtron" / CACHE_FILE
+    """Where measurements are kept: beside the prepared data (meshtron/cache.py)."""
+    return cache_dir() / CACHE_FILE
 
 
 def cache_key(ranks: int, threads: int, sizes: ProbeSizes) -> str:
