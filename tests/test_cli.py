@@ -350,3 +350,24 @@ def test_train_dry_run_on_a_gpu(monkeypatch, nothing_starts, capsys):
     out = capsys.readouterr().out
     assert "GPU 'NVIDIA GH200 480GB' is not in the planner's table" in out and "step time" not in out
     assert "world size 4:" in out  # the config and the mesh are printed all the same
+
+
+def test_missing_data_is_refused_before_any_rank_starts(tmp_path):
+    """Issue 37.4: the data is checked like the config, before the launcher starts ranks."""
+    out = meshtron("train", *NPROC_COMMON, "--nproc", "2", f"--data.path={tmp_path / 'nowhere'}",
+                   f"--run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"no prepared dataset at {tmp_path / 'nowhere'}" in out.stderr
+    assert "gloo backend" not in out.stdout  # no rank started
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_rank_ends_the_launch_with_its_own_message(tmp_path):
+    """A problem only ranks can find (here an unwritable run directory: its parent is a file) ends the
+    launch with the first rank's message, without the launcher's report of exit codes."""
+    (tmp_path / "afile").touch()
+    out = meshtron("train", *NPROC_COMMON, "--nproc", "2", f"--run.dir={tmp_path / 'afile' / 'run'}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshtron: training failed: rank 0: ") and "is not writable" in last
+    assert "ChildFailedError" not in out.stderr and "Root Cause" not in out.stderr

@@ -6,11 +6,13 @@ data.py, export.py; verify.py and dry_run.py behind train's), importing it only 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from meshtron.config import ConfigError, PipelineSchedule
 from meshtron.data import DataError
@@ -209,11 +211,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(parser, args, unknown, argv)
     except (ConfigError, DataError, CheckpointError) as err:
         # User errors (configs, layouts, data) get a message, not a traceback.
-        print(f"meshtron: error: {err}", file=sys.stderr)
+        _report(err)
         return 2
     except TrainingDiverged as err:
-        print(f"meshtron: error: {err}", file=sys.stderr)
+        _report(err)
         return 3
+
+
+def _report(err: Exception) -> None:
+    """The error on this process's stderr and, on a rank that `meshtron train --nproc` started, in the
+    launcher's error directory too: the launcher ends with the first rank's message."""
+    print(f"meshtron: error: {err}", file=sys.stderr)
+    errors = os.environ.get("MESHTRON_ERROR_DIR")
+    if errors and "RANK" in os.environ:
+        with contextlib.suppress(OSError):
+            (Path(errors) / f"rank-{os.environ['RANK']}.txt").write_text(f"{err}\n")
 
 
 def exit_rank(code: int) -> None:

@@ -5,10 +5,13 @@ one device on a shrunk model."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from meshtron.checks import check, load_config
 
@@ -53,18 +56,36 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # The ranks' own argv is the launcher's rewrite; environment.json records what the user typed.
     os.environ["MESHTRON_COMMAND"] = shlex.join(["meshtron", *argv])
-    try:
-        run(launcher_args)
-    except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
-        print(f"meshtron: training failed on one or more ranks: {err}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="meshtron-errors-") as errors:
+        os.environ[ERROR_DIR] = errors  # each failing rank leaves its message there (main.py)
+        # The launcher's own report of a failure (a table of exit codes) says less than the rank's message.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        try:
+            run(launcher_args)
+        except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
+            print(f"meshtron: training failed: {first_rank_error(Path(errors), err)}", file=sys.stderr)
+            return 1
     return 0
+
+
+ERROR_DIR = "MESHTRON_ERROR_DIR"
+
+
+def first_rank_error(errors: Path, err: Exception) -> str:
+    """The message of the lowest rank that left one in `errors`, else what the launcher says."""
+    files = sorted(errors.glob("rank-*.txt"), key=lambda f: int(f.stem.removeprefix("rank-")))
+    if files:
+        return f"rank {files[0].stem.removeprefix('rank-')}: {files[0].read_text().strip()}"
+    return str(err).strip() or f"a rank exited abnormally ({type(err).__name__}); see its output above"
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     check(cfg, world_size)  # every problem reported before any process starts
+    from meshtron.train.setup import check_data
+
+    check_data(cfg)  # and the data's, alike
     if args.dry_run:  # after check: a layout a real run refuses is refused here the same way
         from meshtron.commands.dry_run import dry_run
 

@@ -158,12 +158,26 @@ def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
         place.comm.barrier(place.world)
         if place.rank != 0:
             dataset = default_dataset(tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab)
+    _check_vocab(cfg, dataset)
+    return dataset
+
+
+def _check_vocab(cfg: Config, dataset: PreparedData) -> None:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
             f"{cfg.model.vocab_size}; set --model.vocab_size={dataset.vocab_size} or larger"
         )
-    return dataset
+
+
+def check_data(cfg: Config) -> None:
+    """What step 6 would refuse about a prepared dataset (its path, metadata, vocabulary against the
+    model's, the validation split), found before any rank starts; raises DataError. The default corpus
+    is prepared by the ranks on first use and is checked there."""
+    if cfg.data.path != "default":
+        dataset = PreparedData.open(cfg.data.path)  # memory-mapped: nothing read but the metadata
+        _check_vocab(cfg, dataset)
+        split_validation(cfg, dataset)
 
 
 def checkpoint_root(cfg: Config) -> Path:
