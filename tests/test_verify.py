@@ -62,6 +62,13 @@ def test_verify_command_refuses_an_invalid_layout_before_running():
     assert out.returncode == 2 and "use ep in [1, 2, 4]" in out.stderr
 
 
+def test_verify_prints_its_report_without_the_trainers_start_up_lines():
+    out = verify_cli("--config", "configs/tiny-moe.toml", "--nproc", "2", "--parallel.tp=2", "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("meshtron verify: 2 ranks vs 1") == 1 and "meshtron verify: OK" in out.stdout
+    assert "backend" not in out.stdout and "building the model" not in out.stdout
+
+
 def test_report_fails_beyond_tolerance_naming_the_worst_parameter():
     grads = {"layers.0.attention.wq.weight": torch.ones(4), "layers.0.moe.experts.w1": torch.ones(4)}
     ref = {"rows": [{"step": 1, "loss": 2.0}], "grads": grads}

@@ -14,7 +14,9 @@ loss or gradient differs by more than the tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import re
 import tempfile
 from typing import Any
@@ -112,6 +114,13 @@ def report(result: dict[str, Any], ref: dict[str, Any], tolerance: float) -> tup
     return lines, ok
 
 
+def quiet_run_layout(overrides: list[str], steps: int) -> dict[str, Any]:
+    """`run_layout` without the trainers' console lines (each run builds two trainers, each saying which
+    torch and backend it runs and what it builds): verify prints its own report."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_layout(overrides, steps)
+
+
 def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5, pools: Any = None) -> int:
     """Run the shrunk layout on `nproc` local ranks and on one; print the report; 0 when they agree.
     `pools(n)`: worker pools to run on (started here, and closed after, when not given)."""
@@ -126,8 +135,8 @@ def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5, poo
         own.update({nproc: WorkerPool(nproc, timeout_s=600), 1: WorkerPool(1, timeout_s=600)})
         pools = own.get
     try:
-        results = pools(nproc).run(run_layout, layout, steps)
-        ref = pools(1).run(run_layout, to_overrides(single), steps)[0]
+        results = pools(nproc).run(quiet_run_layout, layout, steps)
+        ref = pools(1).run(quiet_run_layout, to_overrides(single), steps)[0]
     finally:
         if own is not None:
             close_pools(list(own.values()))
