@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,8 @@ def plot_loss(
 ) -> Path:
     """The training loss per step, and the validation loss at each evaluation when there are any."""
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1.5, label="training")
     if val_rows:
@@ -190,6 +193,7 @@ def plot_loss(
         ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 on a short run
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)  # a long mesh summary wraps, not cut at the edges
     ax.grid(alpha=0.3)
     return save_figure(fig, out_path)
