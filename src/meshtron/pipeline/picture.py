@@ -64,8 +64,7 @@ def draw_timelines(
             if waits is not None and p == 0:
                 _draw_waits(ax, r, waits[r])
             for (action, start, end), (offset, height) in zip(rank, _rows(rank), strict=True):
-                # Later virtual chunks are drawn lighter, so interleaving is visible.
-                shade = 1.0 - 0.45 * (action.chunk // pp) / max(1, vpp - 1) if vpp > 1 else 1.0
+                shade = _shade(action.chunk, pp, vpp)
                 ax.barh(
                     r + offset,
                     end - start,
@@ -102,8 +101,20 @@ def draw_timelines(
     if waits is not None:
         handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in WAIT_COLOURS.values()]
         names += ["all-to-all wait", "other communication wait"]
-    axes[0, 0].legend(handles, names, loc="upper right", fontsize=7, ncol=len(names))
+    if vpp > 1:  # the shades: which virtual chunks an action belongs to (the model's layers in order)
+        handles += [
+            plt.Rectangle((0, 0), 1, 1, color="0.35", alpha=_shade(v * pp, pp, vpp)) for v in range(vpp)
+        ]
+        names += [f"chunks {v * pp}-{(v + 1) * pp - 1}" for v in range(vpp)]
+    # Below the bars, under the time axis: inside the axes it covered rank 0's last actions.
+    axes[-1, 0].legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.3 if len(panels) == 1 else -0.2),
+                       fontsize=7, ncol=len(names), frameon=False)  # fmt: skip
     return save_figure(fig, out_path)
+
+
+def _shade(chunk: int, pp: int, vpp: int) -> float:
+    """Later virtual chunks are drawn lighter, so interleaving and the V's two passes are visible."""
+    return 1.0 - 0.45 * (chunk // pp) / max(1, vpp - 1) if vpp > 1 else 1.0
 
 
 def draw_measured_timeline(
