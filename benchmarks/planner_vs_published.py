@@ -126,6 +126,12 @@ def megatron_core_runs() -> list[Run]:
     return out
 
 
+def _megatron_2021_run(name: str, source: str, spec: dict[str, Any], gpus: int, batch: int,
+                       layout: dict[str, Any], published: float) -> Run:  # fmt: skip
+    """A run of Megatron-LM's 2021-22 papers: A100 80GB, seq 2048, its framework's overlap."""
+    return Run(name, source, "a100-80gb", gpus, spec, 2048, batch, layout, published, MEGATRON_2021)
+
+
 def korthikanti_runs() -> list[Run]:
     """Korthikanti et al. 2022, Table 3 (A100 80GB, seq 2048, vocab 51200, sp + selective recompute)."""
     rows = (  # name, h, heads, L, tp, pp, gpus, batch, MFU
@@ -137,33 +143,11 @@ def korthikanti_runs() -> list[Run]:
     out = []
     for name, h, heads, layers, tp, pp, gpus, batch, mfu in rows:
         spec = gpt(h, heads, layers, 51200)
-        layout = dict(
-            tp=tp,
-            pp=pp,
-            dp_replicate=gpus // (tp * pp),
-            dp_shard=1,
-            cp=1,
-            sp=True,
-            recompute="selective",
-            micro_batch=1,
-            pp_head_layers=EVEN,
-        )
-        published = from_tflops(spec, 2048, mfu * 312)
+        layout = dict(tp=tp, sp=True, pp=pp, dp_replicate=gpus // (tp * pp), dp_shard=1, cp=1,
+                      recompute="selective", micro_batch=1, pp_head_layers=EVEN)  # fmt: skip
         source = "Korthikanti et al. 2022, Table 3, A100 80GB"
-        out.append(
-            Run(
-                f"Korthikanti {name}",
-                source,
-                "a100-80gb",
-                gpus,
-                spec,
-                2048,
-                batch,
-                layout,
-                published,
-                MEGATRON_2021,
-            )
-        )
+        published = from_tflops(spec, 2048, mfu * 312)
+        out.append(_megatron_2021_run(f"Korthikanti {name}", source, spec, gpus, batch, layout, published))
     return out
 
 
@@ -182,8 +166,7 @@ def narayanan_runs() -> list[Run]:
                       micro_batch=1, pp_head_layers=EVEN)  # fmt: skip
         source = "Narayanan et al. 2021, Table 1, A100 80GB, seq 2048"
         published = from_tflops(spec, 2048, tflops, "recompute")
-        out.append(Run(f"Megatron-LM {name}", source, "a100-80gb", gpus, spec, 2048, batch, layout, published,
-                       MEGATRON_2021))  # fmt: skip
+        out.append(_megatron_2021_run(f"Megatron-LM {name}", source, spec, gpus, batch, layout, published))
     return out
 
 

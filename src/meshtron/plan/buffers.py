@@ -33,13 +33,14 @@ def _padded(shape: tuple[int, ...], n: int) -> int:
     return math.ceil(shape[0] / n) * n * math.prod(shape[1:]) if shape else n
 
 
-def _units(params: Iterable[RankParameter]) -> list[list[RankParameter]]:
-    """The root (what lies outside the blocks) and each block, as the engines group them."""
+def _units(params: Iterable[RankParameter]) -> dict[str, list[RankParameter]]:
+    """The root ("root": what lies outside the blocks) and each block, as the engines group them. The root
+    comes first on the stage with the embedding, last on a later one (norm and head)."""
     units: dict[str, list[RankParameter]] = {}
     for x in params:
         key = ".".join(x.name.split(".")[:2]) if x.name.startswith("layers.") else "root"
         units.setdefault(key, []).append(x)
-    return list(units.values())
+    return units
 
 
 def _buckets(params: list[RankParameter], bucket_bytes: int) -> list[list[RankParameter]]:
@@ -63,7 +64,7 @@ def zero12_buffers(cfg: Config, params: list[RankParameter], n: int, in_place: b
     p, t = cfg.parallel, cfg.training
     pb, rb = (2 if t.dtype == "bf16" else 4), (2 if p.reduce_dtype == "bf16" else 4)
     buckets = [sum(_padded(x.shape, n) for x in b) for b in _buckets(params, int(p.bucket_mb * 2**20))]
-    units = [sum(_padded(x.shape, n) for x in u) for u in _units(params)]
+    units = [sum(_padded(x.shape, n) for x in u) for u in _units(params).values()]
     packs = not (in_place and p.zero == 1 and p.dp_replicate == 1)  # gloo all-reduces stage 1 in place
     staging = {rb: max(buckets) if packs else 0}
     staging[pb] = max(staging.get(pb, 0), max(units))
@@ -78,10 +79,9 @@ def zero3_buffers(cfg: Config, params: list[RankParameter], n: int) -> float:
         return 0.0
     p, t = cfg.parallel, cfg.training
     pb, rb = (2 if t.dtype == "bf16" else 4), (2 if p.reduce_dtype == "bf16" else 4)
-    units = _units(params)
-    root = sum(_padded(x.shape, n) for x in units[0]) if not units[0][0].name.startswith("layers.") else 0
-    blocks = [sum(_padded(x.shape, n) for x in u) for u in units if u[0].name.startswith("layers.")]
-    block = max(blocks, default=0)
+    sizes = {key: sum(_padded(x.shape, n) for x in unit) for key, unit in _units(params).items()}
+    root = sizes.pop("root", 0)
+    block = max(sizes.values(), default=0)
     return 2 * block * pb + 2 * (block + block // n) * rb + root * pb
 
 

@@ -211,14 +211,13 @@ def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> lis
     schedule holds at most, or (`simulated=False`) the screen's closed-form count of micro-batches in
     flight (what `estimate` reports the most loaded of)."""
     p, t = cfg.parallel, cfg.training
+    if simulated:  # the schedule's own walk: no timing needed
+        return [stage_memory(cfg, cluster.gpus, r, None, cluster.memory) for r in range(p.pp)]
     micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
     compute, comm = _chunk_costs(cfg, cluster, 1.0)
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     _, in_flight, _ = _run_pipeline(cfg, totals, micro, simulated)
-    return [
-        stage_memory(cfg, cluster.gpus, r, None if simulated else in_flight[r], cluster.memory)
-        for r in range(p.pp)
-    ]
+    return [stage_memory(cfg, cluster.gpus, r, in_flight[r], cluster.memory) for r in range(p.pp)]
 
 
 def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
