@@ -23,6 +23,7 @@ from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
+from meshtron.parallel.saved_gathers import recording_saves
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.plan.memory import (
     balanced_assignments,
@@ -69,12 +70,11 @@ def saved_bytes_of_second_layer(
     saved: list[dict[int, int]] = [{}, {}]
     current = {"block": None}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def record(t: torch.Tensor) -> None:
         if current["block"] is not None:
             storage = t.untyped_storage()
             if storage.data_ptr() not in skip:
                 saved[current["block"]][storage.data_ptr()] = storage.nbytes()
-        return t
 
     for index in (0, 1):
         block = model.layers[str(index)]
@@ -82,7 +82,7 @@ def saved_bytes_of_second_layer(
         block.register_forward_hook(lambda *_a: current.update(block=None))
     tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ) if layout is None else layout.positions(mesh.group("cp").rank)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with recording_saves(record):
         model(tokens[:, positions], positions.expand(BATCH, -1))
     if mesh is not None:
         mesh.close()
@@ -181,12 +181,11 @@ def saved_bytes_by_part(
     part = {"now": "embedding"}
     alive = []  # a storage freed early (a discarded branch) must not lend its address to a later one
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def record(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
             saved.setdefault(part["now"], {})[storage.data_ptr()] = storage.nbytes()
             alive.append(t)
-        return t
 
     rows: list[int] = []
     for index, block in model.layers.items():
@@ -194,7 +193,7 @@ def saved_bytes_by_part(
         block.register_forward_hook(lambda *_a: part.update(now="head"))
         if block.moe is not None:
             block.moe.experts.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with recording_saves(record):
         logits, aux = model(tokens, return_aux=True)  # the MoE losses are back-propagated too
         ce = (
             cross_entropy_per_token

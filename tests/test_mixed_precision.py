@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshtron.parallel.saved_gathers import recording_saves
 from meshtron.testing.parity import assert_losses_match, train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 
@@ -22,12 +23,11 @@ def weight_copies_saved(overrides: list[str]) -> dict[str, int]:
     params = [p for p in trainer.model.parameters() if p.dim() >= 2 and p.untyped_storage().nbytes()]
     saved: list[torch.Tensor] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def record(t: torch.Tensor) -> None:
         if t.dtype == torch.bfloat16 and t.dim() >= 2:
             saved.append(t)
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with recording_saves(record):
         trainer.compute_gradients()
     storages = {p.untyped_storage().data_ptr() for p in params}
 

@@ -12,6 +12,7 @@ import pytest
 from meshtron.checks import check, load_config
 from meshtron.config import ConfigError
 from meshtron.models.llama import build_model
+from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
@@ -145,7 +146,7 @@ def gathered_alive_after_forward(overrides: list[str]) -> list[int]:
     """Gathered weights still alive when the model's forward returns (autograd holds what it saved),
     then when the step's backward is done."""
     trainer = trainer_for(overrides)
-    saved = trainer.engine.saved
+    saved = SAVED_GATHERS
     counts = []
 
     def alive() -> int:

@@ -82,7 +82,7 @@ def tp_comm_by_op(overrides: list[str]) -> dict:
 def test_tp_and_sp_move_the_reference_volume(workers, tp):
     """docs/theory.md#communication-volume: per layer per micro-batch 2 all-reduces forward and 2 backward
     of b·s·h elements; sequence parallel replaces each by an all-gather + reduce-scatter of the same total
-    volume."""
+    volume, and gathers each region's input again in backward (Megatron's sequence parallel)."""
     base = [*TINY, f"--parallel.tp={tp}", "--training.micro_batch=8", "--model.n_kv_heads=4"]
     plain = workers(tp).run(tp_comm_by_op, base)[0]
     with_sp = workers(tp).run(tp_comm_by_op, [*base, "--parallel.sp=true"])[0]
@@ -100,8 +100,10 @@ def test_tp_and_sp_move_the_reference_volume(workers, tp):
     # With sp, only the loss's per-token numbers and the norm weights' gradient sums remain all-reduces.
     norm_grads = (2 * layers + 1) * 2 * h * 4 * ring(tp)
     assert with_sp["all_reduce"] == 3 * 2 * b * s * 4 * ring(tp) + norm_grads
-    assert with_sp["all_gather"] == with_sp["reduce_scatter"]
-    assert sum(with_sp.values()) - norm_grads == expected
+    # Each region's input is gathered again in backward (2 per layer and the head's): half an all-reduce.
+    regathers = (2 * layers + 1) * all_reduce / 2
+    assert with_sp["all_gather"] == with_sp["reduce_scatter"] + regathers
+    assert sum(with_sp.values()) - norm_grads - regathers == expected
 
 
 def tp_logits_from_hf(path: str, sequence_parallel: bool) -> torch.Tensor:

@@ -38,6 +38,7 @@ from meshtron.parallel.data_parallel import DataParallelSettings, apply_data_par
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
+from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
 
@@ -164,6 +165,9 @@ def parallelize(
         pipeline = PipelineRuntime(
             model, comm, mesh.group("pp"), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
         )
+        if seq_shards > 1:  # sp's gathered inputs gathered again in backward (tensor.py), chunk by chunk
+            for chunk in pipeline.chunks.values():
+                SAVED_GATHERS.hook(chunk)
     roots = pipeline.boundary_chunks() if pipeline is not None else None
     engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots)
     model.reset_buffers(device)  # built on the meta device, or emptied with fully_shard's shards

@@ -30,7 +30,6 @@ one reduce-scatter. Nothing counts calls inside a graph, so the engine books tho
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
+from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.parallel.shard import ShardedShape
 
 
@@ -102,44 +102,7 @@ def _recompute_all(_ctx: Any, _op: Any, *_args: Any, **_kwargs: Any) -> Checkpoi
 _GATHER_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
 
 
-class _SavedGathers:
-    """Saved-tensor hooks that replace a gathered parameter (or a view of it) saved for backward by a
-    handle, and gather it again when backward asks for it."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, tuple[weakref.ref, ShardedParam]] = {}  # storage pointer -> gathered tensor
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.depth = 0
-
-    def track(self, gathered: torch.Tensor, spec: ShardedParam) -> None:
-        ptr = gathered.untyped_storage().data_ptr()
-        self.live[ptr] = (weakref.ref(gathered, lambda _r, p=ptr: self.live.pop(p, None)), spec)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        found = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if found is None or found[0]() is None:
-            return t
-        return (found[1], t.size(), t.stride(), t.storage_offset())
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        spec, size, stride, offset = packed
-        return spec.gather(spec.block).as_strided(size, stride, offset)  # offsets count from the storage
-
-    def enter(self) -> None:
-        if self.depth == 0:
-            self.hooks.__enter__()
-        self.depth += 1
-
-    def exit(self) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            self.hooks.__exit__(None, None, None)
-
-
-def _parametrize(module: nn.Module, specs: dict[str, ShardedParam], saved: _SavedGathers) -> None:
+def _parametrize(module: nn.Module, specs: dict[str, ShardedParam]) -> None:
     """Swap `module`'s class for a subclass whose parameters in `specs` are properties that gather."""
 
     def getter(name: str) -> property:
@@ -152,7 +115,7 @@ def _parametrize(module: nn.Module, specs: dict[str, ShardedParam], saved: _Save
                 )
             gathered = _Gather.apply(self._parameters[name], spec)
             if torch.is_grad_enabled():
-                saved.track(gathered, spec)
+                SAVED_GATHERS.track(gathered, self._parameters[name], spec.gather)
             return gathered
 
         return property(read)
@@ -185,7 +148,6 @@ class SimpleFSDP(DataParallelEngine):
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.device = device or next(iter(model.parameters())).device
         self.shard_mesh, self.norm_group = shard_mesh, shard
-        self.saved = _SavedGathers()
         self.specs: dict[int, ShardedParam] = {}  # id of the original parameter -> its sharded form
         for module_name, module in model.named_modules():
             own = {n: p for n, p in module._parameters.items() if p is not None}
@@ -198,12 +160,11 @@ class SimpleFSDP(DataParallelEngine):
                     self.specs[id(p)] = self._shard(name, p, param_dtype, reduce_dtype)
                 specs[n] = self.specs[id(p)]
                 module._parameters[n] = specs[n].block
-            _parametrize(module, specs, self.saved)
+            _parametrize(module, specs)
         inside = {id(p) for m in compiled or [] for p in m.parameters()}
         self.traced = [s for s in self.specs.values() if id(s.block) in inside]
         for module in hooked:
-            module.register_forward_pre_hook(lambda _m, _a: self.saved.enter())
-            module.register_forward_hook(lambda _m, _a, _o: self.saved.exit(), always_call=True)
+            SAVED_GATHERS.hook(module)
 
     def _shard(
         self, name: str, p: nn.Parameter, param_dtype: torch.dtype, reduce_dtype: torch.dtype

@@ -24,7 +24,9 @@ the row-parallel layer's output:
   tp + sp     all-gather the sequence forward,                          reduce-scatter the sequence forward,
               reduce-scatter backward                                   all-gather backward
 
-With sp the residual stream, the norms and the embedding output hold 1/tp of the sequence. Weights that
+With sp the residual stream, the norms and the embedding output hold 1/tp of the sequence, and so does
+what backward keeps: the projections that save the all-gathered input keep its shard, and backward
+gathers it again, once per region (saved_gathers.py, as Megatron does). Weights that
 every tp rank holds whole but that see only part of the work (norms under sp, q/k norms, the router,
 the shared-expert gate, replicated key/value projections) get a gradient hook that sums their gradient
 over the tp group. Each tp rank back-propagates the same (replicated) loss, as in Megatron.
@@ -45,6 +47,7 @@ from meshtron.config import ModelConfig
 from meshtron.models.layers import RMSNorm
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import MoE
+from meshtron.parallel.saved_gathers import SAVED_GATHERS
 
 
 @dataclass
@@ -241,6 +244,7 @@ class _Sharder:
         )
 
     def apply(self, root: nn.Module, plan: dict[str, str], prefix: str) -> None:
+        self.in_moe_block = isinstance(_resolve(root, "moe"), MoE)
         for path, style in plan.items():
             module = _resolve(root, path)
             if module is None:
@@ -250,8 +254,19 @@ class _Sharder:
                 parent, _, leaf = path.rpartition(".")
                 setattr(_resolve(root, parent), leaf, replacement)
 
-    def enter_region(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather(x, self.tp, dim=1) if self.sp else self.comm.copy_to_group(x, self.tp)
+    def enter_region(self, x: torch.Tensor, cast: bool = False) -> torch.Tensor:
+        """Megatron's f (tp) or the sequence all-gather (sp). Under sp the projections that save the
+        gathered input keep its shard instead and gather it again in backward (saved_gathers.py);
+        `cast`: gather in autocast's dtype, as every consumer would cast it, so that they share one copy
+        (and half the bytes move)."""
+        if not self.sp:
+            return self.comm.copy_to_group(x, self.tp)
+        if cast and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        gathered = self.comm.all_gather(x, self.tp, dim=1)
+        if torch.is_grad_enabled():
+            SAVED_GATHERS.track(gathered, x, lambda shard: self.comm.all_gather_tensor(shard, self.tp, dim=1))
+        return gathered
 
     def exit_region(self, x: torch.Tensor) -> torch.Tensor:
         return (
@@ -269,7 +284,9 @@ class _Sharder:
         param.grad_hooks = [*getattr(param, "grad_hooks", []), summed]
 
     def entering(self, norm: RMSNorm, name: str) -> None:
-        norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out))
+        # An MoE router computes in fp32 from the norm's output: that region gathers it as it is.
+        cast = not (name.endswith("ffn_norm") and self.in_moe_block)
+        norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out, cast))
         if self.sp:
             self.sum_gradient(norm.weight)
 
@@ -358,4 +375,6 @@ def apply_tensor_parallel(
     for i, block in model.layers.items():
         sharder.apply(block, BLOCK_PLAN, f"layers.{i}")
     sharder.apply(model, MODEL_PLAN, "")
+    if sequence_parallel:  # (under pp, the pipeline's chunks are hooked: runtime.py)
+        SAVED_GATHERS.hook(model)
     return sharder.plan

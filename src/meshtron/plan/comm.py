@@ -13,8 +13,9 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   and clipping's norm add an all-reduce of one and of two numbers
   tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation (6 with full
                   recompute), 2 more around the embedding and head; sp turns each into an all-gather
-                  and a reduce-scatter of the same volume; the vocab-parallel loss all-reduces 3 numbers
-                  per token
+                  and a reduce-scatter of the same volume, and gathers each region's input again in
+                  backward (one more all-gather per region, unless full recompute reruns the forward's);
+                  the vocab-parallel loss all-reduces 3 numbers per token
   expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
                   and micro-batch under balanced routing, plus the count table's all-gather
   pipeline        per micro-batch and chunk boundary: the activation forward, its gradient backward
@@ -121,14 +122,17 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
     moe_layers = sum(1 for x in params if x.name.endswith("experts.w1"))
     if p.tp > 1:
-        per_layer = 6 if t.recompute == "full" else 4
+        # sp gathers each region's input again in backward (half an all-reduce's volume), unless full
+        # recompute reruns the forward's gathers instead; the head's region always does.
+        regather = 0.5 if p.sp else 0.0
+        per_layer = 6 if t.recompute == "full" else 4 + 2 * regather
         activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
         first, last = _holds_ends(cfg, pp_rank)
         add(
             "tp",
             micro
             * (
-                (per_layer * layers + first + last) * activation
+                (per_layer * layers + first + last * (1 + regather)) * activation
                 + (3 * 2 * tokens * 4 * _ring(p.tp) if last else 0)
             ),
         )

@@ -6,9 +6,10 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
   dim   what, per micro-batch unless said                             hidden behind compute?
   tp    4 all-reduces of [tokens, dim] per layer (6 with full         no (meshtron runs them inline);
         recompute); sp turns each into an all-gather + a reduce-       `Overlap.tp` for frameworks that
-        scatter of the same size; one more after the embedding         overlap them with the GEMMs
-        (forward), one before the head (backward), and the vocab-
-        parallel loss's 3 all-reduces of one number per token
+        scatter of the same size and gathers each region's input       overlap them with the GEMMs
+        again in backward (5 without full recompute); one more after
+        the embedding (forward), one before the head (backward), and
+        the vocab-parallel loss's 3 all-reduces of one number per token
   cp    ring: cp−1 K/V block exchanges per layer forward; backward     ring: yes, behind each step's
         the K/V again (cp−1) and the fp32 dK/dV accumulators' cp       attention; alltoall and
         hops; alltoall: q, k, v and the output (and their gradients)   allgather: no
@@ -93,7 +94,9 @@ def layer_comm(
     out: dict[str, PassTimes] = {}
     if p.tp > 1:
         one = collective_time("all_reduce", tokens * m.dim * act, _on(net, g["tp"]), net.gpu, net.eff)
-        extra = 2 if t.recompute == "full" else 0
+        # Full recompute reruns the forward's two; otherwise sp gathers each region's input again in
+        # backward (two all-gathers: one all-reduce's time).
+        extra = 2 if t.recompute == "full" else 1 if p.sp else 0
         out["tp"] = PassTimes(f=2 * one, b=(2 + extra) * one) * (0.0 if net.overlap.tp else 1.0)
     if p.cp > 1:
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)
@@ -117,7 +120,8 @@ def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, P
         "all_reduce", tokens * cfg.model.dim * (2 if t.dtype == "bf16" else 4), tp, net.gpu, net.eff
     )
     loss = collective_time("all_reduce", 3 * tokens * 4, tp, net.gpu, net.eff, calls=3)
-    return {"tp": PassTimes(f=act * first + loss * last, b=act * last)}
+    regather = 0.5 if p.sp else 0.0  # sp: the head's input gathered again in backward
+    return {"tp": PassTimes(f=act * first + loss * last, b=act * (1 + regather) * last)}
 
 
 def _cp_comm(cfg: Config, group: Group, net: Network, attention_time: float, act: int) -> PassTimes:

@@ -8,9 +8,9 @@ activation dtype's bytes), with t the tensor-parallel degree, q = n_heads·head_
 width held per rank, f the FFN width:
 
   each RMSNorm      its input, the 1/rms statistic, the normalised x and the weighted output
-                    3·s·b·h + s·b           (with sp: its input, statistic and normalised x are 1/t,
-                                             and the all-gathered output, kept by the projections, is
-                                             whole: 2·s·b·h/t + s·b/t + s·b·h)
+                    3·s·b·h + s·b           (with sp all of it 1/t: the projections keep the shard of
+                                             their all-gathered input and gather it again in backward,
+                                             as Megatron does)
   attention         rotated q and k, v, the kernel's output (which is also the output projection's
                     input) and its log-sum-exp: s·b·(2q/t + 2k) + b·(a/t)·s
   SwiGLU            gate and up projections, silu(gate), their product: 4·s·b·f/t
@@ -27,10 +27,10 @@ all-to-all implementations (Ulysses degree u) keep the attention output twice, h
 own backward and sequence-split for the output projection's (s·b·q/t more), and with fewer key/value
 heads per tp rank than u they keep k and v replicated to u heads.
 
-The 5·a·s² score term is absent: the fused kernel never materialises the scores. Unlike Megatron, the
-all-gathered input of the column-parallel projections is kept whole under sequence parallel rather than
-gathered again in backward, so tp + sp keeps 2·s·b·h·(1 − 1/t) elements per layer more than a fully
-sequence-sharded count would.
+The 5·a·s² score term is absent: the fused kernel never materialises the scores. As in Megatron, the
+all-gathered input of the column-parallel projections is not kept under sequence parallel: they keep
+its sequence shard and gather it again in backward (parallel/saved_gathers.py), so with tp + sp every
+term of a layer is 1/t.
 
 An MoE layer keeps the same norms and attention; its feed-forward depends on the routing. With T = s·b
 the tokens every tp rank routes (all-gathered under sp), E experts, k = top_k, e the expert FFN width
@@ -107,8 +107,9 @@ class SavedElements:
 
 
 def _norm_elements(sb: int, h: int, tp: int, sp: bool) -> int:
-    """One RMSNorm entering a tensor-parallel region, on `sb` tokens."""
-    return (2 * sb * h) // tp + sb // tp + sb * h if sp else 3 * sb * h + sb
+    """One RMSNorm entering a tensor-parallel region, on `sb` tokens (under sp all of it 1/t: the
+    projections keep the shard of its output and gather it again in backward)."""
+    return (3 * sb * h + sb) // tp if sp else 3 * sb * h + sb
 
 
 def _attention_and_norms(
