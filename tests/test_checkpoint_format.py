@@ -10,16 +10,22 @@ compute its steps 2 and 3 again (the initialisation has changed since, which a r
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import unittest.mock
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import meshtron.train.checkpoint as checkpoint_module
 from meshtron.checks import load_config
 from meshtron.models.llama import Transformer
-from meshtron.testing.parity import assert_losses_match, relative, train_rows
+from meshtron.testing.parity import assert_losses_match, relative, train_rows, trainer_for
+from meshtron.testing.tiny import TINY
 from meshtron.train import CheckpointError
 from meshtron.train.checkpoint import FORMAT, FORMAT_FILE, check_format, load_model_weights
+from meshtron.train.safe_checkpoint_reader import SafeFileSystemReader
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint-format-1"
 WRITTEN_LOSSES = json.loads((FIXTURE.parent / "checkpoint-format-1.losses.json").read_text())
@@ -97,3 +103,39 @@ def test_a_newer_format_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="unreadable"):
         check_format(tmp_path / "ck")
     check_format(FIXTURE)  # no format file: format 1
+
+
+def tensor_bytes_read_resuming(overrides: list[str]) -> int:
+    """On every rank: the tensor bytes this rank's checkpoint reader read while the trainer resumed."""
+    readers: list[SafeFileSystemReader] = []
+
+    class Counting(SafeFileSystemReader):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            readers.append(self)
+
+    with unittest.mock.patch.object(checkpoint_module, "SafeFileSystemReader", Counting):
+        trainer_for(overrides)
+    return sum(r.tensor_bytes_read for r in readers)
+
+
+def test_resuming_on_another_layout_reads_only_each_ranks_rows(workers, tmp_path):
+    """A one-device checkpoint resumed under ZeRO-3 over 2 ranks: each rank reads only the rows it holds
+    (saved_regions.py), so the two together read every saved element once (and the replicated train
+    state twice), and each about half, where torch's reader would read the whole checkpoint on each."""
+    common = [*TINY, "--run.sample_tokens=0", f"--checkpoint.dir={tmp_path / 'ck'}", "--checkpoint.keep=2"]
+    workers(1).run(train_rows, [*common, "--training.steps=1", "--checkpoint.every=1"])
+    saved = SafeFileSystemReader(str(tmp_path / "ck" / "step-00000001")).read_metadata()
+    nbytes = {
+        fqn: math.prod(meta.size) * meta.properties.dtype.itemsize
+        for fqn, meta in saved.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and len(meta.size) > 0  # (0-d: read whole, not boxes)
+    }
+    sharded = sum(n for fqn, n in nbytes.items() if not fqn.startswith("train."))
+    replicated = sum(n for fqn, n in nbytes.items() if fqn.startswith("train."))
+    resumed = [*common, "--training.steps=2", "--checkpoint.resume=true", "--parallel.dp_shard=2",
+               "--parallel.zero=3", "--training.micro_batch=4"]  # fmt: skip
+    read = workers(2).run(tensor_bytes_read_resuming, resumed)
+    assert sum(read) == sharded + 2 * replicated
+    for rank_bytes in read:
+        assert 0.4 * sharded <= rank_bytes - replicated <= 0.6 * sharded, (read, sharded)

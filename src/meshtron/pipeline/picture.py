@@ -59,6 +59,8 @@ def draw_timelines(
         len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5), sharex=True, squeeze=False
     )
     split = any(a.kind == Kind.W for timeline, _ in panels for rank in timeline for a, _, _ in rank)
+    # A bar carries its micro-batch number where the number fits (about a fifth of an inch).
+    label_width = max(0.3 * mean_block, 0.2 * makespan / (0.8 * width))
     for p, (ax, (timeline, title)) in enumerate(zip(axes[:, 0], panels, strict=True)):
         for r, rank in enumerate(timeline):
             if waits is not None and p == 0:
@@ -75,7 +77,7 @@ def draw_timelines(
                     edgecolor="white",
                     linewidth=0.6,
                 )
-                if end - start >= 0.3 * mean_block:
+                if end - start >= label_width:
                     ax.text(
                         (start + end) / 2,
                         r + offset,
@@ -86,7 +88,7 @@ def draw_timelines(
                         color="white",
                     )
         ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
-        ax.invert_yaxis()
+        ax.set_ylim(pp - 0.5, -0.5)  # rank 0 on top, no margin rows (64 ranks kept 3 empty at each end)
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel(xlabel)
     axes[-1, 0].set_xlim(0, makespan)
@@ -106,9 +108,11 @@ def draw_timelines(
             plt.Rectangle((0, 0), 1, 1, color="0.35", alpha=_shade(v * pp, pp, vpp)) for v in range(vpp)
         ]
         names += [f"chunks {v * pp}-{(v + 1) * pp - 1}" for v in range(vpp)]
-    # Below the bars, under the time axis: inside the axes it covered rank 0's last actions.
-    axes[-1, 0].legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.3 if len(panels) == 1 else -0.2),
-                       fontsize=7, ncol=len(names), frameon=False)  # fmt: skip
+    # Below the bars, under the time axis (inside the axes it covered rank 0's last actions), half an
+    # inch down whatever the figure's height.
+    below = 0.55 / (axes[-1, 0].get_position().height * fig.get_figheight())
+    axes[-1, 0].legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -below), fontsize=7,
+                       ncol=len(names), frameon=False)  # fmt: skip
     return save_figure(fig, out_path)
 
 

@@ -8,12 +8,19 @@ of (its own metadata classes, torch sizes, dtypes and layouts, storage locations
 anything else, naming it. Non-tensor values are the other pickle path (DCP's load planner reads them with
 `weights_only=False`); checkpoint.py never writes any (the data sampler's integers are stored as tensors).
 
-Private torch pieces, isolated here: `FileSystemReader._get_metadata_path` and `load_id`, because this
-method is torch's own `read_metadata` with only the unpickler changed.
+Its `read_data` reads only the box of each saved block that the load asks for (saved_regions.py), not
+the whole block as torch's does: a rank resuming on another layout reads about its own share of the
+checkpoint, and never holds more than its box of a block beyond what it keeps.
+
+Private torch pieces, isolated here: `FileSystemReader._get_metadata_path` and `load_id`, because
+`read_metadata` is torch's own with only the unpickler changed; the reader's `storage_data` (where each
+saved item lies, which torch's `set_up_storage_reader` fills) and `transforms`, because `read_data` is
+torch's own with the box read first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any
 
@@ -21,6 +28,10 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from meshtron.train.saved_regions import read_box
 
 _ALLOWED = {
     ("torch", "Size"),
@@ -48,7 +59,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` goes through the allow-list unpickler above."""
+    """FileSystemReader whose `.metadata` goes through the allow-list unpickler above, and that reads
+    only the requested box of each saved tensor block (`tensor_bytes_read` counts those bytes)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.tensor_bytes_read = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
@@ -61,3 +77,27 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Each requested tensor box read alone where its block allows (saved_regions.py), else its
+        whole block through torch's reader; non-tensor items through torch's reader."""
+        rest = []
+        for item in plan.items:
+            stored = self.storage_data[item.storage_index]
+            box = None
+            if item.type == LoadItemType.TENSOR and not stored.transform_descriptors:
+                with self.fs.create_stream(self.fs.concat_path(self.path, stored.relative_path), "rb") as f:
+                    box = read_box(f, stored.offset, stored.length, item.storage_offsets, item.lengths)
+            if box is None:
+                rest.append(item)
+                continue
+            tensor, nbytes = box
+            self.tensor_bytes_read += nbytes
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise ValueError(
+                    f"{item.storage_index}: box of size {tuple(tensor.size())} for {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
