@@ -13,11 +13,16 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     # Progress on stderr when it is a terminal; in a log, the line below is all prepare-data prints.
-    data = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    data = prepare_data(
+        args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, chat=args.chat
+    )
     seconds = time.perf_counter() - start
     print(
         f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "
         f"{data.n_documents} documents from {len(data.sources)} files) to {Path(args.out)} in "
         f"{seconds:.1f} s ({data.n_tokens / max(seconds, 1e-9):,.0f} tokens/s)"
     )
+    if data.loss_mask is not None:
+        counted = int(data.loss_mask.sum())
+        print(f"{counted:,} of them ({counted / data.n_tokens:.0%}) in assistant turns count in the loss")
     return 0

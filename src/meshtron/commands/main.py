@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="'byte', 'bpe' (trained on the inputs) or a path to a tokenizer.json",
     )
     prep.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a BPE")
+    prep.add_argument(
+        "--chat",
+        action="store_true",
+        help='.jsonl rows of {"messages": [{"role", "content"}, ...]}, rendered with the chat template of the '
+        "tokenizer_config.json beside --tokenizer; only assistant turns count in the loss",
+    )
     return parser
 
 

@@ -7,6 +7,7 @@ end-of-document token), a ``meta.json`` describing it and, for learned tokenizer
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import numpy as np
 
 from meshtron.cache import cache_dir as meshtron_cache_dir
 from meshtron.data import DataError
+from meshtron.data.chat import ChatTemplate, chat_documents
 from meshtron.data.corpus import collect_files, iter_documents, stdlib_files
 from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
@@ -31,6 +33,7 @@ from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, 
 logger = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.bin"
+LOSS_MASK_FILE = "loss_mask.bin"  # chat data: 1 byte per token, 1 where the token counts as a target
 META_FILE = "meta.json"
 # Bounds memory while writing: tokens are flushed to disk once this many are buffered.
 _FLUSH_TOKENS = 1 << 20
@@ -56,6 +59,7 @@ class PreparedData:
     tokenizer_spec: str
     n_documents: int
     sources: list[str] = field(default_factory=list)
+    loss_mask: np.ndarray | None = None  # uint8 per token (chat data): 1 where it counts as a target
 
     @property
     def n_tokens(self) -> int:
@@ -120,6 +124,12 @@ class PreparedData:
         if tok_spec != "byte" and not (path / tok_spec).is_file():
             raise DataError(f"{path / tok_spec} (the dataset's tokenizer) is missing: {PREPARE_HINT}")
         tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
+        loss_mask = None
+        if "loss_mask" in meta:
+            mask_path = path / str(meta["loss_mask"])
+            if not mask_path.is_file() or mask_path.stat().st_size != n_tokens:
+                raise DataError(f"{mask_path} is missing or not one byte per token: {PREPARE_HINT}")
+            loss_mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(n_tokens,))
         return cls(
             path=path,
             tokens=tokens,
@@ -128,6 +138,7 @@ class PreparedData:
             tokenizer_spec=tok_spec,
             n_documents=int(meta.get("n_documents", 0)),
             sources=list(meta.get("sources", [])),
+            loss_mask=loss_mask,
         )
 
 
@@ -165,30 +176,42 @@ def _dataset_tokenizer(
     return HFTokenizer(tok_path, eos_token=src.eos_token), TOKENIZER_FILE
 
 
-def _documents(files: list[Path]) -> Iterator[tuple[int, Path, str]]:
-    """(files finished before this document, its file, its text) for every document of `files`."""
+Document = tuple[int, Path, np.ndarray, "np.ndarray | None"]  # (files done, file, ids, loss mask or None)
+
+
+def _text_documents(files: list[Path], tok: Tokenizer, dtype: np.dtype) -> Iterator[Document]:
+    """Every document of `files` tokenized (every token counts: no mask)."""
     for done, file in enumerate(files):
         for path, text in iter_documents([file]):
-            yield done, path, text
+            yield done, path, np.asarray(tok.encode(text), dtype=dtype), None
+
+
+def _flush(files: list[Any], parts: list[list[np.ndarray]]) -> int:
+    for f, arrays in zip(files, parts, strict=False):  # (no mask file: the masks are not kept)
+        f.write(np.concatenate(arrays).tobytes())
+    return sum(x.size for x in parts[0])
 
 
 def _write_tokens(
-    files: list[Path], tok: Tokenizer, dtype: np.dtype, tokens_path: Path, progress: Progress
-) -> dict[str, Any]:
-    """Tokenize every document of `files` into `tokens_path` (each followed by eos), atomically; returns
-    the counts meta.json records."""
-    tmp_tokens = tokens_path.with_name(f".{TOKENS_FILE}.tmp-{os.getpid()}")
-    n_tokens = n_docs = 0
+    documents: Iterator[Document], n_files: int, eos_id: int, dtype: np.dtype, out_dir: Path, masked: bool,
+    progress: Progress,
+) -> dict[str, Any]:  # fmt: skip
+    """Write `documents` into out_dir's tokens.bin (each followed by eos) and, if `masked`, their loss
+    masks into loss_mask.bin (the eos separators do not count), atomically; returns the counts
+    meta.json records."""
+    names = [TOKENS_FILE, LOSS_MASK_FILE] if masked else [TOKENS_FILE]
+    tmp = [out_dir / f".{name}.tmp-{os.getpid()}" for name in names]
+    n_tokens = n_docs = buffered = 0
     sources: list[str] = []
+    parts: list[list[np.ndarray]] = [[], []]  # token ids, loss masks
     try:
-        with open(tmp_tokens, "wb") as f:
-            buf: list[np.ndarray] = []
-            buffered = 0
-            for files_done, path, text in _documents(files):
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(open(t, "wb")) for t in tmp]
+            for files_done, path, ids, mask in documents:
                 progress.update(files_done, n_tokens + buffered)
-                ids = np.asarray(tok.encode(text), dtype=dtype)
-                buf.append(ids)
-                buf.append(np.asarray([tok.eos_id], dtype=dtype))
+                parts[0] += [ids, np.asarray([eos_id], dtype=dtype)]
+                if masked:
+                    parts[1] += [mask, np.zeros(1, np.uint8)]
                 buffered += ids.size + 1
                 n_docs += 1
                 # Absolute, so meta.json still says where the data came from when read from elsewhere.
@@ -196,18 +219,20 @@ def _write_tokens(
                 if not sources or sources[-1] != src_name:
                     sources.append(src_name)
                 if buffered >= _FLUSH_TOKENS:
-                    f.write(np.concatenate(buf).tobytes())
-                    n_tokens += buffered
-                    buf, buffered = [], 0
-            if buf:
-                f.write(np.concatenate(buf).tobytes())
-                n_tokens += buffered
-        progress.update(len(files), n_tokens)
+                    n_tokens += _flush(files, parts)
+                    parts, buffered = [[], []], 0
+            if buffered:
+                n_tokens += _flush(files, parts)
+        progress.update(n_files, n_tokens)
         progress.close()
         if n_tokens:
-            _fsync_replace(tmp_tokens, tokens_path)
+            for t, name in zip(tmp, names, strict=True):
+                _fsync_replace(t, out_dir / name)
+            if not masked:
+                (out_dir / LOSS_MASK_FILE).unlink(missing_ok=True)
     finally:
-        tmp_tokens.unlink(missing_ok=True)
+        for t in tmp:
+            t.unlink(missing_ok=True)
     return {"n_tokens": n_tokens, "sources": sources, "n_documents": n_docs}
 
 
@@ -220,13 +245,19 @@ def prepare_data(
     eos_token: str | None = None,
     bpe_train_bytes: int | None = DEFAULT_BPE_TRAIN_BYTES,
     progress: bool | None = None,
+    chat: bool = False,
 ) -> PreparedData:
     """Tokenize text/.jsonl/.parquet files and directories into ``out_dir``; returns the opened dataset.
 
     ``tokenizer`` is ``"byte"``, ``"bpe"`` (train a byte-level BPE of ``vocab_size`` on the corpus) or a
     path to a tokenizer.json (copied into ``out_dir``). ``vocab_size`` only matters for ``"bpe"``.
     ``progress``: show files, tokens and tokens/s on stderr as it goes (None: when stderr is a terminal).
+    ``chat``: the inputs are .jsonl conversations, rendered with the tokenizer's chat template, and only
+    the assistant turns count in the loss (data/chat.py: a loss_mask.bin beside the tokens).
     """
+    if chat and tokenizer in ("byte", "bpe"):
+        raise DataError("--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
+                        "to a checkpoint's tokenizer.json (its tokenizer_config.json holds the template)")  # fmt: skip
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +273,11 @@ def prepare_data(
         tokenizer, files, out_dir, vocab_size, eos_token, bpe_train_bytes, shown
     )
     dtype = dtype_for_vocab(tok.vocab_size)
-    counts = _write_tokens(files, tok, dtype, out_dir / TOKENS_FILE, shown)
+    if chat:
+        documents = chat_documents(files, ChatTemplate(tokenizer), dtype)
+    else:
+        documents = _text_documents(files, tok, dtype)
+    counts = _write_tokens(documents, len(files), tok.eos_id, dtype, out_dir, chat, shown)
     if counts["n_tokens"] == 0:
         raise DataError(f"inputs {[str(i) for i in inputs]} contain no text")
     meta = {
@@ -254,6 +289,8 @@ def prepare_data(
         "sources": counts["sources"],
         "n_documents": counts["n_documents"],
     }
+    if chat:
+        meta["loss_mask"] = LOSS_MASK_FILE
     tmp_meta = out_dir / f".{META_FILE}.tmp-{os.getpid()}"
     tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
     _fsync_replace(tmp_meta, meta_path)

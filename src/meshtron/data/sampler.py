@@ -13,6 +13,7 @@ import torch
 
 from meshtron.data.dataset import PreparedData
 from meshtron.data.rules import batch_split_problem
+from meshtron.models.loss import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -88,13 +89,26 @@ class BatchSampler:
         self._check(dataset, dp_rank, dp_size)
         return self._slice(dataset, step, dp_rank, dp_size)
 
+    def _token_index(self, windows: np.ndarray) -> np.ndarray:
+        span = self.seq_len + 1
+        return windows[:, None] * span + np.arange(span, dtype=np.int64)[None, :]
+
     def _slice(self, dataset: PreparedData, step: int, dp_rank: int, dp_size: int) -> Batch:
         per = self.global_batch // dp_size
-        windows = self.global_indices(step)[dp_rank * per : (dp_rank + 1) * per]
-        span = self.seq_len + 1
-        idx = windows[:, None] * span + np.arange(span, dtype=np.int64)[None, :]
+        idx = self._token_index(self.global_indices(step)[dp_rank * per : (dp_rank + 1) * per])
         block = torch.from_numpy(np.asarray(dataset.tokens[idx], dtype=np.int64))
-        return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        inputs, targets = block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        if dataset.loss_mask is not None:  # targets that do not count: the loss ignores them
+            counts = torch.from_numpy(np.asarray(dataset.loss_mask[idx[:, 1:]], dtype=bool))
+            targets[~counts] = IGNORE_INDEX
+        return inputs, targets
+
+    def counted_targets(self, dataset: PreparedData, step: int) -> int | None:
+        """Targets of the global batch at `step` that count in the loss (a dataset with a loss mask: the
+        whole batch's, read by every rank, so no layout needs a collective for it); None: all of them."""
+        if dataset.loss_mask is None:
+            return None
+        return int(np.count_nonzero(dataset.loss_mask[self._token_index(self.global_indices(step))[:, 1:]]))
 
     def micro_batches(
         self, dataset: PreparedData, step: int, dp_rank: int, dp_size: int, micro_batch: int

@@ -59,8 +59,13 @@ def split_validation(cfg: Config, train: PreparedData) -> tuple[PreparedData, Pr
             raise DataError(problem)
     elif d.val_fraction > 0:
         cut = train.n_tokens - int(round(d.val_fraction * train.n_tokens))
-        val = dataclasses.replace(train, tokens=train.tokens[cut:])
-        train = dataclasses.replace(train, tokens=train.tokens[:cut])
+        mask = train.loss_mask
+        val = dataclasses.replace(
+            train, tokens=train.tokens[cut:], loss_mask=None if mask is None else mask[cut:]
+        )
+        train = dataclasses.replace(
+            train, tokens=train.tokens[:cut], loss_mask=None if mask is None else mask[:cut]
+        )
     else:
         return train, None
     span, needed = t.seq_len + 1, t.eval_batches * t.global_batch

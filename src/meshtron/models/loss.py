@@ -1,8 +1,9 @@
 """The training loss of a micro-batch, as every layout forms it.
 
 Each micro-batch's cross-entropy is summed over its tokens and divided by the *global* token count of
-the step (all micro-batches of all data-parallel ranks), and an MoE model's aux loss (a mean over the
-micro-batch's tokens) is weighted by the micro-batch's share of those tokens. Summing the micro-batches'
+the step (all micro-batches of all data-parallel ranks; with a loss mask, the targets of the global
+batch that count, which every rank reads from the data), and an MoE model's aux loss (a mean over the
+micro-batch's tokens) is weighted by the micro-batch's share of all the step's tokens. Summing the micro-batches'
 losses over a step and over the data-parallel ranks then gives the mean over the global batch, so no
 layout ever averages gradients, and any layout computes the same update.
 """
@@ -16,10 +17,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# A target that does not count (a prompt token, padding): 0 loss, no gradient. PyTorch's and
+# transformers' convention, so labels prepared for either mean the same here.
+IGNORE_INDEX = -100
+
 
 def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy [N] of every token (in fp32), for the loss to be summed and normalised by the caller."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none")
+    """Cross-entropy [N] of every token (in fp32; 0 where the target is IGNORE_INDEX), for the loss to be
+    summed and normalised by the caller."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    )
 
 
 @dataclass
@@ -29,6 +37,8 @@ class MicroBatchLoss:
     token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # per-token cross-entropy [N]
     global_tokens: int
     autocast: Callable[[], contextlib.AbstractContextManager]
+    # Targets of the step's global batch that count (loss masks); None: all global_tokens of them.
+    counted_tokens: int | None = None
 
     def aux_share(self, aux: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The aux loss weighted by this micro-batch's share of the step's tokens."""
@@ -38,5 +48,6 @@ class MicroBatchLoss:
         self, logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to back-propagate, its cross-entropy part)."""
-        ce = self.token_loss(logits, targets).sum() / self.global_tokens
+        counted = self.global_tokens if self.counted_tokens is None else max(1, self.counted_tokens)
+        ce = self.token_loss(logits, targets).sum() / counted
         return ce + self.aux_share(aux, targets), ce

@@ -46,6 +46,7 @@ from meshtron.comm import Comm, CommGroup
 from meshtron.config import ModelConfig
 from meshtron.models.layers import RMSNorm
 from meshtron.models.llama import Transformer
+from meshtron.models.loss import IGNORE_INDEX
 from meshtron.models.moe import MoE
 from meshtron.parallel.saved_gathers import SAVED_GATHERS
 
@@ -176,10 +177,13 @@ def vocab_parallel_cross_entropy(
     logits_local: torch.Tensor, targets: torch.Tensor, plan: TensorParallelPlan, comm: Comm
 ) -> torch.Tensor:
     """Per-token cross-entropy [N] from this rank's slice of the vocabulary logits, without gathering
-    them: three all-reduces of one number per token (max, sum of exponentials, target logit)."""
-    return _VocabParallelCrossEntropy.apply(
-        logits_local.flatten(0, -2), targets.flatten(), plan.vocab_start, plan.vocab_local, comm, plan.tp
+    them: three all-reduces of one number per token (max, sum of exponentials, target logit). 0 (and no
+    gradient) where the target is IGNORE_INDEX."""
+    targets_N = targets.flatten()
+    loss_N = _VocabParallelCrossEntropy.apply(
+        logits_local.flatten(0, -2), targets_N, plan.vocab_start, plan.vocab_local, comm, plan.tp
     )
+    return loss_N * (targets_N != IGNORE_INDEX)
 
 
 # How each module of a transformer block is cut over tp, by its path inside the block (modules a block

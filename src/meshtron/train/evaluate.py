@@ -48,6 +48,8 @@ class Evaluator:
         self.sampler = validation_sampler(training, val)
         self.tokens = training.eval_batches * training.global_batch * training.seq_len
         self.loss = MicroBatchLoss(train_loss.token_loss, self.tokens, train_loss.autocast)
+        counted = [self.sampler.counted_targets(val, index) for index in range(training.eval_batches)]
+        self.loss.counted_tokens = None if None in counted else sum(counted)  # (loss masks: those that count)
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows optimizer step `step` (1-based): every eval_every, and the last."""

@@ -67,6 +67,7 @@ class Trainer:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
         rank's share of the mean cross-entropy."""
         job, t = self.job, self.cfg.training
+        job.loss.counted_tokens = job.sampler.counted_targets(job.dataset, job.sampler.step)
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         prepare = self.engine.prepare_micro_batch
         loss_sum = self.parallel.run_micro_batches(batches, job.loss, job.place.device, before_grads=prepare)
