@@ -20,6 +20,7 @@ rewrites earlier turns is refused by name.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,8 +60,15 @@ class ChatTemplate:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not isinstance(template, str) or not template:
             raise DataError(f"{config_path} has no chat_template: this tokenizer cannot render chat data")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # As transformers renders templates: loop controls, `tojson`, `raise_exception`, `strftime_now`.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(
+            value, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.template = env.from_string(template)
         self.specials = {
             "bos_token": _special(config, "bos_token"),
@@ -68,11 +76,17 @@ class ChatTemplate:
         }
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json" if path.is_dir() else path))
         self.tokenizer.encode_special_tokens = False  # the template's own special tokens are tokens
+        self.tokenizer.post_processor = None  # nothing added, and offsets as they are (not trimmed)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.template.render(
-            messages=messages, add_generation_prompt=generation_prompt, **self.specials
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=generation_prompt, **self.specials
+            )
+        except TemplateError as err:
+            raise DataError(f"the chat template cannot render a conversation: {err}") from None
 
     def encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(token ids, loss mask) of one conversation: 1 for the tokens of assistant turns."""

@@ -81,19 +81,25 @@ class SavedGathers:
     def pack(self, t: torch.Tensor) -> Any:
         found = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         if found is None or found[0]() is None:
-            return t
+            return t, t._version  # autograd skips its in-place check under Python hooks: unpack does it
         found[1].waiting += 1
         return (found[1], t.size(), t.stride(), t.storage_offset())
 
     @staticmethod
     def held(packed: Any) -> torch.Tensor:
         """What a packed value keeps alive: the saved tensor itself, or a handle's shard."""
-        return packed if isinstance(packed, torch.Tensor) else packed[0].kept
+        return packed[0] if isinstance(packed[0], torch.Tensor) else packed[0].kept
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if isinstance(packed[0], torch.Tensor):
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a {tuple(t.shape)} tensor saved at version {version} is at {t._version}"
+                )
+            return t
         regather, size, stride, offset = packed
         return regather.view(size, stride, offset)
 

@@ -161,9 +161,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = local_target.clamp(0, logits.shape[-1] - 1)
         picked_N = shifted.gather(1, index[:, None]).squeeze(1) * inside
         comm.all_reduce_(picked_N, tp)
-        ctx.save_for_backward(exp / sum_exp_N[:, None], index, inside)
+        # An ignored target (IGNORE_INDEX, outside every rank's range) has no loss and no gradient: its
+        # softmax row is zeroed, so nothing more is saved for it.
+        counts_N = targets_N != IGNORE_INDEX
+        ctx.save_for_backward((exp / sum_exp_N[:, None]) * counts_N[:, None], index, inside)
         ctx.input_dtype = logits_NV.dtype
-        return sum_exp_N.log() - picked_N
+        return (sum_exp_N.log() - picked_N) * counts_N
 
     @staticmethod
     def backward(ctx, grad_N: torch.Tensor):
@@ -179,11 +182,9 @@ def vocab_parallel_cross_entropy(
     """Per-token cross-entropy [N] from this rank's slice of the vocabulary logits, without gathering
     them: three all-reduces of one number per token (max, sum of exponentials, target logit). 0 (and no
     gradient) where the target is IGNORE_INDEX."""
-    targets_N = targets.flatten()
-    loss_N = _VocabParallelCrossEntropy.apply(
-        logits_local.flatten(0, -2), targets_N, plan.vocab_start, plan.vocab_local, comm, plan.tp
+    return _VocabParallelCrossEntropy.apply(
+        logits_local.flatten(0, -2), targets.flatten(), plan.vocab_start, plan.vocab_local, comm, plan.tp
     )
-    return loss_N * (targets_N != IGNORE_INDEX)
 
 
 # How each module of a transformer block is cut over tp, by its path inside the block (modules a block
@@ -288,7 +289,9 @@ class _Sharder:
         param.grad_hooks = [*getattr(param, "grad_hooks", []), summed]
 
     def entering(self, norm: RMSNorm, name: str) -> None:
-        # An MoE router computes in fp32 from the norm's output: that region gathers it as it is.
+        # An MoE layer returns its (fp32-combined) output in its input's dtype: gathered in bf16, it would
+        # round what one device keeps in fp32. That region gathers the norm's output as it is, so under
+        # bf16 its consumers keep their own bf16 casts (not regathered: docs/tensor-parallel.md).
         cast = not (name.endswith("ffn_norm") and self.in_moe_block)
         norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out, cast))
         if self.sp:
