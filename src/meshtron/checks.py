@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshtron.config import Config, field_problems, read_config, refuse
-from meshtron.data.rules import batch_problems, validation_problems
+from meshtron.data.rules import batch_problems, mixture_problems, validation_problems
 from meshtron.hf.resolve import resolve_model_keys
 from meshtron.layout import layout_problems
 from meshtron.models.rules import model_problems, moe_problems
@@ -58,7 +58,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += expert_parallel_problems(cfg)
     problems += batch_problems(cfg, world_size)
     problems += pipeline_problems(cfg, world_size, device_type)
-    problems += validation_problems(cfg)
+    problems += validation_problems(cfg) + mixture_problems(cfg)
     problems += wandb_problems(cfg)
     return problems
 

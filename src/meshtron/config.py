@@ -249,8 +249,19 @@ class TrainingConfig:
 
 
 @dataclass
+class DataSource:
+    """One source of a data mixture (`[[data.sources]]`): a prepared dataset and its share (normalised)."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     path: str = "default"  # a `meshtron prepare-data` output dir, or "default" (Python stdlib source)
+    # A mixture instead of one path: prepared datasets sharing one tokenizer, each drawn by its weight
+    # (data/mixture.py). Empty: data.path alone.
+    sources: list[DataSource] = field(default_factory=list)
     tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
     tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
     # Validation data (data/validation.py): the last val_fraction of the tokens held out from training,
@@ -317,6 +328,8 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where} must be a list of {_type_name(item_tp)}, got {value!r}")
             return None
         return [_coerce(v, item_tp, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _coerce_table(value, tp, where, problems)
     accepts = {
         bool: (lambda v: isinstance(v, bool), "true or false"),
         int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
@@ -330,6 +343,18 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         return float(value) if tp is float else value
     problems.append(f"{where} must be {what}, got {value!r}")
     return None
+
+
+def _coerce_table(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """A TOML table (e.g. one `[[data.sources]]` entry) as the dataclass `tp`, each key coerced."""
+    types_of = typing.get_type_hints(tp)
+    if not isinstance(value, Mapping):
+        problems.append(f"{where} must be a table with keys {', '.join(types_of)}")
+        return None
+    unknown = [f"unknown key {where}.{k}{suggest(k, list(types_of))}" for k in value if k not in types_of]
+    problems += unknown
+    kwargs = {k: _coerce(v, types_of[k], f"{where}.{k}", problems) for k, v in value.items() if k in types_of}
+    return tp(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:

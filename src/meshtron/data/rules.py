@@ -48,3 +48,26 @@ def validation_problems(cfg: Config) -> list[str]:
             "or data.val_path, or training.eval_every=0"
         )
     return problems
+
+
+def mixture_problems(cfg: Config) -> list[str]:
+    """How `[[data.sources]]` fits with the other data options (its tokenizers are checked on opening)."""
+    d = cfg.data
+    if not d.sources:
+        return []
+    problems = []
+    if d.path != "default":
+        problems.append(f"data.path={d.path!r} and data.sources both name the training data; set only one")
+    if d.val_path:
+        problems.append("data.val_path with data.sources: hold out each source's tail with data.val_fraction")
+    for i, source in enumerate(d.sources):
+        if not source.path:
+            problems.append(f"data.sources[{i}] has no path; give each source a prepared dataset directory")
+        if not source.weight > 0:
+            problems.append(
+                f"data.sources[{i}].weight={source.weight} must be positive (a share of the samples)"
+            )
+    paths = [s.path for s in d.sources]
+    if len(set(paths)) < len(paths):
+        problems.append("data.sources names a path twice; give each dataset once, with its whole weight")
+    return problems

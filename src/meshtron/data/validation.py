@@ -16,12 +16,12 @@ spread over the whole held-out part, the same at every evaluation, so the curve 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from meshtron.config import Config, TrainingConfig
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
+from meshtron.data.mixture import Mixture, MixtureSampler, held_out
 from meshtron.data.sampler import BatchSampler
 
 
@@ -58,13 +58,8 @@ def split_validation(cfg: Config, train: PreparedData) -> tuple[PreparedData, Pr
         if problem:
             raise DataError(problem)
     elif d.val_fraction > 0:
-        cut = train.n_tokens - int(round(d.val_fraction * train.n_tokens))
-        mask = train.loss_mask
-        val = dataclasses.replace(
-            train, tokens=train.tokens[cut:], loss_mask=None if mask is None else mask[cut:]
-        )
-        train = dataclasses.replace(
-            train, tokens=train.tokens[:cut], loss_mask=None if mask is None else mask[:cut]
+        train, val = (
+            train.split(d.val_fraction) if isinstance(train, Mixture) else held_out(train, d.val_fraction)
         )
     else:
         return train, None
@@ -89,6 +84,8 @@ def split_validation(cfg: Config, train: PreparedData) -> tuple[PreparedData, Pr
     return train, val
 
 
-def validation_sampler(t: TrainingConfig, val: PreparedData) -> BatchSampler:
+def validation_sampler(t: TrainingConfig, val: PreparedData | Mixture) -> BatchSampler | MixtureSampler:
     """The sampler whose first `eval_batches` steps are the evaluated batches."""
+    if isinstance(val, Mixture):
+        return MixtureSampler(val, t.seq_len, t.global_batch, t.seed)
     return BatchSampler(val.n_tokens, t.seq_len, t.global_batch, t.seed)

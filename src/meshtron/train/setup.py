@@ -39,6 +39,7 @@ from meshtron.comm_record import recorder
 from meshtron.config import Config, ConfigError, DType
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
+from meshtron.data.mixture import Mixture, MixtureSampler
 from meshtron.data.sampler import BatchSampler
 from meshtron.data.validation import split_validation
 from meshtron.hf.init_from import LoadReport, load_hf_weights
@@ -79,9 +80,9 @@ class Job:
     dims: ParallelDims
     owns_mesh: bool  # made its process groups (else it reuses a caller's mesh, which keeps them)
     environment: dict[str, Any] | None  # what records.py wrote (rank 0)
-    dataset: PreparedData  # the training tokens
-    val_data: PreparedData | None  # the validation tokens, if any
-    sampler: BatchSampler
+    dataset: PreparedData | Mixture  # the training tokens (one dataset, or a mixture: data.sources)
+    val_data: PreparedData | Mixture | None  # the validation tokens, if any
+    sampler: BatchSampler | MixtureSampler
     model: Transformer  # this rank's part of the model
     n_params: int  # the whole model's
     parallel: ParallelModel
@@ -146,9 +147,11 @@ def say(rank: int, text: str) -> None:
         print(f"meshtron: {text}", flush=True)
 
 
-def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
+def open_dataset(cfg: Config, place: RankPlace) -> PreparedData | Mixture:
     """The training data; rank 0 prepares the default corpus on first use while the others wait."""
-    if cfg.data.path != "default":
+    if cfg.data.sources:
+        dataset = _open_mixture(cfg)
+    elif cfg.data.path != "default":
         dataset = PreparedData.open(cfg.data.path)
     else:
         if place.rank == 0:
@@ -162,7 +165,12 @@ def open_dataset(cfg: Config, place: RankPlace) -> PreparedData:
     return dataset
 
 
-def _check_vocab(cfg: Config, dataset: PreparedData) -> None:
+def _open_mixture(cfg: Config) -> Mixture:
+    sources = cfg.data.sources
+    return Mixture.open([x.path for x in sources], [x.weight for x in sources])
+
+
+def _check_vocab(cfg: Config, dataset: PreparedData | Mixture) -> None:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
@@ -174,8 +182,8 @@ def check_data(cfg: Config) -> None:
     """What step 6 would refuse about a prepared dataset (its path, metadata, vocabulary against the
     model's, the validation split), found before any rank starts; raises DataError. The default corpus
     is prepared by the ranks on first use and is checked there."""
-    if cfg.data.path != "default":
-        dataset = PreparedData.open(cfg.data.path)  # memory-mapped: nothing read but the metadata
+    if cfg.data.sources or cfg.data.path != "default":  # memory-mapped: nothing read but the metadata
+        dataset = _open_mixture(cfg) if cfg.data.sources else PreparedData.open(cfg.data.path)
         _check_vocab(cfg, dataset)
         split_validation(cfg, dataset)
 
@@ -221,7 +229,10 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     torch.manual_seed(t.seed)
     # With data.val_fraction, training samples only the tokens before the held-out tail.
     dataset, val_data = split_validation(cfg, open_dataset(cfg, place))
-    sampler = BatchSampler(dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+    if isinstance(dataset, Mixture):
+        sampler: BatchSampler | MixtureSampler = MixtureSampler(dataset, t.seq_len, t.global_batch, t.seed)
+    else:
+        sampler = BatchSampler(dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
     m = cfg.model
     model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {place.device.type}"
     say(rank, f"building the model ({model_says}) and parallelizing it: {dims.summary()}")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import Config
+from meshtron.data.mixture import MixtureSampler
 from meshtron.data.rules import micro_batches_per_step
 from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
@@ -44,6 +45,7 @@ class Trainer:
         place, t = job.place, cfg.training
         self.dp, self.dp_cp = place.mesh.group("dp"), place.mesh.group(place.mesh.with_cp("dp"))
         self.skips = SkipGuard(t.max_skipped_steps)
+        self.tokens_by_source: dict[str, int] = {}  # a mixture's: each source's tokens in the last step
         self.expert_loads = ExpertLoads(
             job.model, place.comm, self.dp_cp, place.mesh.group("pp"), cfg.model.is_moe
         )
@@ -68,6 +70,11 @@ class Trainer:
         rank's share of the mean cross-entropy."""
         job, t = self.job, self.cfg.training
         job.loss.counted_tokens = job.sampler.counted_targets(job.dataset, job.sampler.step)
+        if isinstance(job.sampler, MixtureSampler):  # what each source gave this step (metrics row)
+            samples = job.sampler.samples_by_source(job.sampler.step)
+            self.tokens_by_source = dict(
+                zip(job.dataset.names, (n * t.seq_len for n in samples), strict=True)
+            )
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         prepare = self.engine.prepare_micro_batch
         loss_sum = self.parallel.run_micro_batches(batches, job.loss, job.place.device, before_grads=prepare)
@@ -126,6 +133,7 @@ class Trainer:
             "comm_calls_by_group": stats.calls_by_group(),  # collectives issued (each send and receive one)
             **extra,
             **skipped,
+            **({"tokens_by_source": self.tokens_by_source} if self.tokens_by_source else {}),
         }
 
     def close(self) -> None:

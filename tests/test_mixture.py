@@ -1,0 +1,100 @@
+"""Data mixtures (issue 32.3): several prepared sources drawn by weight in one deterministic interleave that
+holds every source within one sample of its share at every step, never depends on the layout, resumes
+on another layout, and reports each source's tokens per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshtron.checks import check, load_config
+from meshtron.config import ConfigError
+from meshtron.data import DataError
+from meshtron.data.dataset import prepare_data
+from meshtron.data.mixture import Mixture, MixtureSampler
+from meshtron.testing.parity import assert_losses_match, train_rows, val_losses
+from meshtron.testing.tiny import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = (0.5, 0.3, 0.2)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> list[Path]:
+    """Three byte-tokenized datasets of different text (the package's data, parallel and plan code)."""
+    tmp = tmp_path_factory.mktemp("mixture")
+    out = []
+    for name in ("data", "parallel", "plan"):
+        out.append(tmp / name)
+        prepare_data([ROOT / "src" / "meshtron" / name], out[-1], tokenizer="byte")
+    return out
+
+
+def mixture_overrides(paths: list[Path], weights=WEIGHTS) -> list[str]:
+    tables = ", ".join(f'{{path = "{p}", weight = {w}}}' for p, w in zip(paths, weights, strict=True))
+    return [f"--data.sources=[{tables}]"]
+
+
+def test_every_source_keeps_its_share_at_every_step(sources):
+    mixture = Mixture.open([str(p) for p in sources], [5, 3, 2])  # normalised to 0.5, 0.3, 0.2
+    sampler = MixtureSampler(mixture, seq_len=32, global_batch=10, seed=0)
+    taken = np.zeros(3)
+    seen: list[set] = [set(), set(), set()]
+    for step in range(60):
+        chosen, windows = sampler.samples(step)
+        taken += np.bincount(chosen, minlength=3)
+        assert np.all(np.abs(taken - np.array(WEIGHTS) * 10 * (step + 1)) < 1), (step, taken)
+        for j, w in zip(chosen, windows, strict=True):
+            if len(seen[j]) < sampler.n_windows[j]:  # within a source's first epoch: no window twice
+                assert w not in seen[j]
+                seen[j].add(int(w))
+    again = MixtureSampler(mixture, seq_len=32, global_batch=10, seed=0)
+    assert [again.samples(s)[1].tolist() for s in (7, 3)] == [sampler.samples(s)[1].tolist() for s in (7, 3)]
+
+
+def test_a_mixture_trains_the_same_in_every_layout_and_resumes_on_another(workers, sources, tmp_path):
+    base = [*TINY, *mixture_overrides(sources), "--training.steps=4", "--run.sample_tokens=0"]
+    one = workers(1).run(train_rows, [*base, "--training.micro_batch=8"])[0]
+    assert [sum(r["tokens_by_source"].values()) for r in one] == [8 * 32] * 4
+    assert {k for r in one for k in r["tokens_by_source"]} == {"data", "parallel", "plan"}
+    for world, layout in [
+        (2, ["--parallel.dp_shard=2", "--training.micro_batch=2"]),
+        (2, ["--parallel.pp=2", "--training.micro_batch=2"]),
+    ]:
+        assert_losses_match(workers(world).run(train_rows, [*base, *layout])[0], one)
+    # Two steps on one device with a checkpoint, then resumed under dp 2 x pp 2 to step 4.
+    ck = [f"--checkpoint.dir={tmp_path / 'ck'}", "--checkpoint.every=2"]
+    workers(1).run(train_rows, [*base, *ck, "--training.steps=2", "--training.micro_batch=8"])
+    resumed = [*base, *ck, "--checkpoint.resume=true", "--parallel.dp_shard=2", "--parallel.pp=2"]
+    rows = workers(4).run(train_rows, [*resumed, "--training.micro_batch=1"])[0]
+    assert [r["step"] for r in rows] == [3, 4]
+    assert_losses_match(rows, one[2:])
+
+
+def test_validation_holds_out_each_sources_tail(workers, sources):
+    val = [*TINY, *mixture_overrides(sources), "--data.val_fraction=0.2", "--training.eval_batches=2"]
+    one = workers(1).run(val_losses, [*val, "--training.micro_batch=8"])[0]
+    two = workers(2).run(val_losses, [*val, "--parallel.dp_shard=2", "--training.micro_batch=4"])[0]
+    for (train_loss, val_loss), (want_train, want_val) in zip(two, one, strict=True):
+        assert (
+            abs(val_loss - want_val) <= 1e-5 * want_val and abs(train_loss - want_train) <= 1e-5 * want_train
+        )
+
+
+def test_mixture_input_errors_say_what_to_fix(sources, tmp_path):
+    def problems(overrides: list[str]) -> str:
+        with pytest.raises(ConfigError) as err:
+            check(load_config(None, [*TINY, *overrides]), 1)
+        return str(err.value)
+
+    assert "must be positive" in problems(mixture_overrides(sources, (1, 0, 1)))
+    assert "set only one" in problems([*mixture_overrides(sources), f"--data.path={sources[0]}"])
+    assert "names a path twice" in problems(mixture_overrides([sources[0], sources[0], sources[1]]))
+    other = tmp_path / "other"
+    prepare_data([ROOT / "src" / "meshtron" / "data"], other, tokenizer="bpe", vocab_size=300)
+    with pytest.raises(DataError, match="another tokenizer"):
+        Mixture.open([str(sources[0]), str(other)], [1, 1])
+    assert json.loads((other / "meta.json").read_text())["tokenizer"] == "tokenizer.json"
