@@ -15,7 +15,7 @@ from meshtron.config import ConfigError
 from meshtron.data import DataError
 from meshtron.data.dataset import prepare_data
 from meshtron.data.mixture import Mixture, MixtureSampler
-from meshtron.testing.parity import assert_losses_match, train_rows, val_losses
+from meshtron.testing.parity import assert_losses_match, train_rows, trainer_for
 from meshtron.testing.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +60,18 @@ def test_a_mixture_trains_the_same_in_every_layout_and_resumes_on_another(worker
     one = workers(1).run(train_rows, [*base, "--training.micro_batch=8"])[0]
     assert [sum(r["tokens_by_source"].values()) for r in one] == [8 * 32] * 4
     assert {k for r in one for k in r["tokens_by_source"]} == {"data", "parallel", "plan"}
+    for row in one:  # the loss per source: each source's mean; weighted by its tokens, the step's loss
+        tokens, losses = row["tokens_by_source"], row["loss_by_source"]
+        assert abs(sum(losses[n] * tokens[n] for n in losses) / (8 * 32) - row["loss"]) <= 1e-5 * row["loss"]
     for world, layout in [
         (2, ["--parallel.dp_shard=2", "--training.micro_batch=2"]),
         (2, ["--parallel.pp=2", "--training.micro_batch=2"]),
     ]:
-        assert_losses_match(workers(world).run(train_rows, [*base, *layout])[0], one)
+        rows = workers(world).run(train_rows, [*base, *layout])[0]
+        assert_losses_match(rows, one)
+        for row, want in zip(rows, one, strict=True):
+            for name, loss in want["loss_by_source"].items():
+                assert abs(row["loss_by_source"][name] - loss) <= 1e-5 * loss, (name, row, want)
     # Two steps on one device with a checkpoint, then resumed under dp 2 x pp 2 to step 4.
     ck = [f"--checkpoint.dir={tmp_path / 'ck'}", "--checkpoint.every=2"]
     workers(1).run(train_rows, [*base, *ck, "--training.steps=2", "--training.micro_batch=8"])
@@ -74,14 +81,23 @@ def test_a_mixture_trains_the_same_in_every_layout_and_resumes_on_another(worker
     assert_losses_match(rows, one[2:])
 
 
-def test_validation_holds_out_each_sources_tail(workers, sources):
+def validation_rows(overrides: list[str]) -> list[dict]:
+    trainer = trainer_for(overrides)
+    return [trainer.step(0), trainer.evaluator.evaluate(1)]
+
+
+def test_validation_holds_out_each_sources_tail_and_reports_each(workers, sources):
     val = [*TINY, *mixture_overrides(sources), "--data.val_fraction=0.2", "--training.eval_batches=2"]
-    one = workers(1).run(val_losses, [*val, "--training.micro_batch=8"])[0]
-    two = workers(2).run(val_losses, [*val, "--parallel.dp_shard=2", "--training.micro_batch=4"])[0]
-    for (train_loss, val_loss), (want_train, want_val) in zip(two, one, strict=True):
-        assert (
-            abs(val_loss - want_val) <= 1e-5 * want_val and abs(train_loss - want_train) <= 1e-5 * want_train
-        )
+    one = workers(1).run(validation_rows, [*val, "--training.micro_batch=8"])[0]
+    layout = ["--parallel.dp_shard=2", "--parallel.pp=2", "--training.micro_batch=2"]
+    four = workers(4).run(validation_rows, [*val, *layout])[0]
+    assert set(one[1]["val_loss_by_source"]) == {"data", "parallel", "plan"}
+    for got, want in zip(four, one, strict=True):
+        for key in ("loss", "val_loss"):
+            if key in want:
+                assert abs(got[key] - want[key]) <= 1e-5 * want[key]
+    for name, loss in one[1]["val_loss_by_source"].items():
+        assert abs(four[1]["val_loss_by_source"][name] - loss) <= 1e-5 * loss
 
 
 def test_mixture_input_errors_say_what_to_fix(sources, tmp_path):

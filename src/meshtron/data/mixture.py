@@ -222,3 +222,21 @@ class MixtureSampler:
         taken = state["taken"]
         self.step = int(state["step"])
         self._before = (self.step, np.asarray(taken.tolist() if isinstance(taken, torch.Tensor) else taken))
+
+    def counted_by_source(self, mixture: Mixture, step: int) -> np.ndarray:
+        """Targets of the global batch at `step` that count, per source."""
+        chosen, windows = self.samples(step)
+        counts = self._windows_tokens(mixture, chosen, windows)[1][:, 1:].sum(axis=1)
+        return np.bincount(chosen, weights=counts, minlength=len(self.weights))
+
+    def source_sums(
+        self, sequence_sums: dict[int, torch.Tensor], step: int, dp_rank: int, dp_size: int, micro_batch: int
+    ) -> torch.Tensor:
+        """This rank's cross-entropy sums per source [K] (fp64) from its micro-batches' per-sequence sums
+        (MicroBatchLoss.sequence_sums) at `step`."""
+        per = self.global_batch // dp_size
+        chosen = torch.from_numpy(self.samples(step)[0][dp_rank * per : (dp_rank + 1) * per])
+        out = torch.zeros(len(self.weights), dtype=torch.float64)
+        for mb, sums in sequence_sums.items():
+            out.index_add_(0, chosen[mb * micro_batch : (mb + 1) * micro_batch], sums.double().cpu())
+        return out

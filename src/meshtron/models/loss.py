@@ -39,15 +39,21 @@ class MicroBatchLoss:
     autocast: Callable[[], contextlib.AbstractContextManager]
     # Targets of the step's global batch that count (loss masks); None: all global_tokens of them.
     counted_tokens: int | None = None
+    # When a dict: each micro-batch's per-sequence cross-entropy sums [B] are kept under its index (a
+    # mixture's loss per source is formed from them after the step).
+    sequence_sums: dict[int, torch.Tensor] | None = None
 
     def aux_share(self, aux: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The aux loss weighted by this micro-batch's share of the step's tokens."""
         return aux.float() * (targets.numel() / self.global_tokens)
 
     def of(
-        self, logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor
+        self, logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor, mb: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss to back-propagate, its cross-entropy part)."""
+        """(the loss to back-propagate, its cross-entropy part) of micro-batch `mb`."""
         counted = self.global_tokens if self.counted_tokens is None else max(1, self.counted_tokens)
-        ce = self.token_loss(logits, targets).sum() / counted
+        per_token = self.token_loss(logits, targets)
+        if self.sequence_sums is not None:
+            self.sequence_sums[mb] = per_token.detach().view(targets.shape[0], -1).sum(1)
+        ce = per_token.sum() / counted
         return ce + self.aux_share(aux, targets), ce

@@ -97,7 +97,7 @@ class ParallelModel:
                 before_grads(index == len(micro_batches) - 1)
             with loss.autocast():
                 logits, aux = self.model(inputs, positions, return_aux=True)
-            total, ce = loss.of(logits, aux, targets)
+            total, ce = loss.of(logits, aux, targets, index)
             del logits  # backward needs the loss's log-probabilities, not these: tokens x vocab freed now
             if backward:
                 total.backward()

@@ -235,7 +235,7 @@ class _Step:
             self.deferred[key] = defer
         one = torch.ones((), device=self.device)
         if a.chunk == last:
-            loss, ce = self.loss.of(out, aux, targets)
+            loss, ce = self.loss.of(out, aux, targets, a.mb)
             self.ce_sum += ce.detach()
             roots, grads = [loss], [one]
         else:
@@ -414,7 +414,7 @@ class PipelineRuntime:
             positions_BS = torch.arange(seq, device=device).expand(batch, -1)
         shape, last = (batch, seq // self.seq_shards, self.model.cfg.dim), self.n_chunks - 1
         ce_sum, sends, rank_of = torch.zeros((), device=device), [], self._rank_of
-        for tokens, targets in micro_batches:
+        for mb, (tokens, targets) in enumerate(micro_batches):
             out = None
             for c, chunk in sorted(self.chunks.items()):
                 if c == 0:
@@ -427,7 +427,7 @@ class PipelineRuntime:
                 with loss.autocast():
                     out, aux = chunk(x, positions_BS)
                 if c == last:
-                    ce_sum += loss.of(out, aux, targets)[1]
+                    ce_sum += loss.of(out, aux, targets, mb)[1]
                 elif rank_of(c + 1) != self.pp.rank:
                     buffer = out.float().contiguous()
                     sends.append((self.comm.isend(buffer, self.pp, rank_of(c + 1)), buffer))

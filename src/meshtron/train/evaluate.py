@@ -12,13 +12,14 @@ signals, not a measure of the model), and expert loads are not counted (they des
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshtron.comm import CommGroup
 from meshtron.config import TrainingConfig
 from meshtron.data.dataset import PreparedData
+from meshtron.data.mixture import MixtureSampler
 from meshtron.data.validation import validation_sampler
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.models.moe import loads_not_counted
@@ -57,21 +58,39 @@ class Evaluator:
         return t.eval_every > 0 and (step % t.eval_every == 0 or step == t.steps)
 
     @torch.no_grad()
-    def loss_sum(self) -> torch.Tensor:
-        """This rank's part of the mean validation cross-entropy (the sum over the layout is the mean)."""
+    def loss_sum(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of the mean validation cross-entropy (the sum over the layout is the mean),
+        and for a mixture its cross-entropy sums per source."""
         t, device = self.training, self.place.device
         total = torch.zeros((), device=device)
+        mixture = isinstance(self.sampler, MixtureSampler)
+        by_source = torch.zeros(len(self.val.sources), dtype=torch.float64) if mixture else None
         for index in range(t.eval_batches):
             batches = self.sampler.micro_batches(self.val, index, self.dp.rank, self.dp.size, t.micro_batch)
+            self.loss.sequence_sums = {} if mixture else None
             total += self.parallel.run_micro_batches(batches, self.loss, device, backward=False)
-        return total
+            if by_source is not None:
+                sums = self.loss.sequence_sums
+                by_source += self.sampler.source_sums(sums, index, self.dp.rank, self.dp.size, t.micro_batch)
+        return total, by_source
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, Any]:
         """Collective over the job: the metrics row of the validation loss after optimizer step `step`."""
         with loads_not_counted():
-            total = self.loss_sum()
+            total, by_source = self.loss_sum()
         comm = self.place.comm
-        comm.all_reduce_(total, self.place.mesh.group("pp"))
-        comm.all_reduce_(total, self.dp_cp)
+        row: dict[str, Any] = {"step": step}
+        for part in (total, by_source) if by_source is not None else (total,):
+            comm.all_reduce_(part, self.place.mesh.group("pp"))
+            comm.all_reduce_(part, self.dp_cp)
+        if by_source is not None:  # each source's mean over its own counted targets
+            counted = sum(
+                self.sampler.counted_by_source(self.val, i) for i in range(self.training.eval_batches)
+            )
+            row["val_loss_by_source"] = {
+                n: float(s / c)
+                for n, s, c in zip(self.val.names, by_source.tolist(), counted, strict=True)
+                if c
+            }
         loss = float(total)
-        return {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return {**row, "val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

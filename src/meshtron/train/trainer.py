@@ -45,7 +45,6 @@ class Trainer:
         place, t = job.place, cfg.training
         self.dp, self.dp_cp = place.mesh.group("dp"), place.mesh.group(place.mesh.with_cp("dp"))
         self.skips = SkipGuard(t.max_skipped_steps)
-        self.tokens_by_source: dict[str, int] = {}  # a mixture's: each source's tokens in the last step
         self.expert_loads = ExpertLoads(
             job.model, place.comm, self.dp_cp, place.mesh.group("pp"), cfg.model.is_moe
         )
@@ -70,11 +69,8 @@ class Trainer:
         rank's share of the mean cross-entropy."""
         job, t = self.job, self.cfg.training
         job.loss.counted_tokens = job.sampler.counted_targets(job.dataset, job.sampler.step)
-        if isinstance(job.sampler, MixtureSampler):  # what each source gave this step (metrics row)
-            samples = job.sampler.samples_by_source(job.sampler.step)
-            self.tokens_by_source = dict(
-                zip(job.dataset.names, (n * t.seq_len for n in samples), strict=True)
-            )
+        if isinstance(job.sampler, MixtureSampler):  # per-sequence losses kept for the loss per source
+            job.loss.sequence_sums = {}
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         prepare = self.engine.prepare_micro_batch
         loss_sum = self.parallel.run_micro_batches(batches, job.loss, job.place.device, before_grads=prepare)
@@ -93,6 +89,7 @@ class Trainer:
         with comm.recording() as recorded:
             loss_sum = self.compute_gradients()
             comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
+            by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
             tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere()
             grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             finite = bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))  # the same on every rank
@@ -133,7 +130,23 @@ class Trainer:
             "comm_calls_by_group": stats.calls_by_group(),  # collectives issued (each send and receive one)
             **extra,
             **skipped,
-            **({"tokens_by_source": self.tokens_by_source} if self.tokens_by_source else {}),
+            **by_source,
+        }
+
+    def _by_source(self, step: int) -> dict[str, Any]:
+        """A mixture's tokens and mean cross-entropy per source at `step` (collective over the job)."""
+        job, t, comm = self.job, self.cfg.training, self.comm
+        sampler, names = job.sampler, job.dataset.names
+        sums = sampler.source_sums(job.loss.sequence_sums, step, self.dp.rank, self.dp.size, t.micro_batch)
+        comm.all_reduce_(sums, job.place.mesh.group("pp"))  # (the last stage's only)
+        comm.all_reduce_(sums, self.dp_cp)
+        counted = sampler.counted_by_source(job.dataset, step)
+        samples = sampler.samples_by_source(step)
+        return {
+            "tokens_by_source": {n: k * t.seq_len for n, k in zip(names, samples, strict=True)},
+            "loss_by_source": {
+                n: float(s / c) for n, s, c in zip(names, sums.tolist(), counted, strict=True) if c
+            },
         }
 
     def close(self) -> None:
