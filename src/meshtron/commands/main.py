@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="'byte', 'bpe' (trained on the inputs) or a path to a tokenizer.json",
     )
     prep.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a BPE")
+    prep.add_argument("--split", default="train", help="the split of a Hugging Face dataset input")
+    prep.add_argument("--text-field", default="text", help="the column of a Hugging Face dataset input")
+    prep.add_argument("--workers", type=int, default=1, help="tokenize in this many processes")
     prep.add_argument(
         "--chat",
         action="store_true",

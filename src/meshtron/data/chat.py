@@ -138,8 +138,8 @@ def _messages(line: str, where: str) -> list[dict[str, Any]]:
 
 def chat_documents(
     files: list[Path], template: ChatTemplate, dtype: np.dtype
-) -> Iterator[tuple[int, Path, np.ndarray, np.ndarray]]:
-    """(files done, file, token ids, loss mask) per conversation, for the dataset writer."""
+) -> Iterator[tuple[int, str, np.ndarray, np.ndarray]]:
+    """(files done, file's absolute name, token ids, loss mask) per conversation, for the dataset writer."""
     for done, path, messages in conversations(files):
         ids, mask = template.encode(messages)
-        yield done, path, np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)
+        yield done, str(path.resolve()), np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)

@@ -26,7 +26,9 @@ import numpy as np
 from meshtron.cache import cache_dir as meshtron_cache_dir
 from meshtron.data import DataError
 from meshtron.data.chat import ChatTemplate, chat_documents
-from meshtron.data.corpus import collect_files, iter_documents, stdlib_files
+from meshtron.data.corpus import collect_files, stdlib_files
+from meshtron.data.encode import Document, encoded, text_documents
+from meshtron.data.hf_datasets import is_dataset_input
 from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
 
@@ -176,16 +178,6 @@ def _dataset_tokenizer(
     return HFTokenizer(tok_path, eos_token=src.eos_token), TOKENIZER_FILE
 
 
-Document = tuple[int, Path, np.ndarray, "np.ndarray | None"]  # (files done, file, ids, loss mask or None)
-
-
-def _text_documents(files: list[Path], tok: Tokenizer, dtype: np.dtype) -> Iterator[Document]:
-    """Every document of `files` tokenized (every token counts: no mask)."""
-    for done, file in enumerate(files):
-        for path, text in iter_documents([file]):
-            yield done, path, np.asarray(tok.encode(text), dtype=dtype), None
-
-
 def _flush(files: list[Any], parts: list[list[np.ndarray]]) -> int:
     for f, arrays in zip(files, parts, strict=False):  # (no mask file: the masks are not kept)
         f.write(np.concatenate(arrays).tobytes())
@@ -207,17 +199,15 @@ def _write_tokens(
     try:
         with contextlib.ExitStack() as stack:
             files = [stack.enter_context(open(t, "wb")) for t in tmp]
-            for files_done, path, ids, mask in documents:
+            for files_done, source, ids, mask in documents:
                 progress.update(files_done, n_tokens + buffered)
                 parts[0] += [ids, np.asarray([eos_id], dtype=dtype)]
                 if masked:
                     parts[1] += [mask, np.zeros(1, np.uint8)]
                 buffered += ids.size + 1
                 n_docs += 1
-                # Absolute, so meta.json still says where the data came from when read from elsewhere.
-                src_name = str(path.resolve())
-                if not sources or sources[-1] != src_name:
-                    sources.append(src_name)
+                if not sources or sources[-1] != source:
+                    sources.append(source)
                 if buffered >= _FLUSH_TOKENS:
                     n_tokens += _flush(files, parts)
                     parts, buffered = [[], []], 0
@@ -246,12 +236,18 @@ def prepare_data(
     bpe_train_bytes: int | None = DEFAULT_BPE_TRAIN_BYTES,
     progress: bool | None = None,
     chat: bool = False,
+    split: str = "train",
+    text_field: str = "text",
+    workers: int = 1,
 ) -> PreparedData:
     """Tokenize text/.jsonl/.parquet files and directories into ``out_dir``; returns the opened dataset.
 
     ``tokenizer`` is ``"byte"``, ``"bpe"`` (train a byte-level BPE of ``vocab_size`` on the corpus) or a
     path to a tokenizer.json (copied into ``out_dir``). ``vocab_size`` only matters for ``"bpe"``.
     ``progress``: show files, tokens and tokens/s on stderr as it goes (None: when stderr is a terminal).
+    Inputs may also be Hugging Face datasets (data/hf_datasets.py: ``hf:NAME``, a ``save_to_disk``
+    directory, ``.arrow`` or ``.json`` files), read as ``split`` and ``text_field``. ``workers`` > 1
+    tokenizes in that many processes (data/encode.py; the same tokens in the same order).
     ``chat``: the inputs are .jsonl conversations, rendered with the tokenizer's chat template, and only
     the assistant turns count in the loss (data/chat.py: a loss_mask.bin beside the tokens).
     """
@@ -261,9 +257,13 @@ def prepare_data(
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = collect_files(inputs, exclude=[out_dir])
-    if not files:
+    datasets = [str(i) for i in inputs if is_dataset_input(i)]
+    files = collect_files([i for i in inputs if not is_dataset_input(i)], exclude=[out_dir])
+    if not files and not datasets:
         raise DataError(f"no input files found in {[str(i) for i in inputs]}")
+    if datasets and (chat or tokenizer == "bpe"):
+        raise DataError("Hugging Face datasets are read as text with a given tokenizer: pass --tokenizer byte "
+                        "or a tokenizer.json (a BPE is trained on files; --chat reads .jsonl files)")  # fmt: skip
     meta_path = out_dir / META_FILE
     # Drop the completion marker first: a crash from here on must leave a dataset that refuses to open,
     # not an old meta.json describing new tokens.
@@ -276,8 +276,9 @@ def prepare_data(
     if chat:
         documents = chat_documents(files, ChatTemplate(tokenizer), dtype)
     else:
-        documents = _text_documents(files, tok, dtype)
-    counts = _write_tokens(documents, len(files), tok.eos_id, dtype, out_dir, chat, shown)
+        texts = text_documents(files, datasets, split, text_field)
+        documents = encoded(texts, tok, str(tok.path) if tok_spec != "byte" else "byte", dtype, workers)
+    counts = _write_tokens(documents, len(files) + len(datasets), tok.eos_id, dtype, out_dir, chat, shown)
     if counts["n_tokens"] == 0:
         raise DataError(f"inputs {[str(i) for i in inputs]} contain no text")
     meta = {
