@@ -177,3 +177,14 @@ def test_validation_loss_counts_the_same_targets_in_every_layout(workers, chat_d
         assert (
             abs(val_loss - want_val) <= 1e-5 * want_val and abs(train_loss - want_train) <= 1e-5 * want_train
         )
+
+
+def test_validation_data_must_be_masked_like_the_training_data(chat_data, tmp_path):
+    from meshtron.checks import load_config
+    from meshtron.data.validation import split_validation
+
+    (tmp_path / "plain.txt").write_text("What is a mesh? " * 200)
+    prepare_data([tmp_path / "plain.txt"], tmp_path / "plain", tokenizer=str(chat_data[1]))
+    cfg = load_config(None, [*TINY, f"--data.val_path={tmp_path / 'plain'}"])
+    with pytest.raises(DataError, match="has no loss mask.*both with --chat"):
+        split_validation(cfg, PreparedData.open(chat_data[0]))

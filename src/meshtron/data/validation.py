@@ -26,6 +26,12 @@ from meshtron.data.sampler import BatchSampler
 
 
 def _same_tokenizer_problem(train: PreparedData, val: PreparedData) -> str | None:
+    if (train.loss_mask is None) != (val.loss_mask is None):  # the two losses would count other targets
+        which = "has a loss mask (chat data)" if val.loss_mask is not None else "has no loss mask"
+        return (
+            f"data.val_path={str(val.path)!r} {which} and the training data ({train.path}) does not; prepare "
+            "both the same way (both with --chat, or neither)"
+        )
     if (val.vocab_size, val.eos_id, val.tokenizer_spec) == (
         train.vocab_size,
         train.eos_id,
