@@ -24,7 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshtron.config import Config, field_problems, read_config, refuse
-from meshtron.data.rules import batch_problems, mixture_problems, validation_problems
+from meshtron.data.rules import (
+    batch_problems,
+    document_mask_unsupported,
+    mixture_problems,
+    validation_problems,
+)
 from meshtron.hf.resolve import resolve_model_keys
 from meshtron.layout import layout_problems
 from meshtron.models.rules import model_problems, moe_problems
@@ -69,6 +74,7 @@ def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
         expert_parallel_unsupported(cfg)
         + data_parallel_unsupported(cfg, world_size)
         + checkpoint_unsupported(cfg, world_size)
+        + document_mask_unsupported(cfg)
     )
 
 

@@ -259,13 +259,12 @@ class DataSource:
 @dataclass
 class DataConfig:
     path: str = "default"  # a `meshtron prepare-data` output dir, or "default" (Python stdlib source)
-    # A mixture instead of one path: prepared datasets sharing one tokenizer, each drawn by its weight
-    # (data/mixture.py). Empty: data.path alone.
-    sources: list[DataSource] = field(default_factory=list)
+    sources: list[DataSource] = field(default_factory=list)  # a mixture instead of path (data/mixture.py)
+    document_mask: bool = False  # attention within each document of a packed window (models/documents.py)
+    reset_positions: bool = True  # with document_mask: RoPE positions restart at 0 at every document
     tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
     tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
-    # Validation data (data/validation.py): the last val_fraction of the tokens held out from training,
-    # or a separately prepared dir; neither (the default) leaves the training data as it is.
+    # Validation data (data/validation.py): the tokens' last val_fraction held out, or a prepared dir.
     val_fraction: float = _ranged(0.0, lambda v: 0.0 <= v < 1.0, "must be in [0, 1): the share held out")
     val_path: str = ""
 

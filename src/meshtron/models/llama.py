@@ -107,7 +107,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        docs_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
@@ -116,7 +121,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         qkv = (t.transpose(1, 2) for t in (q, k, v))
-        out_BHSDh = self.core(*qkv, cos, sin) if cache is None else self.cached_core(*qkv, cos, sin, cache)
+        if cache is not None:
+            out_BHSDh = self.cached_core(*qkv, cos, sin, cache)
+        else:  # (documents: an argument, so that a recompute reruns the core with the same mask)
+            out_BHSDh = self.core(*qkv, cos, sin) if docs_BS is None else self.core(*qkv, cos, sin, docs_BS)
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, -1))
 
     def core(
@@ -126,9 +134,20 @@ class Attention(nn.Module):
         v_BKSDh: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        docs_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotary embedding and attention: the part selective recompute recomputes in backward."""
-        return self.attend(apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin), v_BKSDh)
+        q, k = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin)
+        return (
+            self.attend(q, k, v_BKSDh) if docs_BS is None else self.attend_documents(q, k, v_BKSDh, docs_BS)
+        )
+
+    def attend_documents(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs_BS: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention within each document of a packed window (models/documents.py)."""
+        mask = document_causal_mask(docs_BS, self.sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of rotated q [B, H, S, Dh] over k, v [B, K, S, Dh]. Context parallel replaces
@@ -166,6 +185,14 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=gqa)
 
 
+def document_causal_mask(docs_BS: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[B, 1, S, S]: position i sees j when j <= i, both in one document (and i - j < window, if set)."""
+    i = torch.arange(docs_BS.shape[1], device=docs_BS.device)
+    distance = i[:, None] - i[None, :]
+    allowed = (distance >= 0) & (distance < window) if window else distance >= 0
+    return (allowed & (docs_BS[:, :, None] == docs_BS[:, None, :]))[:, None]
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -180,9 +207,14 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(
-        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        docs_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, cache)
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, cache, docs_BS)
         if self.moe is None:
             return h + self.feed_forward(self.ffn_norm(h)), None
         moe_out, aux_loss = self.moe(self.ffn_norm(h))
@@ -207,9 +239,11 @@ class Transformer(nn.Module):
         positions_BS: torch.Tensor | None = None,
         return_aux: bool = False,
         cache: KVCache | None = None,
+        docs_BS: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, S, V]; with return_aux also the summed MoE auxiliary loss (0 for dense models).
-        With a cache, the tokens follow those it holds (positions offset by its length) and join it."""
+        With a cache, the tokens follow those it holds (positions offset by its length) and join it.
+        `docs_BS`: each token's document (models/documents.py): attention stays within documents."""
         if positions_BS is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device)
@@ -219,7 +253,10 @@ class Transformer(nn.Module):
         aux_loss = torch.zeros((), device=h.device)
         for name, block in self.layers.items():
             # Blocks are called as the pipeline runtime and recompute wrappers expect when not decoding.
-            h, block_aux = block(h, cos, sin) if cache is None else block(h, cos, sin, cache.layers[name])
+            if cache is not None:
+                h, block_aux = block(h, cos, sin, cache.layers[name])
+            else:
+                h, block_aux = block(h, cos, sin) if docs_BS is None else block(h, cos, sin, None, docs_BS)
             if block_aux is not None:
                 aux_loss = aux_loss + block_aux
         logits = output_logits(h, self.norm, self.output, self.tok_embeddings)

@@ -30,6 +30,7 @@ from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config
 from meshtron.layout import PP_ENDS
 from meshtron.mesh import ParallelMesh
+from meshtron.models.documents import DocumentMask
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.parallel.compile import compile_blocks
@@ -58,6 +59,13 @@ class ParallelModel:
     tied_ends: CommGroup | None = None
     # Under cp: the global positions [S/cp] of the tokens this rank holds of every sequence.
     positions: torch.Tensor | None = None
+    # data.document_mask: attention within documents (set by the training job, which knows the end token).
+    documents: DocumentMask | None = None
+
+    def mask_documents(self, documents: DocumentMask | None) -> None:
+        self.documents = documents
+        if self.pipeline is not None:
+            self.pipeline.documents = documents
 
     def positions_of(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Global positions [B, S/cp] of this rank's tokens under cp; None (0..S-1) without."""
@@ -95,8 +103,12 @@ class ParallelModel:
         for index, (inputs, targets) in enumerate(micro_batches):
             if backward:
                 before_grads(index == len(micro_batches) - 1)
+            rope, docs = positions, None
+            if self.documents is not None:
+                window = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
+                rope, docs = self.documents.layout(inputs, window if positions is None else positions)
             with loss.autocast():
-                logits, aux = self.model(inputs, positions, return_aux=True)
+                logits, aux = self.model(inputs, rope, return_aux=True, docs_BS=docs)
             total, ce = loss.of(logits, aux, targets, index)
             del logits  # backward needs the loss's log-probabilities, not these: tokens x vocab freed now
             if backward:

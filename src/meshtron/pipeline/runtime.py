@@ -44,6 +44,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.config import SPLIT_BACKWARD, PipelineSchedule
+from meshtron.models.documents import DocumentMask
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
@@ -85,13 +86,16 @@ class PipelineChunk(nn.Module):
         self.output = model.output if self.is_last else None
         self.rope_inv_freq = model.rope_inv_freq
 
-    def forward(self, x: torch.Tensor, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, S] or activations [B, S, D]) -> (activations, or logits when last; summed MoE aux)."""
+    def forward(
+        self, x: torch.Tensor, positions_BS: torch.Tensor, docs_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B, S] or activations [B, S, D]) -> (activations, or logits when last; summed MoE aux).
+        `docs_BS`: each token's document, when attention stays within documents."""
         h = self.tok_embeddings(x) if self.is_first else x
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype)
         aux = torch.zeros((), device=h.device)
         for block in self.blocks:
-            h, block_aux = block(h, cos, sin)
+            h, block_aux = block(h, cos, sin) if docs_BS is None else block(h, cos, sin, None, docs_BS)
             if block_aux is not None:
                 aux = aux + block_aux
         if self.is_last:
@@ -230,7 +234,7 @@ class _Step:
         x = tokens if a.chunk == 0 else self.inputs[key]
         defer = DeferWeightGrads() if self.split and a.chunk > 0 else contextlib.nullcontext()
         with defer, self.loss.autocast():
-            out, aux = self.rt.chunks[a.chunk](x, self.positions)
+            out, aux = self.rt.chunks[a.chunk](x, *self.rt.layout(tokens, self.positions))
         if self.split and a.chunk > 0:
             self.deferred[key] = defer
         one = torch.ones((), device=self.device)
@@ -317,6 +321,7 @@ class PipelineRuntime:
             raise ValueError(
                 "overlapping pipeline pairs needs the comm layer's pair lane (Comm.add_pair_lane)"
             )
+        self.documents: DocumentMask | None = None  # data.document_mask (set by the training job)
         self.n_chunks = pp.size * vpp
         self.chunks = {
             c: PipelineChunk(model, c, layer_split[c], self.n_chunks)
@@ -327,6 +332,15 @@ class PipelineRuntime:
         # Every communication wait of the last step: (op, group, lane, start, end), seconds likewise.
         self.comm_timeline: list[tuple[str, str, str, float, float]] = []
         self.step_seconds = 0.0
+
+    def layout(
+        self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(RoPE positions, document ids or None) of a micro-batch: every stage forms them from the
+        tokens, which every stage holds, so nothing more travels between stages."""
+        return (
+            (positions_BS, None) if self.documents is None else self.documents.layout(tokens_BS, positions_BS)
+        )
 
     def boundary_chunks(self) -> list[PipelineChunk]:
         """The chunks of this rank holding the embedding or the head (both, on rank 0 of a V)."""
@@ -425,7 +439,7 @@ class PipelineRuntime:
                     pending, x = self.comm.irecv(shape, torch.float32, device, self.pp, rank_of(c - 1))
                     pending.wait()
                 with loss.autocast():
-                    out, aux = chunk(x, positions_BS)
+                    out, aux = chunk(x, *self.layout(tokens, positions_BS))
                 if c == last:
                     ce_sum += loss.of(out, aux, targets, mb)[1]
                 elif rank_of(c + 1) != self.pp.rank:

@@ -45,6 +45,7 @@ from meshtron.data.validation import split_validation
 from meshtron.hf.init_from import LoadReport, load_hf_weights
 from meshtron.layout import ParallelDims
 from meshtron.mesh import ParallelMesh
+from meshtron.models.documents import DocumentMask
 from meshtron.models.llama import Transformer, build_meta_model
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.expert import expert_parameter_names
@@ -239,6 +240,8 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     model = build_meta_model(cfg.model, place.device)
     n_params = model.num_params()
     parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg), place.device)
+    if cfg.data.document_mask:  # the end-of-document token is the data's
+        parallel.mask_documents(DocumentMask(dataset.eos_id, cfg.data.reset_positions))
     optimizer = build_optimizer(
         parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
     )
