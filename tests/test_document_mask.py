@@ -15,7 +15,7 @@ from meshtron.data.dataset import prepare_data
 from meshtron.models.documents import DocumentMask, document_layout
 from meshtron.models.llama import build_model
 from meshtron.testing.parity import assert_losses_match, train_rows
-from meshtron.testing.tiny import TINY, perturb
+from meshtron.testing.tiny import MOE, TINY, perturb
 
 EOS = 256  # the byte tokenizer's end-of-document token
 
@@ -82,6 +82,7 @@ LAYOUTS = {
         2,
         ["--parallel.dp_shard=2", "--training.recompute=full", "--training.micro_batch=4"],
     ),
+    "compiled": (1, ["--training.compile=true"]),
 }
 
 
@@ -106,3 +107,20 @@ def test_context_parallel_with_documents_is_refused_with_the_fix():
     cfg = load_config(None, [*TINY, "--data.document_mask=true", "--parallel.cp=2"])
     with pytest.raises(ConfigError, match="data.document_mask with parallel.cp=2 is not supported yet"):
         check(cfg, 2)
+
+
+def test_experts_over_two_ranks_match_one_device_with_documents(workers, short_documents):
+    base = [
+        *TINY,
+        *MOE,
+        f"--data.path={short_documents}",
+        "--data.document_mask=true",
+        "--training.steps=3",
+        "--run.sample_tokens=0",
+        "--training.micro_batch=2",
+    ]  # fmt: skip  (the balance loss groups by micro-batch)
+    want = workers(1).run(train_rows, base)[0]
+    rows = workers(2).run(
+        train_rows, [*base, "--parallel.ep=2", "--parallel.dp_shard=2", "--training.micro_batch=2"]
+    )[0]
+    assert_losses_match(rows, want)
