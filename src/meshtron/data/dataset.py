@@ -8,6 +8,7 @@ end-of-document token), a ``meta.json`` describing it and, for learned tokenizer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -69,6 +70,18 @@ class PreparedData:
 
     def __len__(self) -> int:
         return self.n_tokens
+
+    def held_out(self, fraction: float) -> tuple[PreparedData, PreparedData]:
+        """(this data without its last `fraction` of tokens, that last part), loss masks cut alike."""
+        cut = self.n_tokens - int(round(fraction * self.n_tokens))
+        mask = self.loss_mask
+        head = dataclasses.replace(
+            self, tokens=self.tokens[:cut], loss_mask=None if mask is None else mask[:cut]
+        )
+        tail = dataclasses.replace(
+            self, tokens=self.tokens[cut:], loss_mask=None if mask is None else mask[cut:]
+        )
+        return head, tail
 
     @property
     def tokenizer_path(self) -> Path | None:

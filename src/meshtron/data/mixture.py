@@ -20,7 +20,6 @@ layout exactly where it stopped.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,21 +69,12 @@ class Mixture:
 
     def split(self, fraction: float) -> tuple[Mixture, Mixture]:
         """(the training part, the validation part): each source's last `fraction` of tokens held out."""
-        parts = [held_out(source, fraction) for source in self.sources]
+        parts = [source.held_out(fraction) for source in self.sources]
         return Mixture([t for t, _ in parts], self.weights), Mixture([v for _, v in parts], self.weights)
 
     @property
     def has_loss_mask(self) -> bool:
         return any(s.loss_mask is not None for s in self.sources)
-
-
-def held_out(data: PreparedData, fraction: float) -> tuple[PreparedData, PreparedData]:
-    """(data without its last `fraction` of tokens, that last part), with their loss masks."""
-    cut = data.n_tokens - int(round(fraction * data.n_tokens))
-    mask = data.loss_mask
-    head = dataclasses.replace(data, tokens=data.tokens[:cut], loss_mask=None if mask is None else mask[:cut])
-    tail = dataclasses.replace(data, tokens=data.tokens[cut:], loss_mask=None if mask is None else mask[cut:])
-    return head, tail
 
 
 def _tokenizer_bytes(data: PreparedData) -> bytes:
@@ -107,6 +97,7 @@ class MixtureSampler:
         self.step = 0
         self._before = (0, np.zeros(len(self.weights), dtype=np.int64))  # (step, n_j before it)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._last: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
 
     def _counts_before(self, step: int) -> np.ndarray:
         at, counts = self._before
@@ -130,7 +121,14 @@ class MixtureSampler:
         return chosen
 
     def samples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, window) of each sample of the global batch at `step`, in stream order."""
+        """(source, window) of each sample of the global batch at `step`, in stream order (the last step
+        asked for is kept: a training step asks for its batch, its counts and its sources)."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        self._last = (step, self._samples(step))
+        return self._last[1]
+
+    def _samples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         counts = self._counts_before(step)
         chosen = self._choose(step, counts)
         windows = np.empty(self.global_batch, dtype=np.int64)
@@ -151,18 +149,19 @@ class MixtureSampler:
             )
         return self._perms[key]
 
-    def _windows_tokens(self, mixture: Mixture, chosen: np.ndarray, windows: np.ndarray) -> tuple[Any, Any]:
-        """Token ids [n, seq_len + 1] and whether each counts (a source without a mask: all)."""
+    def _read(self, mixture: Mixture, chosen: np.ndarray, windows: np.ndarray, masks: bool) -> np.ndarray:
+        """The windows' token ids (int64), or with `masks` whether each token counts (a source without a
+        mask: all), [n, seq_len + 1]."""
         span = self.seq_len + 1
         idx = windows[:, None] * span + np.arange(span, dtype=np.int64)[None, :]
-        tokens = np.empty(idx.shape, dtype=np.int64)
-        counts = np.ones(idx.shape, dtype=bool)
+        out = np.ones(idx.shape, dtype=bool) if masks else np.empty(idx.shape, dtype=np.int64)
         for j in np.unique(chosen):
             picked, source = chosen == j, mixture.sources[int(j)]
-            tokens[picked] = source.tokens[idx[picked]]
-            if source.loss_mask is not None:
-                counts[picked] = source.loss_mask[idx[picked]] != 0
-        return tokens, counts
+            if not masks:
+                out[picked] = source.tokens[idx[picked]]
+            elif source.loss_mask is not None:
+                out[picked] = source.loss_mask[idx[picked]] != 0
+        return out
 
     def micro_batches(
         self, mixture: Mixture, step: int, dp_rank: int, dp_size: int, micro_batch: int
@@ -174,8 +173,8 @@ class MixtureSampler:
         per = self.global_batch // dp_size
         chosen, windows = self.samples(step)
         part = slice(dp_rank * per, (dp_rank + 1) * per)
-        tokens, counts = self._windows_tokens(mixture, chosen[part], windows[part])
-        block = torch.from_numpy(tokens)
+        block = torch.from_numpy(self._read(mixture, chosen[part], windows[part], masks=False))
+        counts = self._read(mixture, chosen[part], windows[part], masks=True)
         inputs, targets = block[:, :-1].contiguous(), block[:, 1:].contiguous()
         targets[~torch.from_numpy(counts[:, 1:])] = IGNORE_INDEX
         return list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
@@ -189,10 +188,7 @@ class MixtureSampler:
 
     def counted_targets(self, mixture: Mixture, step: int) -> int | None:
         """Targets of the global batch at `step` that count (None: all, when no source has a mask)."""
-        if not mixture.has_loss_mask:
-            return None
-        chosen, windows = self.samples(step)
-        return int(self._windows_tokens(mixture, chosen, windows)[1][:, 1:].sum())
+        return int(self.counted_by_source(mixture, step).sum()) if mixture.has_loss_mask else None
 
     def samples_by_source(self, step: int) -> list[int]:
         """How many of the global batch's samples at `step` each source gave."""
@@ -226,7 +222,9 @@ class MixtureSampler:
     def counted_by_source(self, mixture: Mixture, step: int) -> np.ndarray:
         """Targets of the global batch at `step` that count, per source."""
         chosen, windows = self.samples(step)
-        counts = self._windows_tokens(mixture, chosen, windows)[1][:, 1:].sum(axis=1)
+        if not mixture.has_loss_mask:
+            return np.bincount(chosen, minlength=len(self.weights)) * self.seq_len
+        counts = self._read(mixture, chosen, windows, masks=True)[:, 1:].sum(axis=1)
         return np.bincount(chosen, weights=counts, minlength=len(self.weights))
 
     def source_sums(

@@ -21,7 +21,7 @@ import math
 from meshtron.config import Config, TrainingConfig
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
-from meshtron.data.mixture import Mixture, MixtureSampler, held_out
+from meshtron.data.mixture import Mixture, MixtureSampler
 from meshtron.data.sampler import BatchSampler
 
 
@@ -65,7 +65,7 @@ def split_validation(cfg: Config, train: PreparedData) -> tuple[PreparedData, Pr
             raise DataError(problem)
     elif d.val_fraction > 0:
         train, val = (
-            train.split(d.val_fraction) if isinstance(train, Mixture) else held_out(train, d.val_fraction)
+            train.split(d.val_fraction) if isinstance(train, Mixture) else train.held_out(d.val_fraction)
         )
     else:
         return train, None

@@ -51,6 +51,11 @@ class Evaluator:
         self.loss = MicroBatchLoss(train_loss.token_loss, self.tokens, train_loss.autocast)
         counted = [self.sampler.counted_targets(val, index) for index in range(training.eval_batches)]
         self.loss.counted_tokens = None if None in counted else sum(counted)  # (loss masks: those that count)
+        self.counted_by_source = (  # a mixture's: the same batches' counted targets per source
+            sum(self.sampler.counted_by_source(val, i) for i in range(training.eval_batches))
+            if isinstance(self.sampler, MixtureSampler)
+            else None
+        )
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows optimizer step `step` (1-based): every eval_every, and the last."""
@@ -84,9 +89,7 @@ class Evaluator:
             comm.all_reduce_(part, self.place.mesh.group("pp"))
             comm.all_reduce_(part, self.dp_cp)
         if by_source is not None:  # each source's mean over its own counted targets
-            counted = sum(
-                self.sampler.counted_by_source(self.val, i) for i in range(self.training.eval_batches)
-            )
+            counted = self.counted_by_source
             row["val_loss_by_source"] = {
                 n: float(s / c)
                 for n, s, c in zip(self.val.names, by_source.tolist(), counted, strict=True)
