@@ -100,6 +100,20 @@ def test_context_table_and_picture(tmp_path):
     assert bad.returncode == 2 and "--ring=0 must be positive" in bad.stderr
 
 
+def test_context_with_documents_names_the_skipped_ring_steps(tmp_path):
+    out = meshtron("context", "--ring", "4", "--documents", "5,3,4,9,2,6,3", "--out", str(tmp_path / "d.png"))
+    assert out.returncode == 0, out.stderr
+    # Rank 3 holds positions 12-15 and 16-19 (one document, 12-20); ranks 0-2's first chunks end at 11.
+    assert (
+        "rank 3: step 0 (kv3) computed; step 1 (kv2) skipped; step 2 (kv1) skipped; step 3 (kv0) skipped"
+        in out.stdout
+    )
+    assert "ring steps skipped: 7 of 16" in out.stdout
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    bad = meshtron("context", "--ring", "4", "--documents", "5,3,4")
+    assert bad.returncode == 2 and "multiple of 2·ring = 8" in bad.stderr
+
+
 def test_prepare_data(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n")

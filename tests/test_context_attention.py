@@ -1,8 +1,9 @@
 """Context-parallel attention against the single-device attention, rank by rank: output, log-sum-exp,
 dQ, dK, dV within 1e-5 (fp32) for every implementation at cp 2 and 4, with 1, 2 and n_heads key/value
 heads, distinct K/V on every rank and a random upstream gradient (so a backward that reused a stale
-K/V, or sent a dK/dV accumulator to the wrong rank, fails). Plus the zigzag map, the work balance and
-the merge's robustness, which need no processes."""
+K/V, or sent a dK/dV accumulator to the wrong rank, fails), with and without a document mask (and then
+the ring steps skipped, counted exactly). Plus the zigzag map, the work balance and the merge's
+robustness, which need no processes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from meshtron.comm import Comm
 from meshtron.layout import ParallelDims
 from meshtron.mesh import ParallelMesh
-from meshtron.parallel.blockwise_attention import (
+from meshtron.models.blockwise_attention import (
     _FUSED,
     _FUSED_BACKWARD,
     _fused_parts,
@@ -23,7 +24,9 @@ from meshtron.parallel.blockwise_attention import (
     block_forward,
     merge_,
 )
-from meshtron.parallel.context import ContextParallelAttention, SequenceLayout, zigzag_positions
+from meshtron.models.documents import document_layout
+from meshtron.parallel.context import ContextParallelAttention, RingPass, SequenceLayout, zigzag_positions
+from meshtron.parallel.documents_picture import documents_of, draw_documents, skipped_steps
 
 TOL = 1e-5
 B, H, S, D = 2, 4, 32, 8
@@ -31,26 +34,47 @@ B, H, S, D = 2, 4, 32, 8
 IMPLS = {"ring": 1, "allgather": 1, "alltoall": None, "hybrid": 2}
 
 
-def reference_attention(q, k, v, dout, window: int):
+def packed_documents(seed: int) -> torch.Tensor:
+    """Document ids [B, S] of windows packed with short documents (1 to 6 tokens, end token 0)."""
+    tokens = torch.randint(1, 7, (B, S), generator=torch.Generator().manual_seed(seed))
+    return document_layout(torch.where(tokens == 1, 0, tokens), 0)[1]
+
+
+def allowed_mask(docs: torch.Tensor | None, window: int) -> torch.Tensor:
+    """[B or 1, S, S]: which keys each query sees, causal (windowed, within documents)."""
+    i = torch.arange(S)
+    distance = i[:, None] - i[None, :]
+    allowed = ((distance >= 0) & ((distance < window) if window else True))[None]
+    return allowed if docs is None else allowed & (docs[:, :, None] == docs[:, None, :])
+
+
+def reference_attention(q, k, v, dout, window: int, docs: torch.Tensor | None = None):
     """Single-device attention in fp64: output, log-sum-exp and the three gradients."""
     q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
-    i = torch.arange(q.shape[2])
-    distance = i[:, None] - i[None, :]
-    allowed = (distance >= 0) & ((distance < window) if window else True)
-    s = s.masked_fill(~allowed, float("-inf"))
+    s = s.masked_fill(~allowed_mask(docs, window)[:, None], float("-inf"))
     out = s.softmax(-1) @ vv
     lse = torch.logsumexp(s, -1)
     out.backward(dout.double())
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def expected_skips(docs: torch.Tensor, ring: int, rank: int) -> int:
+    """Ring steps of `rank` in which none of its queries sees any of the visiting keys (from the dense
+    mask: what a ring pass may skip whole)."""
+    allowed, mine = allowed_mask(docs, 0), zigzag_positions(rank, ring, S)
+    visiting = [zigzag_positions(j, ring, S) for j in range(ring)]
+    return sum(not allowed[:, mine][:, :, theirs].any() for theirs in visiting)
+
+
 def cp_attention_errors(world: int) -> dict[str, float]:
-    """On every rank: the largest error of each (impl, kv heads, window) case at cp = world."""
+    """On every rank: the largest error of each (impl, kv heads, window, documents) case at cp = world;
+    a ring's skipped steps that differ from the dense mask's count make the case's error infinite."""
     comm, errors = Comm(), {}
-    for impl, kv_heads, window in itertools.product(IMPLS, (1, 2, H), (0, 5)):
+    cases = itertools.product(IMPLS, (1, 2, H), (0, 5), (False, True))
+    for impl, kv_heads, window, with_docs in cases:
         ulysses = IMPLS[impl] if IMPLS[impl] is not None else world
         if impl == "hybrid" and world < 4:
             continue
@@ -63,28 +87,38 @@ def cp_attention_errors(world: int) -> dict[str, float]:
         gen = torch.Generator().manual_seed(len(errors))
         q, dout = (torch.randn(B, H, S, D, generator=gen) for _ in range(2))
         k, v = (torch.randn(B, kv_heads, S, D, generator=gen) for _ in range(2))
-        want = reference_attention(q, k, v, dout, window)
+        docs = packed_documents(len(errors)) if with_docs else None
+        want = reference_attention(q, k, v, dout, window, docs)
         ring_degree = world // (ulysses if impl in ("alltoall", "hybrid") else 1)
         layout = SequenceLayout(S, ring_degree, world // ring_degree)
         mine = layout.positions(cp.rank)
         local = [t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
         attention = ContextParallelAttention(comm, impl, ring, uly, window)
-        out, lse = attention.with_lse(*local)
+        out, lse = attention.with_lse(*local, docs_BS=docs)
         out.backward(dout[:, :, mine])
-        got = (out, lse, *(t.grad for t in local))
-        errors[f"{impl}/kv{kv_heads}/w{window}"] = max(
-            float((g.double() - w[:, :, mine]).abs().max()) for g, w in zip(got, want, strict=True)
-        )
+        got = [t.detach().double() for t in (out, lse, *(t.grad for t in local))]
+        case = f"{impl}/kv{kv_heads}/w{window}" + ("/docs" if with_docs else "")
+        errors[case] = max(float((g - w[:, :, mine]).abs().max()) for g, w in zip(got, want, strict=True))
+        if isinstance(attention.inner, RingPass) and with_docs and window == 0:  # forward and backward
+            skipped = 2 * expected_skips(docs, ring_degree, ring.rank)
+            errors[case] += 0.0 if attention.inner.blocks_skipped == skipped else float("inf")
+            errors[f"skipped/{case}"] = attention.inner.blocks_skipped
         mesh.close()
     return errors
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_implementation_matches_single_device_attention(workers, world):
+    skipped = 0
     for rank, errors in enumerate(workers(world).run(cp_attention_errors, world)):
-        assert len(errors) == (3 if world == 2 else 4) * 3 * 2
+        skipped += sum(errors.pop(case) for case in [c for c in errors if c.startswith("skipped/")])
+        assert len(errors) == (3 if world == 2 else 4) * 3 * 2 * 2
         bad = {case: err for case, err in errors.items() if not err <= TOL}
         assert not bad, f"rank {rank}: {bad}"
+    # At cp 4 the documents (at most 6 tokens) cannot reach from a rank's first chunk to the queries
+    # 8 positions on: those ring steps have nothing to compute, and were skipped (at cp 2 a step is
+    # empty only when a document ends exactly at a chunk's edge).
+    assert skipped > 0 or world == 2
 
 
 def test_zigzag_map_round_trips_and_balances_work():
@@ -149,9 +183,11 @@ def test_blockwise_attention_equals_sdpa(fused):
         ("gap", "all"),  # keys at the queries' positions missing: the fused path must decline
     ],
 )
-def test_fused_and_tiled_blocks_agree(q_at, k_at):
+@pytest.mark.parametrize("with_docs", [False, True], ids=["causal", "documents"])
+def test_fused_and_tiled_blocks_agree(q_at, k_at, with_docs):
     """Both ways of computing a block give the same output, log-sum-exp and gradients (the gradients
-    given a final output and log-sum-exp over more keys than the block's, as in the ring)."""
+    given a final output and log-sum-exp over more keys than the block's, as in the ring); under a
+    document mask the fused kernel takes every block, with the mask as an additive one."""
     positions = {"zigzag": zigzag_positions(1, 4, 64), "all": torch.arange(64), "first": torch.arange(8, 16)}
     positions["gap"] = torch.cat([torch.arange(20, 28), torch.arange(40, 48)])
     q_pos, k_pos = positions[q_at], positions[k_at]
@@ -161,17 +197,46 @@ def test_fused_and_tiled_blocks_agree(q_at, k_at):
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(2, 4, q_pos.numel(), 8, generator=gen) for _ in range(2))
     k, v = (torch.randn(2, 2, k_pos.numel(), 8, generator=gen) for _ in range(2))
+    doc_of = torch.cat([packed_documents(1), packed_documents(2) + 16], dim=1)  # ids of positions 0..63
+    docs = (doc_of[:, q_pos], doc_of[:, k_pos]) if with_docs else None
     results = []
     for fused in (True, False):
-        out, lse = block_forward(q, k, v, q_pos, k_pos, allow_fused=fused)
+        out, lse = block_forward(q, k, v, q_pos, k_pos, allow_fused=fused, docs=docs)
         final_out, final_lse = out + 0.1, lse + 0.5  # as if other blocks had been merged in
-        grads = block_backward(q, k, v, q_pos, k_pos, final_out, final_lse, dout, allow_fused=fused)
+        grads = block_backward(
+            q, k, v, q_pos, k_pos, final_out, final_lse, dout, allow_fused=fused, docs=docs
+        )
         results.append((out, lse, *grads))
-    for a, b in zip(*results, strict=True):
-        assert (a - b).abs().max() < 1e-5
+    for a, b in zip(*results, strict=True):  # (equal infinities: a row that sees no key has lse −inf)
+        assert torch.where(a == b, 0.0, (a - b).abs()).max() < 1e-5
     # And the forward against plain masked attention in fp64 (for "gap" both runs above were tiled).
     s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 8**0.5
-    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    want = s.softmax(-1) @ v.double().repeat_interleave(2, 1)
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if with_docs:
+        hidden = (hidden | (docs[0][:, :, None] != docs[1][:, None, :]))[:, None]
+    s = s.masked_fill(hidden, float("-inf"))
+    want = (s.softmax(-1) @ v.double().repeat_interleave(2, 1)).nan_to_num()  # a row seeing no key: 0
     assert (results[1][0] - want).abs().max() < 1e-5
-    assert (results[1][1] - torch.logsumexp(s, -1)).abs().max() < 1e-5
+    want_lse = torch.logsumexp(s, -1)
+    assert torch.where(results[1][1] == want_lse, 0.0, (results[1][1] - want_lse).abs()).max() < 1e-5
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_the_ring_steps_a_document_mask_skips_are_those_the_mask_leaves_empty(ring, tmp_path):
+    """`meshtron context --documents`' table and picture come from ring_step: every step it skips has
+    no visible pair in the dense mask, and every step it computes has one (off the diagonal)."""
+    generator = torch.Generator().manual_seed(ring)
+    lengths = torch.randint(1, 12, (40,), generator=generator).tolist()
+    lengths.append(-sum(lengths) % (2 * ring) or 2 * ring)  # the total a multiple of 2·ring
+    docs = documents_of(lengths, ring)
+    seq = docs.shape[1]
+    i = torch.arange(seq)
+    allowed = (i[:, None] >= i[None, :]) & (docs[0][:, None] == docs[0][None, :])
+    skipped = skipped_steps(docs, ring)
+    for r in range(ring):
+        mine = zigzag_positions(r, ring, seq)
+        for step in range(ring):
+            theirs = zigzag_positions((r - step) % ring, ring, seq)
+            assert skipped[r][step] == (not allowed[mine][:, theirs].any())
+    assert any(map(any, skipped)) or ring == 2
+    assert draw_documents(lengths, ring, tmp_path / "docs.png").stat().st_size > 0

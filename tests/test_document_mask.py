@@ -1,6 +1,6 @@
-"""Per-document attention in packed windows (issue 32.1, without context parallel yet): a packed window's
-logits and loss equal those of its documents run alone, each from position 0, and every supported
-layout matches the single-device run."""
+"""Per-document attention in packed windows (issue 32.1): a packed window's logits and loss equal those
+of its documents run alone, each from position 0, and every layout (context parallel's four exchanges
+included) matches the single-device run."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError
+from meshtron.checks import load_config
 from meshtron.data.dataset import prepare_data
 from meshtron.models.documents import DocumentMask, document_layout
-from meshtron.models.llama import build_model
+from meshtron.models.llama import build_model, document_causal_mask
 from meshtron.testing.parity import assert_losses_match, train_rows
 from meshtron.testing.tiny import MOE, TINY, perturb
 
@@ -47,6 +46,30 @@ def test_a_packed_window_computes_each_document_as_if_alone(window):
     loss = torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum")
     want = torch.nn.functional.cross_entropy(alone[:-1], targets, reduction="sum")
     assert abs(float(loss - want)) <= 1e-5 * float(want)
+
+
+def test_no_sequence_by_sequence_mask_is_kept_for_backward():
+    """On CPU the mask is applied tile by tile (models/blockwise_attention.py): what a layer saves for
+    backward grows with S, not S², and attention's gradients equal SDPA's under the dense mask."""
+    cfg = load_config(None, TINY).model
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))  # S = 40, not dim
+    tokens[:, ::7] = EOS
+    positions, docs = DocumentMask(EOS).layout(tokens, torch.arange(40).expand(2, -1))
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        model(tokens, positions, docs_BS=docs)[0].sum().backward()
+    assert len(shapes) > 10 and not [s for s in shapes if s[-2:] == (40, 40)]  # no [.., S, S] tensor
+    q, k, v = (torch.randn(2, 4, 40, 8, requires_grad=True) for _ in range(3))
+    attention = model.layers["0"].attention
+    grads = []
+    for attend in (attention.attend, lambda q, k, v, d: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_causal_mask(d)
+    )):  # fmt: skip
+        out = attend(q, k, v, docs)
+        grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for ours, dense in zip(*grads, strict=True):
+        assert (ours - dense).abs().max() < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +106,14 @@ LAYOUTS = {
         ["--parallel.dp_shard=2", "--training.recompute=full", "--training.micro_batch=4"],
     ),
     "compiled": (1, ["--training.compile=true"]),
+    "cp2_ring_selective": (2, ["--parallel.cp=2", "--training.recompute=selective"]),
+    "cp2_allgather": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather"]),
+    "cp2_alltoall": (2, ["--parallel.cp=2", "--parallel.cp_impl=alltoall"]),
+    "cp4_hybrid": (4, ["--parallel.cp=4", "--parallel.cp_impl=hybrid", "--parallel.cp_ulysses=2"]),
+    "cp2_pp2": (
+        4,
+        ["--parallel.cp=2", "--parallel.pp=2", "--training.micro_batch=2"],
+    ),
 }
 
 
@@ -103,10 +134,20 @@ def test_every_layout_matches_one_device_with_documents(workers, one_device, lay
     assert_losses_match(rows, want)
 
 
-def test_context_parallel_with_documents_is_refused_with_the_fix():
-    cfg = load_config(None, [*TINY, "--data.document_mask=true", "--parallel.cp=2"])
-    with pytest.raises(ConfigError, match="data.document_mask with parallel.cp=2 is not supported yet"):
-        check(cfg, 2)
+def test_a_sliding_window_over_context_parallel_ranks_with_documents(workers, short_documents):
+    base = [
+        *TINY,
+        f"--data.path={short_documents}",
+        "--data.document_mask=true",
+        "--model.sliding_window=12",
+        "--training.steps=2",
+        "--run.sample_tokens=0",
+    ]  # fmt: skip
+    want = workers(1).run(train_rows, base)[0]
+    for impl in ("ring", "allgather"):
+        assert_losses_match(
+            workers(2).run(train_rows, [*base, "--parallel.cp=2", f"--parallel.cp_impl={impl}"])[0], want
+        )
 
 
 def test_experts_over_two_ranks_match_one_device_with_documents(workers, short_documents):

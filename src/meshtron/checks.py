@@ -26,7 +26,6 @@ from pathlib import Path
 from meshtron.config import Config, field_problems, read_config, refuse
 from meshtron.data.rules import (
     batch_problems,
-    document_mask_unsupported,
     mixture_problems,
     validation_problems,
 )
@@ -74,7 +73,6 @@ def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
         expert_parallel_unsupported(cfg)
         + data_parallel_unsupported(cfg, world_size)
         + checkpoint_unsupported(cfg, world_size)
-        + document_mask_unsupported(cfg)
     )
 
 

@@ -153,6 +153,10 @@ def _add_picture_parsers(sub: argparse._SubParsersAction) -> None:
     ctx = sub.add_parser("context", help="print and draw how ring attention splits causal attention")
     ctx.add_argument("--ring", type=int, required=True, help="ring ranks (cp, or cp / cp_ulysses for hybrid)")
     ctx.add_argument("--out", help="write a PNG of the chunk assignment and ring steps here")
+    ctx.add_argument(
+        "--documents",
+        help="document lengths packed in one window, e.g. 5,11,3,13: the document mask and the ring steps it skips",
+    )
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:

@@ -72,10 +72,26 @@ def cmd_context(args: argparse.Namespace) -> int:
 
     if args.ring < 1:
         raise ConfigError([f"--ring={args.ring} must be positive"])
+    if args.documents:
+        return _context_documents(args)
     print(ring_steps_table(args.ring))
     for zigzag in (True, False):
         work = ", ".join(f"{w:g}" for w in ring_work(args.ring, zigzag))
         print(f"attention work per rank ({'zigzag' if zigzag else 'contiguous'} chunks): {work}")
     if args.out:
         print(f"picture written to {draw_assignment(args.ring, args.out)}")
+    return 0
+
+
+def _context_documents(args: argparse.Namespace) -> int:
+    """`meshtron context --documents`: which ring steps a document mask skips, and its picture."""
+    from meshtron.parallel.documents_picture import draw_documents, ring_documents_table
+
+    try:
+        lengths = [int(n) for n in args.documents.split(",")]
+        print(ring_documents_table(lengths, args.ring))
+    except ValueError as err:
+        raise ConfigError([f"--documents={args.documents}: {err}"]) from None
+    if args.out:
+        print(f"picture written to {draw_documents(lengths, args.ring, args.out)}")
     return 0

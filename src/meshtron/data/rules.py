@@ -71,13 +71,3 @@ def mixture_problems(cfg: Config) -> list[str]:
     if len(set(paths)) < len(paths):
         problems.append("data.sources names a path twice; give each dataset once, with its whole weight")
     return problems
-
-
-def document_mask_unsupported(cfg: Config) -> list[str]:
-    """What data.document_mask cannot run with yet."""
-    if cfg.data.document_mask and cfg.parallel.cp > 1:
-        return [
-            f"data.document_mask with parallel.cp={cfg.parallel.cp} is not supported yet (context-parallel "
-            "attention does not carry document ids); use parallel.cp=1 or data.document_mask=false"
-        ]
-    return []

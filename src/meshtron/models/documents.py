@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+# What a micro-batch's attention needs beside its tokens: (RoPE positions [B, S] or None for 0..S-1,
+# document ids [B, S] or None without a document mask).
+MicroBatchLayout = tuple[torch.Tensor | None, torch.Tensor | None]
+
 
 def document_layout(tokens_BS: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions [B, S] restarting at each document, document ids [B, S]) of a window of tokens."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.models.blockwise_attention import attend_blockwise
 from meshtron.models.init import init_weights
 from meshtron.models.layers import FeedForward, RMSNorm
 from meshtron.models.moe import MoE
@@ -138,22 +139,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Rotary embedding and attention: the part selective recompute recomputes in backward."""
         q, k = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin)
-        return (
-            self.attend(q, k, v_BKSDh) if docs_BS is None else self.attend_documents(q, k, v_BKSDh, docs_BS)
-        )
+        return self.attend(q, k, v_BKSDh, docs_BS)
 
-    def attend_documents(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs_BS: torch.Tensor
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs_BS: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Causal attention within each document of a packed window (models/documents.py)."""
-        mask = document_causal_mask(docs_BS, self.sliding_window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of rotated q [B, H, S, Dh] over k, v [B, K, S, Dh]. Context parallel replaces
-        it on the instance with an exchange over the ranks that hold the rest of the sequence."""
+        """Causal attention of rotated q [B, H, S, Dh] over k, v [B, K, S, Dh]; with `docs_BS`, within
+        each document of a packed window (models/documents.py). Context parallel replaces it on the
+        instance with an exchange over the ranks that hold the rest of the sequence."""
         S = q.shape[2]
         gqa = q.shape[1] != k.shape[1]
+        if docs_BS is not None and q.device.type == "cpu":  # no [S, S] mask: tiles skip other documents
+            return attend_blockwise(q, k, v, docs_BS, self.sliding_window)
+        if docs_BS is not None:
+            mask = document_causal_mask(docs_BS, self.sliding_window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if self.sliding_window and S > self.sliding_window:
             i = torch.arange(S, device=q.device)
             distance = i[:, None] - i[None, :]

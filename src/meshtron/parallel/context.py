@@ -23,21 +23,36 @@ cp_ulysses ranks hold consecutive pieces. Tokens, labels and positions are shard
 map (`SequenceLayout`), RoPE sees each token's global position, and the loss divides by the global token
 count, so any cp gives the cp = 1 update. The cp ranks hold the same parameters: gradients are reduced
 over dp × cp, and ZeRO/FSDP shard over dp_shard × cp (data_parallel.py).
+
+Documents (`data.document_mask`): every cp rank forms the document ids of the whole window from its
+tokens before the window is cut (models/documents.py), so each pass looks up the ids of any positions
+it holds with no exchange: a ring step whose queries and keys share no document is skipped whole (and
+counted, `RingPass.blocks_skipped`), and inside a block each tile of queries skips the keys of earlier
+documents (blockwise_attention.py).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import CpImpl
+from meshtron.models.blockwise_attention import (
+    BlockwiseAttention,
+    Documents,
+    LocalPass,
+    block_backward,
+    block_forward,
+    docs_at,
+    merge_,
+    one_dtype,
+    shares_document,
+)
 from meshtron.models.llama import Transformer
-from meshtron.parallel.blockwise_attention import block_backward, block_forward, merge_
 
 
 def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
@@ -88,16 +103,44 @@ class _Flight:
         return self.buffer
 
 
+# (query rows, key columns, their positions, their document ids or None) of one ring step.
+RingStep = tuple[slice, slice, Tensor, Tensor, Documents | None]
+
+
+def ring_step(
+    r: int,
+    j: int,
+    ring: int,
+    local_len: int,
+    docs_BS: Tensor | None = None,
+    device: torch.device | None = None,
+) -> RingStep | None:
+    """What rank r computes when it holds rank j's K/V (ring_block), with positions and document ids;
+    None when a document mask leaves nothing of it: no query shares a document with a key (every key
+    of a step but the diagonal comes before every query, so a shared document is a visible pair)."""
+    rows, keys = ring_block(r, j, local_len)
+    q_pos = zigzag_positions(r, ring, local_len * ring).to(device)[rows]
+    k_pos = zigzag_positions(j, ring, local_len * ring).to(device)[keys]
+    docs = docs_at(docs_BS, q_pos, k_pos)
+    if docs is not None and j != r and not shares_document(docs):
+        return None
+    return rows, keys, q_pos, k_pos, docs
+
+
 @dataclass
 class RingPass:
     """Ring attention over `group`: each rank's queries against every rank's keys, one hop at a time.
     `exposed_s` adds up the time spent waiting for hops after the compute they overlapped (what the
-    overlap failed to hide; benchmarks/context_parallel.py reports it)."""
+    overlap failed to hide; benchmarks/context_parallel.py reports it). Under a document mask, ring
+    steps whose queries and keys share no document are skipped: `blocks_skipped` of `blocks` (forward
+    and backward alike) counts them."""
 
     comm: Comm
     group: CommGroup
     window: int = 0
     exposed_s: float = 0.0
+    blocks: int = 0
+    blocks_skipped: int = 0
 
     def land(self, flight: _Flight) -> torch.Tensor:
         start = time.perf_counter()
@@ -105,49 +148,66 @@ class RingPass:
         self.exposed_s += time.perf_counter() - start
         return out
 
-    def share(self, ring_rank: int, local_len: int) -> torch.Tensor:
-        return zigzag_positions(ring_rank, self.group.size, local_len * self.group.size)
+    def block(self, r: int, j: int, S: int, docs_BS: Tensor | None, device: torch.device) -> RingStep | None:
+        """ring_step, counted."""
+        step = ring_step(r, j, self.group.size, S, docs_BS, device)
+        self.blocks += 1
+        self.blocks_skipped += step is None
+        return step
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         n, r, S = self.group.size, self.group.rank, q.shape[2]
-        q_pos, kv = self.share(r, S).to(q.device), torch.stack([k, v])
+        kv = torch.stack([k, v])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for i in range(n):
             j = (r - i) % n
             flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
-            rows, keys = ring_block(r, j, S)
-            k_pos = self.share(j, S).to(q.device)[keys]
-            part, part_lse = block_forward(
-                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos, self.window
-            )
-            merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
+            block = self.block(r, j, S, docs_BS, q.device)
+            if block is not None:
+                rows, keys, q_pos, k_pos, docs = block
+                part, part_lse = block_forward(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos, k_pos, self.window, docs=docs
+                )
+                merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
             if flight is not None:
                 kv = self.land(flight)
         return out, lse
 
     def backward(
-        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        docs_BS: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
         n, r, S = self.group.size, self.group.rank, q.shape[2]
-        q_pos, kv = self.share(r, S).to(q.device), torch.stack([k, v])
+        kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # rank r's own K/V's, at i = 0
         accumulator: _Flight | None = None
         for i in range(n):
             j = (r - i) % n
             flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None
-            rows, keys = ring_block(r, j, S)
-            k_pos = self.share(j, S).to(q.device)[keys]
-            grads = block_backward(
-                q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos[rows], k_pos,
-                out[:, :, rows], lse[:, :, rows], dout[:, :, rows], self.window,
-            )  # fmt: skip
-            dq[:, :, rows] += grads[0]
+            block = self.block(r, j, S, docs_BS, q.device)
+            grads = None
+            if block is not None:
+                rows, keys, q_pos, k_pos, docs = block
+                grads = block_backward(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos, k_pos,
+                    out[:, :, rows], lse[:, :, rows], dout[:, :, rows], self.window, docs=docs,
+                )  # fmt: skip
+                dq[:, :, rows] += grads[0]
             if accumulator is not None:  # rank j's dK/dV, arriving from the previous rank
                 dkv = self.land(accumulator)
-            dkv[0][:, :, keys] += grads[1]
-            dkv[1][:, :, keys] += grads[2]
+            if grads is not None:
+                dkv[0][:, :, keys] += grads[1]
+                dkv[1][:, :, keys] += grads[2]
             accumulator = _Flight(self.comm, self.group, dkv)  # on to the next rank, home after n hops
             if flight is not None:
                 kv = self.land(flight)
@@ -178,15 +238,25 @@ class GatherPass:
         n, S = self.group.size, q.shape[2]
         return zigzag_positions(self.group.rank, n, S * n).to(q.device), torch.arange(S * n, device=q.device)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kv = self.gathered(k, v)
-        return block_forward(q, kv[0], kv[1], *self.positions(q), self.window)
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        kv, positions = self.gathered(k, v), self.positions(q)
+        return block_forward(q, kv[0], kv[1], *positions, self.window, docs=docs_at(docs_BS, *positions))
 
     def backward(
-        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        docs_BS: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
-        kv = self.gathered(k, v)
-        dq, dk, dv = block_backward(q, kv[0], kv[1], *self.positions(q), out, lse, dout, self.window)
+        kv, positions = self.gathered(k, v), self.positions(q)
+        docs = docs_at(docs_BS, *positions)
+        dq, dk, dv = block_backward(q, kv[0], kv[1], *positions, out, lse, dout, self.window, docs=docs)
         dkv = torch.stack([dk, dv])  # in position order; back to rank-major, then each rank its own
         n, S = self.group.size, q.shape[2]
         rank_major = torch.empty((n, *dkv.shape[:-2], S, dkv.shape[-1]), dtype=torch.float32, device=q.device)
@@ -196,62 +266,10 @@ class GatherPass:
         return dq, dkv[0], dkv[1]
 
 
-@dataclass
-class LocalPass:
-    """Attention over a whole sequence on one rank (inside Ulysses, after the heads were exchanged)."""
-
-    window: int = 0
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        pos = torch.arange(q.shape[2], device=q.device)
-        return block_forward(q, k, v, pos, pos, self.window)
-
-    def backward(
-        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
-    ) -> tuple[Tensor, ...]:
-        pos = torch.arange(q.shape[2], device=q.device)
-        return block_backward(q, k, v, pos, pos, out, lse, dout, self.window)
-
-
-class _Attention(torch.autograd.Function):
-    """Autograd around a pass: forward keeps q, k, v, the output (in q's dtype) and the fp32 log-sum-exp;
-    backward asks the pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale
-    one)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, attention_pass: Any) -> tuple[Tensor, Tensor]:
-        with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
-            out, lse = attention_pass.forward(q, k, v)
-        # Laid out [B, S, H, Dh] in memory, as a fused kernel's output is, so that the output projection
-        # reads it as [B, S, H·Dh] without a copy: backward keeps one tensor for both (in q's dtype).
-        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
-        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.attention_pass = attention_pass
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.attention_pass.backward(q, k, v, out, lse, dout)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def _one_dtype(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v in the dtype attention runs in: autocast's (as SDPA would be cast without cp; under
-    autocast the rotary embedding returns q and k in fp32 while v is bf16), else their common one."""
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
 class ContextParallelAttention:
     """What `Attention.attend` becomes under cp: rotated q [B, H, S/cp, Dh] and k, v [B, K, S/cp, Dh]
-    of this rank's tokens in, this rank's attention output out."""
+    of this rank's tokens in, this rank's attention output out. Under a document mask, `docs_BS` holds
+    the document ids of the whole window [B, S] (not only this rank's tokens)."""
 
     def __init__(self, comm: Comm, impl: str, ring: CommGroup | None, ulysses: CommGroup | None, window: int):
         needs = {
@@ -269,17 +287,17 @@ class ContextParallelAttention:
         passes = {"ring": RingPass, "hybrid": RingPass, "allgather": GatherPass}
         self.inner = passes[impl](comm, ring, window) if impl in passes else LocalPass(window)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.with_lse(q, k, v, want_lse=False)[0]
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None) -> Tensor:
+        return self.with_lse(q, k, v, want_lse=False, docs_BS=docs_BS)[0]
 
     def with_lse(
-        self, q: Tensor, k: Tensor, v: Tensor, want_lse: bool = True
+        self, q: Tensor, k: Tensor, v: Tensor, want_lse: bool = True, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """(output, and with want_lse the log-sum-exp [B, H, S/cp] of this rank's queries)."""
-        q, k, v = _one_dtype(q, k, v)
+        q, k, v = one_dtype(q, k, v)
         if self.ulysses is not None:
             q, k, v = self._to_heads(q), self._to_heads(k), self._to_heads(v)
-        out, lse = _Attention.apply(q, k, v, self.inner)
+        out, lse = BlockwiseAttention.apply(q, k, v, self.inner, docs_BS)
         if self.ulysses is None:
             return out, lse
         # Exchanged as [B, S, H, Dh], so the whole-heads result needs no copy before the projection.

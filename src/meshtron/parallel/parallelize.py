@@ -30,7 +30,7 @@ from meshtron.comm import Comm, CommGroup
 from meshtron.config import Config
 from meshtron.layout import PP_ENDS
 from meshtron.mesh import ParallelMesh
-from meshtron.models.documents import DocumentMask
+from meshtron.models.documents import DocumentMask, MicroBatchLayout
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.parallel.compile import compile_blocks
@@ -64,8 +64,6 @@ class ParallelModel:
 
     def mask_documents(self, documents: DocumentMask | None) -> None:
         self.documents = documents
-        if self.pipeline is not None:
-            self.pipeline.documents = documents
 
     def positions_of(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Global positions [B, S/cp] of this rank's tokens under cp; None (0..S-1) without."""
@@ -78,6 +76,17 @@ class ParallelModel:
         if self.positions is None:
             return x_BS
         return x_BS[:, self.positions.to(x_BS.device)].contiguous()
+
+    def layout_of(self, tokens_BS: torch.Tensor) -> MicroBatchLayout:
+        """(RoPE positions [B, S/cp] of this rank's tokens or None for 0..S-1, document ids [B, S] or
+        None) of a micro-batch, from its whole sequences: under cp the ids stay whole, since attention
+        looks up those of the positions other ranks hold (context.py). Every rank and pipeline stage
+        forms them from the tokens it holds, so nothing more travels."""
+        if self.documents is None:
+            return self.positions_of(tokens_BS), None
+        window = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+        rope, docs = self.documents.layout(tokens_BS, window)
+        return self.local_sequence(rope), docs
 
     def run_micro_batches(
         self,
@@ -92,21 +101,17 @@ class ParallelModel:
         backwards, `before_grads(is_last)` before each), in the pipeline schedule's order under pp, else
         one after another. Returns this rank's share of the summed cross-entropy (under pp, non-zero on
         the last stage only)."""
+        layouts = [self.layout_of(x.to(device)) for x, _ in micro_batches]
         local = self.local_sequence  # under cp: this rank's tokens of each sequence
         micro_batches = [(local(x).to(device), local(y).to(device)) for x, y in micro_batches]
-        positions = self.positions_of(micro_batches[0][0])
         if self.pipeline is not None:
             if not backward:
-                return self.pipeline.forward_only(micro_batches, loss, positions)
-            return self.pipeline.run(micro_batches, loss, before_grads=before_grads, positions_BS=positions)
+                return self.pipeline.forward_only(micro_batches, loss, layouts)
+            return self.pipeline.run(micro_batches, loss, before_grads=before_grads, layouts=layouts)
         ce_sum = torch.zeros((), device=device)
-        for index, (inputs, targets) in enumerate(micro_batches):
+        for index, ((inputs, targets), (rope, docs)) in enumerate(zip(micro_batches, layouts, strict=True)):
             if backward:
                 before_grads(index == len(micro_batches) - 1)
-            rope, docs = positions, None
-            if self.documents is not None:
-                window = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
-                rope, docs = self.documents.layout(inputs, window if positions is None else positions)
             with loss.autocast():
                 logits, aux = self.model(inputs, rope, return_aux=True, docs_BS=docs)
             total, ce = loss.of(logits, aux, targets, index)

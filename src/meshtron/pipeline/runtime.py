@@ -44,7 +44,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.config import SPLIT_BACKWARD, PipelineSchedule
-from meshtron.models.documents import DocumentMask
+from meshtron.models.documents import MicroBatchLayout
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
@@ -180,7 +180,7 @@ class _Step:
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
         loss: MicroBatchLoss,
         before_grads: Callable[[bool], None],
-        positions_BS: torch.Tensor | None = None,
+        layouts: list[MicroBatchLayout] | None = None,
     ):
         self.rt, self.micro_batches, self.loss, self.before_grads = runtime, micro_batches, loss, before_grads
         schedule = build_schedule(
@@ -205,9 +205,7 @@ class _Step:
         batch, seq = tokens0.shape
         self.device = tokens0.device
         self.ce_sum = torch.zeros((), device=self.device)
-        if positions_BS is None:
-            positions_BS = torch.arange(seq, device=self.device).expand(batch, -1)
-        self.positions = positions_BS
+        self.layouts = runtime.explicit(layouts, len(micro_batches), batch, seq, self.device)
         shape = (batch, seq // runtime.seq_shards, runtime.model.cfg.dim)
         self.receiver = ReceiveAhead(runtime.comm, runtime.pp, schedule, shape, self.device)
         self.handlers = {
@@ -234,7 +232,7 @@ class _Step:
         x = tokens if a.chunk == 0 else self.inputs[key]
         defer = DeferWeightGrads() if self.split and a.chunk > 0 else contextlib.nullcontext()
         with defer, self.loss.autocast():
-            out, aux = self.rt.chunks[a.chunk](x, *self.rt.layout(tokens, self.positions))
+            out, aux = self.rt.chunks[a.chunk](x, *self.layouts[a.mb])
         if self.split and a.chunk > 0:
             self.deferred[key] = defer
         one = torch.ones((), device=self.device)
@@ -321,7 +319,6 @@ class PipelineRuntime:
             raise ValueError(
                 "overlapping pipeline pairs needs the comm layer's pair lane (Comm.add_pair_lane)"
             )
-        self.documents: DocumentMask | None = None  # data.document_mask (set by the training job)
         self.n_chunks = pp.size * vpp
         self.chunks = {
             c: PipelineChunk(model, c, layer_split[c], self.n_chunks)
@@ -333,14 +330,12 @@ class PipelineRuntime:
         self.comm_timeline: list[tuple[str, str, str, float, float]] = []
         self.step_seconds = 0.0
 
-    def layout(
-        self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(RoPE positions, document ids or None) of a micro-batch: every stage forms them from the
-        tokens, which every stage holds, so nothing more travels between stages."""
-        return (
-            (positions_BS, None) if self.documents is None else self.documents.layout(tokens_BS, positions_BS)
-        )
+    def explicit(
+        self, layouts: list[MicroBatchLayout] | None, n: int, batch: int, seq: int, device: torch.device
+    ) -> list[MicroBatchLayout]:
+        """Each micro-batch's (RoPE positions, document ids or None), positions 0..S-1 where None."""
+        default = torch.arange(seq, device=device).expand(batch, -1)
+        return [(default if rope is None else rope, docs) for rope, docs in layouts or [(None, None)] * n]
 
     def boundary_chunks(self) -> list[PipelineChunk]:
         """The chunks of this rank holding the embedding or the head (both, on rank 0 of a V)."""
@@ -367,13 +362,14 @@ class PipelineRuntime:
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
         loss: MicroBatchLoss,
         before_grads: Callable[[bool], None] = lambda is_last: None,
-        positions_BS: torch.Tensor | None = None,
+        layouts: list[MicroBatchLayout] | None = None,
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only). `before_grads(is_last)` runs before every
         action that accumulates parameter gradients, true for the chunk's last such action of the step.
-        `positions_BS`: the global positions of the tokens (under context parallel; default 0..S-1)."""
-        step = _Step(self, micro_batches, loss, before_grads, positions_BS)
+        `layouts`: each micro-batch's RoPE positions (the tokens' global ones under context parallel;
+        None: 0..S-1) and document ids (None without a document mask)."""
+        step = _Step(self, micro_batches, loss, before_grads, layouts)
         self.released_outputs = 0
         self.timeline = []
         self.step_start = time.perf_counter()
@@ -412,7 +408,7 @@ class PipelineRuntime:
         self,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
         loss: MicroBatchLoss,
-        positions_BS: torch.Tensor | None = None,
+        layouts: list[MicroBatchLayout] | None = None,
     ) -> torch.Tensor:
         """Forwards only (evaluation): this rank's share of the micro-batches' summed cross-entropy, as
         `run` returns it (non-zero on the rank holding the last chunk only; no aux loss, no backward).
@@ -424,8 +420,7 @@ class PipelineRuntime:
         tokens0, _ = micro_batches[0]
         batch, seq = tokens0.shape
         device = tokens0.device
-        if positions_BS is None:
-            positions_BS = torch.arange(seq, device=device).expand(batch, -1)
+        layouts = self.explicit(layouts, len(micro_batches), batch, seq, device)
         shape, last = (batch, seq // self.seq_shards, self.model.cfg.dim), self.n_chunks - 1
         ce_sum, sends, rank_of = torch.zeros((), device=device), [], self._rank_of
         for mb, (tokens, targets) in enumerate(micro_batches):
@@ -439,7 +434,7 @@ class PipelineRuntime:
                     pending, x = self.comm.irecv(shape, torch.float32, device, self.pp, rank_of(c - 1))
                     pending.wait()
                 with loss.autocast():
-                    out, aux = chunk(x, *self.layout(tokens, positions_BS))
+                    out, aux = chunk(x, *layouts[mb])
                 if c == last:
                     ce_sum += loss.of(out, aux, targets, mb)[1]
                 elif rank_of(c + 1) != self.pp.rank:

@@ -1,10 +1,14 @@
 """Causal attention of one block of queries against one block of keys, returning its log-sum-exp, and
-the merge of such partial results: the arithmetic every context-parallel implementation shares.
+the merge of such partial results: the arithmetic every context-parallel implementation shares
+(parallel/context.py), and the path of a document mask on one rank's CPU (`attend_blockwise`: no
+[S, S] mask is built or kept, and the work of keys in other documents is skipped).
 
 A block is identified by the global positions of its queries and keys, so one rule masks every case:
 key j is visible to query i when pos_k[j] <= pos_q[i] (and pos_q[i] - pos_k[j] < window with a sliding
-window). Keys arrive sorted by position, so each tile of queries only reads the keys up to its last
-position: the masked upper triangle is skipped, not computed.
+window, and doc_k[j] = doc_q[i] under a document mask, `docs`). Keys arrive sorted by position, so each
+tile of queries only reads the keys up to its last position: the masked upper triangle is skipped, not
+computed. Documents are runs of consecutive positions, so their ids rise with position too, and a tile
+also skips every key before the first document its queries are in.
 
   forward    s = q kᵀ·scale (masked) -> lse = logsumexp(s) -> o = softmax(s) v          (fp32)
   merge      two partial results (o₁, lse₁), (o₂, lse₂) of the same queries over disjoint keys:
@@ -22,6 +26,8 @@ Two ways to compute a block, with the same results (tests/test_context_attention
            square); PyTorch's fused CPU flash-attention kernel computes each part with its
            log-sum-exp, and its backward accepts the final output and log-sum-exp. Public SDPA does not
            return the log-sum-exp, so this calls the private ATen operator, here and nowhere else.
+           Under a document mask the kernel takes each tile's mask as an additive one (0 or −inf) over
+           the keys the tile can see; a row that sees none of them gets log-sum-exp −inf.
   tiled    everywhere else (sliding windows, CUDA, any positions): plain tensor ops over tiles of
            queries, [B, H, tile, Sk] scores at a time (TILE_ELEMENTS), never Sq × Sk.
 
@@ -32,14 +38,20 @@ block's query and key lengths, Dh the head dim.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
 NEG_INF = float("-inf")
 # Score elements per tile (fp32: 4 MiB): bounds the transient memory of a long block.
 TILE_ELEMENTS = 1 << 20
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+Documents = tuple[torch.Tensor, torch.Tensor]  # (doc_q [B, Sq], doc_k [B, Sk]): document ids
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -49,26 +61,54 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tens
     return allowed & (distance < window) if window > 0 else allowed
 
 
-def _key_range(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tuple[int, int]:
+def _key_range(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, docs: Documents | None = None
+) -> tuple[int, int]:
     """The keys (sorted by position) any query of this tile can see: [lo, hi)."""
     hi = int(torch.searchsorted(k_pos, q_pos.max(), right=True))
     lo = int(torch.searchsorted(k_pos, q_pos.min() - window, right=True)) if window > 0 else 0
+    if docs is not None:  # keys of documents before every query's own (per sequence; the earliest)
+        first_doc_B1 = docs[0].amin(dim=1, keepdim=True)
+        lo = max(lo, int(torch.searchsorted(docs[1].contiguous(), first_doc_B1).min()))
     return lo, max(lo, hi)
 
 
 def _tiles(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, heads: int, batch: int, window: int
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    heads: int,
+    batch: int,
+    window: int,
+    docs: Documents | None = None,
 ) -> Iterator[tuple[slice, slice, torch.Tensor]]:
     """(query slice, key slice, mask) per tile of queries. A tile never spans a jump in the query
     positions (the two chunks a load-balanced rank holds), so each reads only the keys it can see, and
-    it holds as many queries as fit TILE_ELEMENTS scores against the keys its run of queries can see."""
+    it holds as many queries as fit TILE_ELEMENTS scores against the keys its run of queries can see.
+    The mask is [Sq, Sk], or [B, 1, 1, Sq, Sk] under a document mask."""
     for begin, end in _segments(q_pos):
-        lo, hi = _key_range(q_pos[begin:end], k_pos, window)
+        lo, hi = _key_range(q_pos[begin:end], k_pos, window, _rows(docs, slice(begin, end)))
         rows = max(1, TILE_ELEMENTS // max(1, batch * heads * (hi - lo)))
         for start in range(begin, end, rows):
-            stop = min(start + rows, end)
-            lo, hi = _key_range(q_pos[start:stop], k_pos, window)
-            yield slice(start, stop), slice(lo, hi), visible(q_pos[start:stop], k_pos[lo:hi], window)
+            tile = slice(start, min(start + rows, end))
+            tile_docs = _rows(docs, tile)
+            lo, hi = _key_range(q_pos[tile], k_pos, window, tile_docs)
+            mask = visible(q_pos[tile], k_pos[lo:hi], window)
+            if tile_docs is not None:
+                same = tile_docs[0][:, :, None] == tile_docs[1][:, None, lo:hi]
+                mask = (mask & same)[:, None, None]
+            yield tile, slice(lo, hi), mask
+
+
+def _rows(docs: Documents | None, rows: slice) -> Documents | None:
+    return None if docs is None else (docs[0][:, rows], docs[1])
+
+
+def shares_document(docs: Documents) -> bool:
+    """Whether any query of the block is in a document some key of it is in (ids rise with position,
+    so each sequence's key ids are sorted: look every query's id up among them)."""
+    doc_q, doc_k = docs
+    at = torch.searchsorted(doc_k.contiguous(), doc_q.contiguous()).clamp_(max=doc_k.shape[1] - 1)
+    return bool((doc_k.gather(1, at) == doc_q).any())
 
 
 def _grouped(q_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -114,12 +154,27 @@ def _fused_parts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, 
 
 
 def _fused(
-    q: torch.Tensor, window: int, q_pos: torch.Tensor, k_pos: torch.Tensor, allow_fused: bool
-) -> list[tuple[slice, slice, bool]] | None:
-    """The fused kernel's parts for this block, or None to take the tiled path."""
+    q: torch.Tensor,
+    window: int,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    allow_fused: bool,
+    docs: Documents | None,
+) -> list[tuple[slice, slice, bool, torch.Tensor | None]] | None:
+    """The fused kernel's parts for this block, (query rows, keys, causal, additive mask or None), or
+    None to take the tiled path. Under a document mask: each tile with its mask over the keys it sees."""
     if not allow_fused or window > 0 or q.device.type != "cpu" or _FUSED is None:
         return None
-    return _fused_parts(q_pos, k_pos)
+    if docs is None:
+        parts = _fused_parts(q_pos, k_pos)
+        return None if parts is None else [(rows, keys, causal, None) for rows, keys, causal in parts]
+    B, H = q.shape[:2]
+    zero, minus_inf = torch.zeros((), dtype=q.dtype), torch.full((), NEG_INF, dtype=q.dtype)
+    return [
+        (rows, keys, False, torch.where(mask[:, 0], zero, minus_inf))
+        for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs)
+        if keys.stop > keys.start
+    ]
 
 
 def block_forward(
@@ -130,21 +185,26 @@ def block_forward(
     k_pos: torch.Tensor,
     window: int = 0,
     allow_fused: bool = True,
+    docs: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [B, H, Sq, Dh], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
-    that sees no key has output 0 and log-sum-exp −inf. `allow_fused=False` forces the tiled path."""
+    that sees no key has output 0 and log-sum-exp −inf. `allow_fused=False` forces the tiled path;
+    `docs`: the queries' and keys' document ids, under a document mask."""
     out = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     lse = torch.full(q_BHSD.shape[:-1], NEG_INF, device=q_BHSD.device)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused, docs)
     if parts is not None:
-        for rows, keys, causal in parts:
-            part, part_lse = _FUSED(q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys], 0.0, causal)
+        for rows, keys, causal, mask in parts:
+            q, k, v = q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys]
+            part, part_lse = _FUSED(q, k, v, 0.0, causal, attn_mask=mask)
+            if mask is not None:  # the kernel gives a row that sees no key log-sum-exp 0
+                part_lse = part_lse.masked_fill(torch.isinf(mask).all(-1), NEG_INF)
             merge_(out[:, :, rows], lse[:, :, rows], part.float(), part_lse)
         return out, lse
     B, H, Sq, D = q_BHSD.shape
     K, scale = k_BKSD.shape[1], D**-0.5
     q_g, out_g, lse_g = _grouped(q_BHSD, K), out.view(B, K, H // K, Sq, D), lse.view(B, K, H // K, Sq)
-    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window):
+    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs):
         if keys.stop == keys.start:
             continue
         s = _scores(q_g[..., rows, :], k_BKSD[:, :, keys], mask, scale)
@@ -171,30 +231,33 @@ def block_backward(
     dout_BHSD: torch.Tensor,
     window: int = 0,
     allow_fused: bool = True,
+    docs: Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final output and
     log-sum-exp (over all its keys, not only this block's)."""
     dq = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
     dv = torch.zeros_like(dk)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused, docs)
     if parts is not None:
         out = out_BHSD.to(q_BHSD.dtype)  # the kernel takes every tensor but the log-sum-exp in q's dtype
-        for rows, keys, causal in parts:
+        lse = torch.where(torch.isinf(lse_BHS), torch.zeros_like(lse_BHS), lse_BHS)  # no key seen: p = 0
+        for rows, keys, causal, mask in parts:
             grads = _FUSED_BACKWARD(
                 dout_BHSD[:, :, rows], q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys],
-                out[:, :, rows], lse_BHS[:, :, rows], 0.0, causal,
+                out[:, :, rows], lse[:, :, rows], 0.0, causal, attn_mask=mask,
             )  # fmt: skip
             dq[:, :, rows] += grads[0]
             dk[:, :, keys] += grads[1]
             dv[:, :, keys] += grads[2]
         return dq, dk, dv
-    _tiled_backward(q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, (dq, dk, dv))
+    grads = (dq, dk, dv)
+    _tiled_backward(q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads, docs)
     return dq, dk, dv
 
 
 def _tiled_backward(
-    q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads
+    q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads, docs
 ) -> None:
     """block_backward's tiled path: accumulates into grads = (dq, dk, dv)."""
     B, H, Sq, D = q_BHSD.shape
@@ -202,7 +265,7 @@ def _tiled_backward(
     q_g, do_g = _grouped(q_BHSD, K), _grouped(dout_BHSD, K)
     lse_g, delta_g = lse_BHS.view(B, K, H // K, Sq), delta(out_BHSD, dout_BHSD).view(B, K, H // K, Sq)
     dq, dk, dv = grads[0].view(B, K, H // K, Sq, D), grads[1], grads[2]
-    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window):
+    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs):
         if keys.stop == keys.start:
             continue
         k, v = k_BKSD[:, :, keys].float()[:, :, None], v_BKSD[:, :, keys].float()[:, :, None]
@@ -229,3 +292,83 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 def delta(out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Tensor:
     """δ = rowsum(dO ∘ O) [B, H, S] in fp32, the softmax backward's per-row correction."""
     return (dout_BHSD.float() * out_BHSD.float()).sum(-1)
+
+
+def docs_at(docs_BS: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Documents | None:
+    """The document ids of a block's queries and keys, looked up in the whole window's [B, S]."""
+    return None if docs_BS is None else (docs_BS[:, q_pos], docs_BS[:, k_pos])
+
+
+@dataclass
+class LocalPass:
+    """Attention over a whole sequence on one rank (without cp, or inside Ulysses after the heads were
+    exchanged)."""
+
+    window: int = 0
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return block_forward(q, k, v, pos, pos, self.window, docs=docs_at(docs_BS, pos, pos))
+
+    def backward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        docs_BS: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
+        pos = torch.arange(q.shape[2], device=q.device)
+        docs = docs_at(docs_BS, pos, pos)
+        return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs)
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Autograd around a pass: forward keeps q, k, v, the output (in q's dtype) and the fp32 log-sum-exp;
+    backward asks the pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale
+    one)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, attention_pass: Any, docs_BS: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
+            out, lse = attention_pass.forward(q, k, v, docs_BS)
+        # Laid out [B, S, H, Dh] in memory, as a fused kernel's output is, so that the output projection
+        # reads it as [B, S, H·Dh] without a copy: backward keeps one tensor for both (in q's dtype).
+        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
+        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attention_pass, ctx.docs_BS = attention_pass, docs_BS
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.attention_pass.backward(q, k, v, out, lse, dout, ctx.docs_BS)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def one_dtype(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in the dtype attention runs in: autocast's (as SDPA would be cast without cp; under
+    autocast the rotary embedding returns q and k in fp32 while v is bf16), else their common one."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def attend_blockwise(
+    q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None, window: int = 0
+) -> Tensor:
+    """Causal attention of a whole sequence, q [B, H, S, Dh] over k, v [B, K, S, Dh], through the
+    blockwise path (within each document of `docs_BS` [B, S], when given)."""
+    q, k, v = one_dtype(q, k, v)
+    return BlockwiseAttention.apply(q, k, v, LocalPass(window), docs_BS)[0]
