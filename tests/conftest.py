@@ -4,9 +4,14 @@ tier (`pytest -m quick`, under three minutes): every feature touched once, for a
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
+import torch
 
+from meshtron.plan.estimate import Cluster
+from meshtron.plan.hardware import Accelerator, GiB
 from meshtron.testing.workers import WorkerPool, close_pools
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -43,6 +48,31 @@ def workers():
 
     yield get
     close_pools(list(pools.values()))
+
+
+@pytest.fixture
+def fixed_cpu(monkeypatch):
+    """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
+    cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
+    probe = types.ModuleType("meshtron.plan.probe")
+    probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
+    monkeypatch.setitem(sys.modules, "meshtron.plan.probe", probe)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return probe
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch, tmp_path):
+    """Fail the test if a dry run launches ranks or trains; run in an empty directory to see it stays so."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run started something")
+
+    # By dotted name: this module's `meshtron` is the subprocess helper above, not the package.
+    monkeypatch.setattr("meshtron.commands.train._launch", refuse)
+    monkeypatch.setattr("meshtron.train.trainer.train", refuse)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 # The quick tier: a test file (all of it) or a test id (a test, or one parametrized case), each marked

@@ -16,8 +16,8 @@ from meshtron.checks import load_config
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.main import main
 from meshtron.config import build_config, tomllib
-from meshtron.plan.estimate import Cluster, estimate
-from meshtron.plan.hardware import Accelerator, GiB, table_name
+from meshtron.plan.estimate import estimate
+from meshtron.plan.hardware import table_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -262,31 +262,6 @@ def test_train_nproc_with_expert_parallel_reports_expert_load(tmp_path):
 # `meshtron train --dry-run`, in process: the CPU probe is a fixed Cluster, so the numbers are exact.
 DEMO = str(ROOT / "configs" / "demo.toml")
 TP2_DP2 = ["--nproc", "4", "--parallel.tp=2", "--parallel.dp_shard=2"]
-
-
-@pytest.fixture
-def fixed_cpu(monkeypatch):
-    """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
-    cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
-    probe = types.ModuleType("meshtron.plan.probe")
-    probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
-    monkeypatch.setitem(sys.modules, "meshtron.plan.probe", probe)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    return probe
-
-
-@pytest.fixture
-def nothing_starts(monkeypatch, tmp_path):
-    """Fail the test if a dry run launches ranks or trains; run in an empty directory to see it stays so."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a dry run started something")
-
-    # By dotted name: this module's `meshtron` is the subprocess helper above, not the package.
-    monkeypatch.setattr("meshtron.commands.train._launch", refuse)
-    monkeypatch.setattr("meshtron.train.trainer.train", refuse)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_starts, capsys):

@@ -274,3 +274,30 @@ def test_ranks_sharing_cores_lend_them_to_the_busiest_pipeline_stage():
     assert alone.pipeline_s / 2 <= lent.pipeline_s < alone.pipeline_s  # no faster than its critical path
     dense = Layout(dp_shard=4, zero=1, micro_batch=2).apply(config(LLAMA_1B, seq=1024, batch=8))
     assert estimate(dense, shared) == estimate(dense, own)
+
+
+def test_overlap_flag_describes_another_frameworks_run(capsys):
+    """`--overlap` names what is hidden: meshtron's default listed in the header and the JSON, its own
+    names give the default's numbers exactly, and each overlap it drops comes back in the step."""
+    args = ["plan", "--model.name=llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq-len", "4096",
+            "--global-batch", "32", "--layout", "tp=4,pp=2,pp_schedule=1f1b,dp_shard=2,zero=1,micro_batch=1,recompute=none"]  # fmt: skip
+    assert main(args) == 0
+    assert "overlap: dp_reduce,dp_gather,fsdp_prefetch,cp,pp (meshtron's)" in capsys.readouterr().out
+
+    def step(overlap: str | None) -> dict:
+        assert main([*args, "--json", *(["--overlap", overlap] if overlap else [])]) == 0
+        return json.loads(capsys.readouterr().out)[0]
+
+    default, same = step(None), step("dp_reduce,dp_gather,fsdp_prefetch,cp,pp")
+    assert default["overlap"] == ["dp_reduce", "dp_gather", "fsdp_prefetch", "cp", "pp"]
+    assert same["step_time_s"] == default["step_time_s"]
+    exposed, with_tp = step("none"), step("dp_reduce,dp_gather,fsdp_prefetch,cp,pp,tp")
+    assert (
+        exposed["overlap"] == []
+        and with_tp["step_breakdown_s"]["tp"] == 0 < default["step_breakdown_s"]["tp"]
+    )
+    assert exposed["step_breakdown_s"]["dp"] > default["step_breakdown_s"]["dp"]
+    assert exposed["step_time_s"] > default["step_time_s"] > with_tp["step_time_s"]
+    assert main([*args, "--overlap", "dp,tpp"]) == 2
+    assert "--overlap=dp,tpp: dp, tpp is not one of dp_reduce, dp_gather" in capsys.readouterr().err
+    assert Overlap.parse("none") == Overlap(**{f.name: False for f in dataclasses.fields(Overlap)})

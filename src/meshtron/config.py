@@ -155,6 +155,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    # `meshtron train`: the planner picks every layout key not set explicitly (commands/auto_layout.py)
+    auto: bool = False
     dp_replicate: int = positive(1)
     # -1: whatever the world size leaves after the other dims.
     dp_shard: int = _ranged(

@@ -184,6 +184,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="MoE: the busiest expert rank's tokens over the mean (default 1, balanced; a run's "
         "metrics report moe_imbalance)",
     )
+    plan.add_argument(
+        "--overlap",
+        help="what the modelled framework hides behind compute, comma-separated from dp_reduce, dp_gather, "
+        "fsdp_prefetch, tp, cp, ep, pp, or none (default: meshtron's own, printed in the header)",
+    )
     plan.add_argument("--json", action="store_true", help="print a JSON list of the ranked layouts")
 
 

@@ -15,6 +15,7 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     import dataclasses
 
     from meshtron.models.rules import model_problems, moe_problems
+    from meshtron.plan.comm_time import Overlap
     from meshtron.plan.estimate import Cluster
     from meshtron.plan.hardware import accelerator, with_links
     from meshtron.plan.layout import parse_layout
@@ -30,6 +31,10 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
         problems.append(f"--moe-imbalance={args.moe_imbalance}: max / mean expert load is at least 1")
     if args.dtype not in ("bf16", "fp8"):
         problems.append(f"--dtype={args.dtype} must be bf16 or fp8")
+    try:
+        overlap = Overlap.parse(args.overlap) if args.overlap is not None else None
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError(problems)
     cfg = load_config(args.config, overrides)
@@ -40,7 +45,7 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     else:
         cluster = Cluster(accelerator(args.gpu), args.gpus, args.dtype)
     gpu = with_links(cluster.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
-    cluster = dataclasses.replace(cluster, gpu=gpu)
+    cluster = dataclasses.replace(cluster, gpu=gpu, overlap=overlap or cluster.overlap)
     training = dataclasses.replace(
         cfg.training,
         seq_len=args.seq_len,
@@ -59,11 +64,19 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg, cluster, fixed = _plan_inputs(args, overrides)
     plan = search(cfg, cluster, fixed, args.top, args.moe_imbalance)
     if args.json:
-        print(plan_json(plan))
+        print(plan_json(plan, cluster.overlap.names()))
     else:
+        hidden = ",".join(cluster.overlap.names()) or "none"
+        whose = (
+            "given"
+            if args.overlap is not None
+            else "meshtron's on this CPU"
+            if args.gpu.strip().lower() == "cpu"
+            else "meshtron's"
+        )
         print(
             f"{cfg.model.name or 'model'} on {cluster.describe()}, seq {cfg.training.seq_len}, "
-            f"global batch {cfg.training.global_batch}"
+            f"global batch {cfg.training.global_batch}; overlap: {hidden} ({whose})"
         )
         print(plan_table(plan, cluster.gpu.memory_bytes))
     if not plan.ranked:

@@ -23,10 +23,11 @@ def _under_launcher() -> bool:
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
 
 
-def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
+def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[str] = ()) -> int:
     """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
     when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
-    newest complete checkpoint (Trainer.resume_if_asked)."""
+    newest complete checkpoint (Trainer.resume_if_asked). `extra`: overrides for the ranks only (what
+    parallel.auto chose)."""
     from torch.distributed.run import get_args_parser, run
 
     # Drop the launcher's own flags (as "--flag=N" or "--flag N") so the ranks do not launch again.
@@ -51,6 +52,7 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
             "--module",
             "meshtron",
             *cleaned,
+            *extra,
         ]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -82,6 +84,13 @@ def first_rank_error(errors: Path, err: Exception) -> str:
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
     cfg = load_config(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    rank_flags: list[str] = []
+    if cfg.parallel.auto:  # the planner picks the keys left open, before any rank starts
+        from meshtron.commands.auto_layout import announce, choose_layout, explicit_keys
+
+        choice = choose_layout(cfg, world_size, explicit_keys(args.config, overrides), _under_launcher())
+        announce(choice)
+        cfg, rank_flags = choice.cfg, choice.rank_flags()
     check(cfg, world_size)  # every problem reported before any process starts
     from meshtron.train.setup import check_data
 
@@ -92,7 +101,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
         print(dry_run(cfg, world_size, " ".join([args.config, *overrides])))
         return 0
     if args.nproc and args.nproc > 1 and not _under_launcher():
-        return _launch(args.nproc, args.max_restarts, argv)
+        return _launch(args.nproc, args.max_restarts, argv, rank_flags)
     from meshtron.train.trainer import train
 
     train(cfg)

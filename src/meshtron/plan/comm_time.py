@@ -57,6 +57,40 @@ class Overlap:
     ep: bool = False
     pp_p2p: bool = True
 
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """`meshtron plan --overlap`: the names of what is hidden (OVERLAP_NAMES), comma-separated, or
+        "none"; everything not named is exposed. Raises ValueError naming the unknown names."""
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if names == ["none"]:
+            return cls(**{field: False for field in OVERLAP_NAMES.values()})
+        unknown = [n for n in names if n not in OVERLAP_NAMES]
+        if unknown or not names:
+            raise ValueError(
+                f"--overlap={text}: {', '.join(unknown) or 'nothing'} is not one of "
+                f"{', '.join(OVERLAP_NAMES)} (or none)"
+            )
+        return cls(**{field: name in names for name, field in OVERLAP_NAMES.items()})
+
+    def names(self) -> list[str]:
+        """What is hidden, in `--overlap`'s names."""
+        return [name for name, field in OVERLAP_NAMES.items() if getattr(self, field)]
+
+
+# `--overlap` names -> Overlap fields: the data-parallel gradient reduction behind backward, ZeRO-1/2's
+# parameter gather behind the next forward, ZeRO-3's gathers prefetched behind each layer, tp's
+# collectives behind the GEMMs, the ring's K/V hops behind attention, the expert all-to-alls, and the
+# pipeline's sends.
+OVERLAP_NAMES = {
+    "dp_reduce": "dp_reduce",
+    "dp_gather": "dp_gather",
+    "fsdp_prefetch": "fsdp_prefetch",
+    "tp": "tp",
+    "cp": "cp_ring",
+    "ep": "ep",
+    "pp": "pp_p2p",
+}
+
 
 @dataclass(frozen=True)
 class Network:

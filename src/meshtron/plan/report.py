@@ -13,10 +13,12 @@ GiB = 2**30
 TIME_PARTS = ("compute", "tp", "cp", "ep", "pp", "pp_bubble", "dp", "optimizer")
 
 
-def as_json(layout: Layout, est: Estimate) -> dict[str, Any]:
-    """One ranked layout as the documented JSON object (docs/planner.md#json)."""
+def as_json(layout: Layout, est: Estimate, overlap: list[str]) -> dict[str, Any]:
+    """One ranked layout as the documented JSON object (docs/planner.md#json); `overlap`: what the
+    estimate hid behind compute (`--overlap`'s names)."""
     return {
         "layout": layout.to_dict(),
+        "overlap": overlap,
         "step_time_s": est.step_time_s,
         "tokens_per_sec_per_gpu": est.tokens_per_sec_per_gpu,
         "mfu": est.mfu,
@@ -27,8 +29,8 @@ def as_json(layout: Layout, est: Estimate) -> dict[str, Any]:
     }
 
 
-def plan_json(plan: Plan) -> str:
-    return json.dumps([as_json(layout, est) for layout, est in plan.ranked], indent=2)
+def plan_json(plan: Plan, overlap: list[str]) -> str:
+    return json.dumps([as_json(layout, est, overlap) for layout, est in plan.ranked], indent=2)
 
 
 def _breakdown(est: Estimate) -> str:

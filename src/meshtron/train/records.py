@@ -36,6 +36,7 @@ CONFIG_FILE = "config.toml"
 ENVIRONMENT_FILE = "environment.json"
 # Set by `meshtron train --nproc` for the ranks it starts: their own argv is the launcher's rewrite.
 COMMAND_ENV = "MESHTRON_COMMAND"
+AUTO_LAYOUT_ENV = "MESHTRON_AUTO_LAYOUT"  # parallel.auto's choice (commands/auto_layout.py), as JSON
 
 
 def _toml_value(value: Any) -> str:
@@ -156,6 +157,7 @@ def environment(cfg: Config, world_size: int) -> dict[str, Any]:
         # Whether this attempt continues from the newest checkpoint (if any): asked, or after a restart.
         "resume": cfg.checkpoint.resume or attempt > 0,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **({"auto_layout": json.loads(os.environ[AUTO_LAYOUT_ENV])} if AUTO_LAYOUT_ENV in os.environ else {}),
     }
 
 
