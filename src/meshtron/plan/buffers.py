@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable
 
 from meshtron.config import Config
-from meshtron.plan.state import RankParameter, rank_parameters
+from meshtron.plan.state import RankParameter, rank_parameters, stage_key
 
 
 def _padded(shape: tuple[int, ...], n: int) -> int:
@@ -89,8 +89,30 @@ def engine_buffers(cfg: Config, world_size: int, pp_rank: int, in_place: bool) -
     """The buffers of stage `pp_rank`'s engines: the dense parameters' over dp_shard·cp, the experts'
     over edp (a separate engine under ep > 1). `in_place`: the backend's reduce-scatter is an
     all-reduce (gloo), which ZeRO-1 runs on its whole buckets."""
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.training
     shard = p.dp_shard_for(world_size) * p.cp
+    key = (
+        stage_key(cfg, pp_rank),
+        shard,
+        p.zero,
+        p.dp_replicate,
+        p.bucket_mb,
+        t.dtype,
+        p.reduce_dtype,
+        in_place,
+    )
+    if key not in _BUFFERS:  # the same for every micro-batch size and recompute mode the search tries
+        if len(_BUFFERS) > 4096:
+            _BUFFERS.clear()
+        _BUFFERS[key] = _engine_buffers(cfg, shard, pp_rank, in_place)
+    return _BUFFERS[key]
+
+
+_BUFFERS: dict[tuple, float] = {}
+
+
+def _engine_buffers(cfg: Config, shard: int, pp_rank: int, in_place: bool) -> float:
+    p = cfg.parallel
     params = rank_parameters(cfg, pp_rank)
     groups = [([x for x in params if not x.expert or p.ep == 1], shard)]
     if p.ep > 1:

@@ -42,7 +42,7 @@ from meshtron.config import Config
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
-from meshtron.plan.state import rank_parameters
+from meshtron.plan.state import rank_parameters, stage_key
 
 
 @dataclass(frozen=True)
@@ -191,14 +191,15 @@ def pp_p2p(cfg: Config, net: Network) -> float:
 
 
 def _engine_time(
-    shapes: list[tuple[int, ...]], shard: Group, replicas: Group, cfg: Config, net: Network, units: int
+    sizes: tuple[int, int], shard: Group, replicas: Group, cfg: Config, net: Network, units: int
 ):
     """(per micro-batch forward, per micro-batch backward, after the last backward, after the step)
-    seconds of one data-parallel engine's collectives, before any overlap; `units`: the gather units
-    (each layer, and the root), which ZeRO-3 and ZeRO-1/2's post-step gathers pay the latency of."""
+    seconds of one data-parallel engine's collectives, before any overlap; `sizes`: its elements, and
+    padded to the shard group (_engine_sizes); `units`: the gather units (each layer, and the root),
+    which ZeRO-3 and ZeRO-1/2's post-step gathers pay the latency of."""
     p, t = cfg.parallel, cfg.training
     reduce = 2 if p.reduce_dtype == "bf16" else 4
-    full = sum(math.prod(s) for s in shapes)
+    full, padded = sizes
     # ZeRO-3 waits for each unit's gather in turn; DDP's and ZeRO-1/2's buckets pipeline back to back,
     # their latencies behind each other's transfers (NCCL's channels), so they count once.
     calls = units if p.zero == 3 else 1
@@ -208,7 +209,6 @@ def _engine_time(
 
     if shard.size == 1:
         return 0.0, 0.0, timed("all_reduce", reduce * full, replicas), 0.0
-    padded = sum(math.ceil(s[0] / shard.size) * shard.size * math.prod(s[1:]) for s in shapes)
     replica = timed("all_reduce", reduce * padded / shard.size, replicas)
     scatter = timed("reduce_scatter", reduce * padded, shard)
     if p.zero == 3:
@@ -227,6 +227,33 @@ def _step_sync(cfg: Config, net: Network, g: dict[str, Group]) -> float:
     return sync + collective_time("all_reduce", 8, g["pp"], net.gpu, net.eff, calls=2)
 
 
+def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list[tuple[int, int]], int]:
+    """(elements, elements padded to its group) of each data-parallel engine of stage `pp_rank` (the
+    dense parameters over `shard`; under ep the experts over `edp`), and its MoE layers; cached per
+    stage, as the search asks for every micro-batch size and recompute mode of it."""
+    p = cfg.parallel
+    key = (stage_key(cfg, pp_rank), shard, edp, p.ep > 1)
+    if key not in _SIZES:
+        if len(_SIZES) > 4096:
+            _SIZES.clear()
+        params = rank_parameters(cfg, pp_rank)
+        groups = [([x.shape for x in params if not x.expert or p.ep == 1], shard)]
+        if p.ep > 1:
+            groups.append(([x.shape for x in params if x.expert], edp))
+        sizes = [
+            (
+                sum(math.prod(s) for s in shapes),
+                sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes),
+            )
+            for shapes, n in groups
+        ]
+        _SIZES[key] = (sizes, sum(1 for x in params if x.expert and x.name.endswith("w1")))
+    return _SIZES[key]
+
+
+_SIZES: dict[tuple, tuple[list[tuple[int, int]], int]] = {}
+
+
 def dp_comm(
     cfg: Config, pp_rank: int, net: Network, micro: int, mb: PassTimes, layers: int
 ) -> dict[str, float]:
@@ -234,23 +261,19 @@ def dp_comm(
     the rank and `layers` its layer count (ZeRO-3's first layer's gather cannot be prefetched)."""
     p, o = cfg.parallel, net.overlap
     g = {name: _on(net, group) for name, group in groups(cfg).items()}
-    params = rank_parameters(cfg, pp_rank)
-    engines = [([x.shape for x in params if not x.expert or p.ep == 1], g["shard"])]
-    if p.ep > 1:
-        engines.append(([x.shape for x in params if x.expert], g["edp"]))
+    engines, moe_layers = _engine_sizes(cfg, pp_rank, g["shard"].size, g["edp"].size)
     exposed = _step_sync(cfg, net, g)
     bucket = p.bucket_mb * 2**20
     root = pp_rank in (0, p.pp - 1)  # the embedding's and the head's unit
-    moe_layers = sum(1 for x in params if x.expert and x.name.endswith("w1"))
-    for index, (shapes, shard) in enumerate(engines):
+    for index, (sizes, shard) in enumerate(zip(engines, (g["shard"], g["edp"]), strict=False)):
         units = layers + root if index == 0 else max(1, moe_layers)
-        forward, backward, last, after = _engine_time(shapes, shard, g["dp_replicate"], cfg, net, units)
+        forward, backward, last, after = _engine_time(sizes, shard, g["dp_replicate"], cfg, net, units)
         if p.zero == 3 and shard.size > 1 and o.fsdp_prefetch:
             first = (forward + backward) / max(layers, 1)
             exposed += micro * (max(0.0, forward - mb.f) + max(0.0, backward - mb.b - mb.w)) + first
         else:
             exposed += micro * (forward + backward)
-        nbytes = 4 * sum(math.prod(s) for s in shapes)
+        nbytes = 4 * sizes[0]
         tail = last * min(1.0, bucket / nbytes) if nbytes else 0.0  # the last bucket waits for backward
         exposed += max(tail, last - mb.b - mb.w) if o.dp_reduce else last
         exposed += max(0.0, after - mb.f) if o.dp_gather else after

@@ -26,10 +26,17 @@ from meshtron.pipeline.schedules import CheckedSchedule, build_schedule, checked
 from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, pp_p2p
 from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
-from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory
+from meshtron.plan.gpu_memory import (
+    MemoryOverhead,
+    StageBase,
+    schedule_activation_bytes,
+    stage_base,
+    stage_memory,
+    stage_total,
+)
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
 from meshtron.plan.network import LinkEfficiency
-from meshtron.plan.state import layer_split
+from meshtron.plan.state import layer_split, model_key, stage_signature
 
 OPTIMIZER_BYTES_PER_ELEMENT = 32
 
@@ -95,10 +102,41 @@ class Estimate:
         return self.memory_bytes_per_gpu <= self.memory_limit_bytes
 
 
+_DP_KEYS = ("dp_replicate", "dp_shard", "zero")
+
+
 def _chunk_costs(
     cfg: Config, cluster: Cluster, imbalance: float
 ) -> tuple[list[PassTimes], list[dict[str, PassTimes]]]:
-    """Per global chunk: compute seconds, and the exposed communication by dim, per micro-batch."""
+    """Per global chunk: compute seconds, and the exposed communication by dim, per micro-batch; the
+    same for every data-parallel split of a layout (the search tries several), so computed once."""
+    p, t = cfg.parallel, cfg.training
+    others = tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in vars(p).items() if k not in _DP_KEYS
+    )
+    key = (
+        model_key(cfg.model),
+        others,
+        t.micro_batch,
+        t.seq_len,
+        t.dtype,
+        t.recompute,
+        id(cluster),
+        imbalance,
+    )
+    if key not in _COSTS or _COSTS[key][0] is not cluster:
+        if len(_COSTS) > 1024:
+            _COSTS.clear()
+        _COSTS[key] = (cluster, _chunk_costs_of(cfg, cluster, imbalance))  # (the cluster kept: its id stays)
+    return _COSTS[key][1]
+
+
+_COSTS: dict[tuple, tuple[Cluster, tuple[list[PassTimes], list[dict[str, PassTimes]]]]] = {}
+
+
+def _chunk_costs_of(
+    cfg: Config, cluster: Cluster, imbalance: float
+) -> tuple[list[PassTimes], list[dict[str, PassTimes]]]:
     p, m, t = cfg.parallel, cfg.model, cfg.training
     rates = cluster.rates(t.dtype)
     net = Network(cluster.gpu, cluster.links, cluster.overlap)
@@ -108,11 +146,17 @@ def _chunk_costs(
     attention_time = rates.attention_time(core)
     p2p = pp_p2p(cfg, net)
     compute, comm = [], []
+    by_kind: dict[bool, dict[str, PassTimes]] = {}  # a layer's communication: dense or MoE
     for c, layers in enumerate(split):
         first, last = c == 0, c == len(split) - 1
         compute.append(chunk_times(cfg, layers, first, last, rates, imbalance))
         dims: dict[str, PassTimes] = {}
-        parts = [layer_comm(cfg, layer, net, attention_time, imbalance) for layer in layers]
+        parts = []
+        for layer in layers:
+            kind = m.is_moe_layer(layer)
+            if kind not in by_kind:
+                by_kind[kind] = layer_comm(cfg, layer, net, attention_time, imbalance)
+            parts.append(by_kind[kind])
         for part in [*parts, ends_comm(cfg, first, last, net)]:
             for dim, times in part.items():
                 dims[dim] = dims.get(dim, PassTimes()) + times
@@ -201,9 +245,8 @@ def _shared_cores(cfg: Config, totals: list[PassTimes], micro: int, makespan: fl
 def least_memory(cfg: Config, cluster: Cluster) -> float:
     """Bytes per GPU of the most loaded stage with one micro-batch in flight: a lower bound of
     `estimate(...).memory_bytes_per_gpu`, cheap enough to drop layouts before timing them."""
-    return max(
-        sum(stage_memory(cfg, cluster.gpus, r, 1, cluster.memory).values()) for r in range(cfg.parallel.pp)
-    )
+    stages = {stage_signature(cfg, r): r for r in range(cfg.parallel.pp)}  # one of each kind of stage
+    return max(sum(stage_memory(cfg, cluster.gpus, r, 1, cluster.memory).values()) for r in stages.values())
 
 
 def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> list[dict[str, float]]:
@@ -218,6 +261,48 @@ def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> lis
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     _, in_flight, _ = _run_pipeline(cfg, totals, micro, simulated)
     return [stage_memory(cfg, cluster.gpus, r, in_flight[r], cluster.memory) for r in range(p.pp)]
+
+
+def _model_flops_per_token(cfg: Config) -> float:
+    """training_flops_per_token, once per model and sequence length (the MFU's numerator)."""
+    key = (model_key(cfg.model), cfg.training.seq_len)
+    if key not in _FLOPS:
+        if len(_FLOPS) > 256:
+            _FLOPS.clear()
+        _FLOPS[key] = training_flops_per_token(cfg.model, cfg.training.seq_len)
+    return _FLOPS[key]
+
+
+_FLOPS: dict[tuple, float] = {}
+
+
+def _stage_step(
+    cfg: Config,
+    cluster: Cluster,
+    r: int,
+    micro: int,
+    costs: tuple[list[PassTimes], list[dict[str, PassTimes]], list[PassTimes]],
+) -> tuple[StageBase, dict[str, float], float, float]:
+    """Stage r's memory whatever its micro-batches in flight, its step by part (compute and
+    communication of its micro-batches, then its data-parallel tail and optimizer), its busy time and
+    its tail. `costs`: per chunk and micro-batch, compute, communication by dim, and their total."""
+    t = cfg.training
+    compute, comm, totals = costs
+    net, rates = Network(cluster.gpu, cluster.links, cluster.overlap), cluster.rates(t.dtype)
+    chunks, split = _chunks(cfg, r), layer_split(cfg)
+    mb = sum((totals[c] for c in chunks), PassTimes())
+    base = stage_base(cfg, cluster.gpus, r, cluster.memory)
+    tail = dp_comm(cfg, r, net, micro, mb, sum(len(split[c]) for c in chunks))
+    tail["optimizer"] = (
+        OPTIMIZER_BYTES_PER_ELEMENT * base.state["optimizer"] / 8 / (rates.hbm * rates.eff.hbm)
+    )
+    parts = {"compute": micro * sum(compute[c].total for c in chunks)}
+    for c in chunks:
+        for dim, times in comm[c].items():
+            parts[dim] = parts.get(dim, 0.0) + micro * times.total
+    busy = sum(parts.values())
+    parts.update(tail)
+    return base, parts, busy, sum(tail.values())
 
 
 def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
@@ -235,36 +320,31 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: f
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     makespan, in_flight, bubble = _run_pipeline(cfg, totals, micro, simulated)
     makespan = _shared_cores(cfg, totals, micro, makespan, cluster.alone_speedup)
-    net = Network(cluster.gpu, cluster.links, cluster.overlap)
-    rates = cluster.rates(t.dtype)
     worst: tuple[float, dict[str, float]] = (-1.0, {})
     tails: list[float] = []
     memory: dict[str, float] = {}
-    split = layer_split(cfg)
+    done: dict[tuple, tuple[StageBase, dict[str, float], float, float]] = {}
     for r in range(p.pp):
-        chunks = _chunks(cfg, r)
-        mb = sum((totals[c] for c in chunks), PassTimes())
-        layers = sum(len(split[c]) for c in chunks)
-        stage = stage_memory(cfg, world, r, None if simulated else in_flight[r], cluster.memory)
+        # Stages alike (stage_signature) cost the same but for their micro-batches in flight.
+        key = stage_signature(cfg, r)
+        if key not in done:
+            done[key] = _stage_step(cfg, cluster, r, micro, (compute, comm, totals))
+        base, parts, busy, tail = done[key]
+        if simulated and p.pp > 1:  # the schedule's walk: each rank's own
+            activations = schedule_activation_bytes(cfg, r, layer_split(cfg))
+        else:
+            activations = (1 if simulated else in_flight[r]) * base.largest
+        stage = stage_total(base, activations, cluster.memory)
         if sum(stage.values()) > sum(memory.values()):
             memory = stage
-        owned = stage["optimizer"] / 8
-        tail = dp_comm(cfg, r, net, micro, mb, layers)
-        tail["optimizer"] = OPTIMIZER_BYTES_PER_ELEMENT * owned / (rates.hbm * rates.eff.hbm)
-        parts = {"compute": micro * sum(compute[c].total for c in chunks)}
-        for c in chunks:
-            for dim, times in comm[c].items():
-                parts[dim] = parts.get(dim, 0.0) + micro * times.total
-        busy = sum(parts.values())
-        parts.update(tail)
-        tails.append(sum(tail.values()))
+        tails.append(tail)
         if busy + tails[-1] > worst[0]:  # the stage whose own work is the most: the breakdown shown
-            worst = (busy + tails[-1], parts)
+            worst = (busy + tails[-1], dict(parts))
     step = makespan + max(tails)
     idle = step - sum(worst[1].values())  # the bubble it sees, or (shared cores) the time others lend it
     worst[1]["lent_cores" if idle < -1e-9 * step else "pp_bubble"] = idle
     tokens = t.global_batch * t.seq_len
-    flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
+    flops = _model_flops_per_token(cfg) * tokens
     return Estimate(
         step_time_s=step,
         tokens_per_sec_per_gpu=tokens / step / world,

@@ -29,13 +29,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
-from meshtron.config import SPLIT_BACKWARD, Config
+from meshtron.config import SPLIT_BACKWARD, Config, ModelConfig
 from meshtron.pipeline.actions import Kind, chunks_of_rank
 from meshtron.pipeline.schedules import build_schedule
 from meshtron.plan.buffers import engine_buffers
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
-from meshtron.plan.state import layer_split, state_bytes
+from meshtron.plan.state import layer_split, model_key, state_bytes
 
 GiB = 2**30
 
@@ -70,16 +71,26 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
     if m.is_moe_layer(layer):
         kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.expert_tp)
     act = 2 if t.dtype == "bf16" else 4
-    key = ("layer", repr(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
+    key = ("layer", model_key(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
     return _cached(key, lambda: layer_activation_bytes(m, t.micro_batch, t.seq_len, act, layer, **kwargs))
+
+
+def _kinds(m: ModelConfig, layers: list[int]) -> list[tuple[int, int]]:
+    """(a layer, how many) per kind of layer among `layers`: a layer's bytes depend only on whether it
+    is an MoE layer."""
+    if not m.is_moe:
+        return [(layers[0], len(layers))] if layers else []
+    moe = [layer for layer in layers if m.is_moe_layer(layer)]
+    dense = [layer for layer in layers if not m.is_moe_layer(layer)]
+    return [(group[0], len(group)) for group in (dense, moe) if group]
 
 
 def chunk_activation_bytes(cfg: Config, pp_rank: int, layers: list[int], last: bool) -> float:
     """Bytes one micro-batch keeps in one chunk of stage `pp_rank` until its backward."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     total = 0.0
-    for layer in layers:
-        total += layer_bytes(cfg, layer, t.recompute)
+    for layer, count in _kinds(m, layers):
+        total += count * layer_bytes(cfg, layer, t.recompute)
     if last:
         total += head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
     return total
@@ -100,7 +111,10 @@ def recompute_transient_bytes(cfg: Config, layers: list[int]) -> float:
     t = cfg.training
     if t.recompute != "full" or not layers:
         return 0.0
-    return max(layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, "full") for layer in layers)
+    return max(
+        layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, "full")
+        for layer, _ in _kinds(cfg.model, layers)
+    )
 
 
 def optimizer_transient_bytes(optimizer_bytes: float) -> float:
@@ -127,6 +141,12 @@ def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> flo
     return tokens * act * values
 
 
+@lru_cache(maxsize=64)
+def _schedule(pp: int, vpp: int, micro: int, schedule: str) -> list:
+    """Every rank's actions (built once per schedule, not once per stage asked about)."""
+    return build_schedule(pp, vpp, micro, schedule)
+
+
 def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]]) -> float:
     """The most activation bytes stage `pp_rank` holds at once, walking its action list: a forward (F)
     keeps its chunk's activations until the input-gradient backward (B); with a split backward, B leaves
@@ -143,7 +163,7 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
 
     def walk() -> int:
         alive = peak = 0
-        for a in build_schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank]:
+        for a in _schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank]:
             if a.kind == Kind.F:
                 alive += kept[a.chunk]
             elif a.kind == Kind.B:
@@ -157,27 +177,49 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
     return _cached(key, walk)
 
 
+@dataclass(frozen=True)
+class StageBase:
+    """What a stage's rank holds whatever its micro-batches in flight: parameters, gradients and
+    optimizer state, the engines' buffers, its largest chunk's activations for one micro-batch, and
+    the backward's transient (the loss's, or a fully recomputed layer's)."""
+
+    state: dict[str, float]
+    largest: float
+    backward: float
+    buffers: float
+
+
+def stage_base(cfg: Config, world_size: int, pp_rank: int, overhead: MemoryOverhead) -> StageBase:
+    p = cfg.parallel
+    split = layer_split(cfg)
+    chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+    last_chunk = p.pp * p.vpp - 1
+    largest = max(chunk_activation_bytes(cfg, pp_rank, split[c], c == last_chunk) for c in chunks)
+    loss = loss_transient_bytes(cfg) if last_chunk in chunks else 0.0
+    backward = max(loss, recompute_transient_bytes(cfg, [layer for c in chunks for layer in split[c]]))
+    buffers = engine_buffers(cfg, world_size, pp_rank, overhead.in_place_reduce)
+    return StageBase(dict(state_bytes(cfg, world_size, pp_rank)), largest, backward, buffers)
+
+
+def stage_total(base: StageBase, activations: float, overhead: MemoryOverhead) -> dict[str, float]:
+    """A stage's bytes by part (the module docstring's table) holding `activations`."""
+    out: dict[str, float] = dict(base.state)
+    out["activations"] = activations
+    # The optimizer's temporary comes after the activations are gone: it adds only where it is larger.
+    out["transient"] = max(base.backward, optimizer_transient_bytes(out["optimizer"]) - activations)
+    out["buffers"] = base.buffers
+    counted = sum(out.values())
+    out["reserved"] = overhead.context_bytes + overhead.fragmentation * counted
+    return out
+
+
 def stage_memory(
     cfg: Config, world_size: int, pp_rank: int, in_flight: int | None, overhead: MemoryOverhead
 ) -> dict[str, float]:
     """Bytes of stage `pp_rank`'s rank 0 at its peak, by part (the module docstring's table), with
     `in_flight` of its largest chunk's micro-batches kept at once (a bound: the search's screen), or
     None: the activations its pipeline schedule holds at most (walked action by action)."""
-    p = cfg.parallel
-    split = layer_split(cfg)
-    chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
-    last_chunk = p.pp * p.vpp - 1
-    out: dict[str, float] = dict(state_bytes(cfg, world_size, pp_rank))
-    if in_flight is None and p.pp > 1:
-        out["activations"] = schedule_activation_bytes(cfg, pp_rank, split)
-    else:
-        largest = max(chunk_activation_bytes(cfg, pp_rank, split[c], c == last_chunk) for c in chunks)
-        out["activations"] = (in_flight or 1) * largest
-    loss = loss_transient_bytes(cfg) if last_chunk in chunks else 0.0
-    backward = max(loss, recompute_transient_bytes(cfg, [layer for c in chunks for layer in split[c]]))
-    # The optimizer's temporary comes after the activations are gone: it adds only where it is larger.
-    out["transient"] = max(backward, optimizer_transient_bytes(out["optimizer"]) - out["activations"])
-    out["buffers"] = engine_buffers(cfg, world_size, pp_rank, overhead.in_place_reduce)
-    counted = sum(out.values())
-    out["reserved"] = overhead.context_bytes + overhead.fragmentation * counted
-    return out
+    base = stage_base(cfg, world_size, pp_rank, overhead)
+    if in_flight is None and cfg.parallel.pp > 1:
+        return stage_total(base, schedule_activation_bytes(cfg, pp_rank, layer_split(cfg)), overhead)
+    return stage_total(base, (in_flight or 1) * base.largest, overhead)

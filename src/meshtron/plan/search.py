@@ -107,6 +107,7 @@ def _schedules(fixed: dict[str, Any], pp: int) -> list[tuple[str, int]]:
 def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iterator[Layout | str]:
     """The micro-batch, recompute, ep and sp choices of one mesh, with their arithmetic rules."""
     m, t = cfg.model, cfg.training
+    head = head_layers(m, t.seq_len) if base.pp > 1 else 0.0
     if base.world_size != gpus:
         yield "the degrees must multiply to the GPU count"
         return
@@ -138,10 +139,8 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
             continue
         chosen = dict(micro_batch=micro_batch, recompute=recompute, ep=ep, sp=fixed.get("sp", base.tp > 1))
         # The head counted as its FLOPs in layers, so the split does not make the last stage the slowest.
-        chosen["pp_head_layers"] = fixed.get(
-            "pp_head_layers", head_layers(m, t.seq_len) if base.pp > 1 else 0.0
-        )
-        yield Layout(**{**base.to_dict(), **chosen})
+        chosen["pp_head_layers"] = fixed.get("pp_head_layers", head)
+        yield dataclasses.replace(base, **chosen)
 
 
 def _trainer_problem(cfg: Config, gpus: int) -> str | None:

@@ -101,12 +101,31 @@ def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
     return list(_STAGES[key])
 
 
+_MODEL_KEYS: dict[int, tuple[ModelConfig, str]] = {}
+
+
+def model_key(m: ModelConfig) -> str:
+    """The planner's cache key of a model config (unhashable, so its repr), formed once per object: the
+    search asks for it a million times for the same few configs, which it never changes."""
+    entry = _MODEL_KEYS.get(id(m))
+    if entry is None or entry[0] is not m:  # (the object is kept, so its id is not reused meanwhile)
+        if len(_MODEL_KEYS) > 256:
+            _MODEL_KEYS.clear()
+        entry = _MODEL_KEYS[id(m)] = (m, repr(m))
+    return entry[1]
+
+
+def _split_key(cfg: Config) -> tuple:
+    p = cfg.parallel
+    return (model_key(cfg.model), cfg.training.seq_len, p.pp, p.vpp, p.pp_schedule, p.pp_embedding_layers,
+            p.pp_head_layers, tuple(p.pp_layers), p.pp_balance)  # fmt: skip
+
+
 def layer_split(cfg: Config) -> list[list[int]]:
     """The layers of every chunk (pipeline/balance.py), as the trainer runs them and the planner models
     them, cached per layout."""
     p, m = cfg.parallel, cfg.model
-    key = (repr(m), cfg.training.seq_len, p.pp, p.vpp, p.pp_schedule, p.pp_embedding_layers, p.pp_head_layers,
-           tuple(p.pp_layers), p.pp_balance)  # fmt: skip
+    key = _split_key(cfg)
     if key not in _SPLITS:
         costs = layer_costs(m, cfg.training.seq_len) if p.pp_balance == "cost" else None
         _SPLITS[key] = layer_split_of(cfg, costs)
@@ -121,11 +140,48 @@ def stage_key(cfg: Config, pp_rank: int) -> tuple:
     the tp / ep cuts, and the layers, embedding and head the stage holds. The planner caches per-stage
     sums on it."""
     p = cfg.parallel
-    split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
-    layers = tuple(layer for c in chunks for layer in split[c])
-    first, last = 0 in chunks, p.pp * p.vpp - 1 in chunks
-    tied_copy = cfg.model.tie_embeddings and last and not first  # the head's copy of the embedding
-    return (repr(cfg.model), p.tp, p.ep, p.etp, layers, first, last, tied_copy, pp_rank)
+    cached = (_split_key(cfg), p.tp, p.ep, p.etp, pp_rank)
+    if cached not in _STAGE_KEYS:
+        if len(_STAGE_KEYS) > 4096:
+            _STAGE_KEYS.clear()
+        split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+        layers = tuple(layer for c in chunks for layer in split[c])
+        first, last = 0 in chunks, p.pp * p.vpp - 1 in chunks
+        tied_copy = cfg.model.tie_embeddings and last and not first  # the head's copy of the embedding
+        _STAGE_KEYS[cached] = (
+            model_key(cfg.model),
+            p.tp,
+            p.ep,
+            p.etp,
+            layers,
+            first,
+            last,
+            tied_copy,
+            pp_rank,
+        )
+    return _STAGE_KEYS[cached]
+
+
+_STAGE_KEYS: dict[tuple, tuple] = {}
+
+
+def stage_signature(cfg: Config, pp_rank: int) -> tuple:
+    """What makes two stages' parameters, memory and per-micro-batch costs equal: per chunk its dense
+    and MoE layer counts, and whether it holds the embedding or the head (the middle stages of a deep
+    pipeline share one, so the planner computes them once)."""
+    p, m = cfg.parallel, cfg.model
+    key = (_split_key(cfg), pp_rank)
+    if key not in _SIGNATURES:
+        if len(_SIGNATURES) > 4096:
+            _SIGNATURES.clear()
+        split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
+        moe = [sum(m.is_moe_layer(layer) for layer in split[c]) for c in chunks]
+        kinds = tuple((len(split[c]) - n, n) for c, n in zip(chunks, moe, strict=True))
+        _SIGNATURES[key] = (kinds, 0 in chunks, p.pp * p.vpp - 1 in chunks)
+    return _SIGNATURES[key]
+
+
+_SIGNATURES: dict[tuple, tuple] = {}
 
 
 _STAGES: dict[tuple, tuple[RankParameter, ...]] = {}
