@@ -50,7 +50,9 @@ from meshtron.plan.search import search
 
 # Each framework's overlap in `meshtron plan --overlap`'s terms (docs/planner.md).
 MEGATRON = Overlap.parse("dp_reduce,dp_gather,fsdp_prefetch,tp,cp,pp")
-MEGATRON_2021 = Overlap.parse("dp_gather,fsdp_prefetch,cp,pp")  # no tp overlap yet; dp all-reduce after backward
+MEGATRON_2021 = Overlap.parse(
+    "dp_gather,fsdp_prefetch,cp,pp"
+)  # no tp overlap yet; dp all-reduce after backward
 TITAN = Overlap()
 EVEN = 0.0  # pp_head_layers: Megatron and torchtitan split the layers evenly over the stages
 ASYNC_TP = Overlap.parse("dp_reduce,dp_gather,fsdp_prefetch,tp,cp,pp")
@@ -257,7 +259,9 @@ def evaluate(runs: list[Run], compute: ComputeEfficiency | None, own_search: boo
         row = dict(
             run=run, layout=layout, est=est, fits=fits, error=est.tokens_per_sec_per_gpu / run.published - 1
         )
-        if own_search:  # the published recompute mode held, where stated (a framework's choice, not a layout's)
+        if (
+            own_search
+        ):  # the published recompute mode held, where stated (a framework's choice, not a layout's)
             held = {k: run.layout[k] for k in ("recompute",) if k in run.layout}
             plan = search(base_config(run), cluster_for(run, compute), held, top=3)
             best = plan.ranked[0][1].step_time_s if plan.ranked else math.inf

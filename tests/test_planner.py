@@ -20,7 +20,7 @@ from meshtron.plan.comm_time import Overlap, groups
 from meshtron.plan.compute_time import PassTimes, chunk_times
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.flops import training_flops_per_token
-from meshtron.plan.gpu_memory import layer_split
+from meshtron.plan.gpu_memory import layer_split, stage_memory
 from meshtron.plan.hardware import GiB, accelerator
 from meshtron.plan.layout import Layout, parse_layout
 from meshtron.plan.network import Group, LinkEfficiency, collective_time
@@ -301,3 +301,21 @@ def test_overlap_flag_describes_another_frameworks_run(capsys):
     assert main([*args, "--overlap", "dp,tpp"]) == 2
     assert "--overlap=dp,tpp: dp, tpp is not one of dp_reduce, dp_gather" in capsys.readouterr().err
     assert Overlap.parse("none") == Overlap(**{f.name: False for f in dataclasses.fields(Overlap)})
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        (LLAMA_1B, "tp=2,pp=4,pp_schedule=1f1b,dp_shard=2,zero=1,micro_batch=1,recompute=none"),
+        (LLAMA_1B, "tp=1,pp=4,pp_schedule=interleaved,vpp=2,dp_shard=4,zero=3,micro_batch=1,recompute=full"),
+        (["--model.name=tiny-moe", "--model.n_layers=6", "--model.dense_layers=[0]"],
+         "tp=1,pp=2,pp_schedule=zero_bubble,ep=2,dp_shard=8,zero=1,micro_batch=2,recompute=selective"),
+    ],
+)  # fmt: skip
+def test_estimating_each_kind_of_stage_once_gives_every_stages_own_memory(model, layout):
+    """The estimate computes stages alike once (plan/state.py stage_signature); its memory must still be
+    the most loaded stage's, as stage_memory computes each stage on its own (its schedule walked)."""
+    cluster = Cluster(accelerator("h100"), 16)
+    cfg = Layout(**parse_layout(layout)).apply(config(model, batch=32))
+    want = max(sum(stage_memory(cfg, 16, r, None, cluster.memory).values()) for r in range(cfg.parallel.pp))
+    assert estimate(cfg, cluster).memory_bytes_per_gpu == want
