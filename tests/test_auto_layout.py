@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,17 @@ from meshtron.config import ConfigError, build_config, tomllib
 from meshtron.plan.estimate import Cluster
 from meshtron.testing.parity import assert_losses_match, train_rows
 from meshtron.testing.tiny import TINY
+from meshtron.train.records import AUTO_LAYOUT_ENV
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
+
+
+@pytest.fixture(autouse=True)
+def no_choice_left_behind():
+    """A choice made in this process is left in the environment for the ranks' environment.json; the
+    tests after these must not see it."""
+    yield
+    os.environ.pop(AUTO_LAYOUT_ENV, None)
 
 
 def test_held_keys_are_those_set_in_the_file_or_the_overrides(tmp_path):

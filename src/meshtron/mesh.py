@@ -47,6 +47,7 @@ class ParallelMesh:
             self._cp_parts = {d: dist.new_subgroups_by_enumeration(dims.groups(d))[0] for d in CP_PARTS}
         self._twins: dict[int, Any] | None = None
         self._twin_groups: list[Any] = []
+        self._sliced: dict[str, Any] = {}  # 1-D meshes by dim: slicing a DeviceMesh builds a new one
 
     def pair_lane(self) -> dict[str, Any]:
         """A second process group for each group a chunk's forward communicates on (tp, cp and its
@@ -90,7 +91,9 @@ class ParallelMesh:
         """The 1-D DeviceMesh of `dim` that contains this rank."""
         if dim in FLAT_DIMS:
             return self._flat[dim]
-        return self.expert[dim] if dim in ("ep", "edp") else self.world[dim]
+        if dim not in self._sliced:  # (the training step asks every step)
+            self._sliced[dim] = self.expert[dim] if dim in ("ep", "edp") else self.world[dim]
+        return self._sliced[dim]
 
     def group(self, dim: str) -> CommGroup:
         """The named group of `dim` containing this rank, as the comm layer takes it."""

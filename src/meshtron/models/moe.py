@@ -122,7 +122,7 @@ def router_losses(
     groups = max(n_sequences, 1)
     group_T = torch.arange(n_tokens, device=scores_TE.device) // (n_tokens // groups)
     slots = (group_T[:, None] * n_experts + experts_Tk).flatten()
-    counts_GE = torch.bincount(slots, minlength=groups * n_experts).to(scores_TE.dtype)
+    counts_GE = counts_of(slots, groups * n_experts).to(scores_TE.dtype)
     probs_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
     z_sum = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() if with_z else logits_TE.new_zeros(())
     n_G = scores_TE.new_full((groups,), float(n_tokens // groups))
@@ -146,12 +146,19 @@ def capacity_keep(scores_TE: torch.Tensor, experts_Tk: torch.Tensor, capacity: i
     flat_experts = experts_Tk.flatten()
     by_score = torch.argsort(scores_TE.detach().gather(1, experts_Tk).flatten(), descending=True, stable=True)
     order = by_score[torch.argsort(flat_experts[by_score], stable=True)]
-    counts_E = torch.bincount(flat_experts, minlength=scores_TE.shape[1])
+    counts_E = counts_of(flat_experts, scores_TE.shape[1])
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     place = torch.arange(order.numel(), device=order.device) - starts_E[flat_experts[order]]
     keep = torch.zeros_like(flat_experts, dtype=torch.bool)
     keep[order] = place < capacity
     return keep.view_as(experts_Tk)
+
+
+def counts_of(ids: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] int64: how many of `ids` (weighted by 0/1 `weights`) are each of 0..n-1. bincount's result,
+    without its read of the largest id on the host (a device synchronisation on GPUs)."""
+    ones = torch.ones_like(ids) if weights is None else weights.to(ids.dtype)
+    return torch.zeros(n, dtype=ids.dtype, device=ids.device).index_add_(0, ids, ones)
 
 
 def sort_by_expert(
@@ -163,7 +170,7 @@ def sort_by_expert(
     local = experts_Tk.flatten() - first
     ids = (keep_Tk.flatten() & (local >= 0) & (local < n_experts)).nonzero().squeeze(1)
     order = ids[torch.argsort(local[ids], stable=True)]
-    return order, torch.bincount(local[ids], minlength=n_experts)
+    return order, counts_of(local[ids], n_experts)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -269,8 +276,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _count(self, experts_Tk: torch.Tensor, keep_Tk: torch.Tensor) -> None:
         if _LOAD_COUNTING.on:
-            self.loads_2E[0] += torch.bincount(experts_Tk.flatten(), minlength=self.n_experts)
-            self.loads_2E[1] += torch.bincount(experts_Tk[keep_Tk], minlength=self.n_experts)
+            self.loads_2E[0] += counts_of(experts_Tk.flatten(), self.n_experts)
+            self.loads_2E[1] += counts_of(experts_Tk.flatten(), self.n_experts, keep_Tk.flatten())
 
     def take_loads(self) -> torch.Tensor:
         """[2, E]: (routed, kept) assignments per expert counted since the last call; resets them."""

@@ -69,11 +69,13 @@ class AllToAllDispatch(ExpertDispatch):
         n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
         table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
-        sent, received_SE = table[me].sum(-1).tolist(), table[:, me]
-        received = received_SE.sum(-1).tolist()
+        received_SE = table[:, me]
+        # The uneven all-to-all takes its split sizes on the host: the layer's one read of the device.
+        sent, received = torch.stack([table[me].sum(-1), received_SE.sum(-1)]).tolist()
         x_ND = compute_dtype(x_TD)[order // moe.top_k]
         x_MD = self.comm.all_to_all_v(x_ND, self.ep, received, sent)  # rows by (source, local expert)
-        expert_M = torch.arange(local, device=x_MD.device).repeat(n).repeat_interleave(received_SE.flatten())
+        experts_M = torch.arange(local, device=x_MD.device).repeat(n)
+        expert_M = experts_M.repeat_interleave(received_SE.flatten(), output_size=x_MD.shape[0])
         by_expert = torch.argsort(expert_M, stable=True)
         y_MD = moe.experts(x_MD[by_expert], received_SE.sum(0))[torch.argsort(by_expert)]
         y_ND = self.comm.all_to_all_v(y_MD, self.ep, sent, received)

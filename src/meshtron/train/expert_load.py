@@ -51,9 +51,8 @@ class ExpertLoads:
             for moe, loads_2E in zip(self.layers.values(), loads_L2E, strict=True):
                 if moe.router.expert_bias is not None and update_bias:
                     moe.router.update_bias(loads_2E[0])
-            per_layer = {
-                name: _layer_metrics(loads) for name, loads in zip(self.layers, loads_L2E, strict=True)
-            }
+            host = loads_L2E.double().tolist()  # every layer's loads in one read of the device
+            per_layer = {name: _layer_metrics(*loads) for name, loads in zip(self.layers, host, strict=True)}
         if self.pp.size > 1:
             per_layer = {
                 k: v for part in self.comm.all_gather_object(per_layer, self.pp) for k, v in part.items()
@@ -69,12 +68,12 @@ class ExpertLoads:
         }
 
 
-def _layer_metrics(loads_2E: torch.Tensor) -> dict[str, Any]:
-    routed, kept = loads_2E.double()
-    total = float(routed.sum())
+def _layer_metrics(routed: list[float], kept: list[float]) -> dict[str, Any]:
+    """A layer's metrics from its assignments routed to and kept by each expert."""
+    total = sum(routed)
     return {
-        "imbalance": float(routed.max() / routed.mean()) if total else 1.0,
-        "dropped": float(1 - kept.sum() / total) if total else 0.0,
+        "imbalance": max(routed) / (total / len(routed)) if total else 1.0,
+        "dropped": 1 - sum(kept) / total if total else 0.0,
         "load": [int(v) for v in routed],
     }
 

@@ -50,8 +50,11 @@ def clip_grad_norm_(
     if pp is not None:  # pipeline stages hold disjoint parameters
         comm.all_reduce_(parts, pp)
     norm = parts.sum().sqrt()
-    if max_norm > 0 and torch.isfinite(norm):  # a non-finite step is skipped: its gradients left as they are
-        engine.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if (
+        max_norm > 0
+    ):  # without reading the norm on the host: a non-finite one scales by 1 (the step is skipped)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        engine.scale_grads_(torch.where(torch.isfinite(norm), scale, torch.ones_like(scale)))
     return norm
 
 

@@ -9,6 +9,7 @@ by one `comm.recording()`, so a step's metrics hold its own collectives and noth
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -92,14 +93,16 @@ class Trainer:
             by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
             tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere()
             grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
-            finite = bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))  # the same on every rank
+            # The step's one read of the device (docs/performance.md), the same on every rank.
+            loss_value, norm_value = torch.stack([loss_sum.double(), grad_norm.double()]).tolist()
+            finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             first_bad = None
             if finite:
                 self.optimizer.step()
                 self.engine.after_step()
             else:  # skipped: nothing changes (nonfinite.py)
                 first_bad = first_nonfinite_gradient(self.engine, comm, self.job.place.world)
-            skipped = self.skips.check(step + 1, float(loss_sum), float(grad_norm), first_bad)
+            skipped = self.skips.check(step + 1, loss_value, norm_value, first_bad)
             self.engine.zero_grad()
         extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
         elapsed = time.perf_counter() - start
@@ -117,8 +120,8 @@ class Trainer:
         stats = recorded.stats
         return {
             "step": step + 1,
-            "loss": float(loss_sum),
-            "grad_norm": float(grad_norm),
+            "loss": loss_value,
+            "grad_norm": norm_value,
             "lr": lr,
             "tokens_per_sec": tokens_per_sec,
             "mfu": mfu,  # None, with the note, when there is no reference or it was measured too low
