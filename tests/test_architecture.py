@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "meshtron.pipeline.schedules", "meshtron.pipeline.v_schedules", "meshtron.pipeline.split",
                "meshtron.pipeline.balance", "meshtron.hf.config", "meshtron.hf.resolve", "meshtron.checks")),
     ("planner", ("meshtron.plan",)),  # the planner's models, pure
-    ("comm", ("meshtron.comm", "meshtron.comm_autograd", "meshtron.comm_record", "meshtron.mesh",
+    ("comm", ("meshtron.comm", "meshtron.comm_autograd", "meshtron.comm_pending", "meshtron.comm_record", "meshtron.mesh",
               "meshtron.testing.workers")),  # fmt: skip
     ("models", ("meshtron.models", "meshtron.data", "meshtron.pipeline.picture")),
     ("parallelisms", ("meshtron.parallel", "meshtron.pipeline")),

@@ -234,3 +234,27 @@ def test_timeout_names_rank_collective_and_group(workers):
     assert "rank 0" in message
     assert "all_reduce" in message
     assert "'world'" in message and "[0, 1]" in message
+
+
+def pairwise_all_to_all_matches() -> bool:
+    """Every pair's send and receive (what a backend without all-to-all gets: gloo in torch 2.11)
+    gives the all-to-all's result, even and uneven (with an empty split)."""
+    comm = Comm()
+    group = _world_group(comm)
+    n, r = group.size, group.rank
+    x = torch.arange(n * 6 * 3, dtype=torch.float32).view(n * 6, 3) + 1000 * r
+    splits = [(r + j) % 3 for j in range(n)]  # rows rank r sends to rank j (0 for some pairs)
+    received = [(i + r) % 3 for i in range(n)]  # rows rank i sends here
+    rows = x[: sum(splits)]
+    results = []
+    for pairwise in (False, True):
+        comm.pairwise_all_to_all = pairwise
+        results.append(
+            (comm.all_to_all_tensor(x, group, 0, 1), comm.all_to_all_single(rows, group, received, splits))
+        )
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pairwise_all_to_all_equals_the_collective(workers, world):
+    assert all(workers(world).run(pairwise_all_to_all_matches))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ from meshtron.comm_autograd import (
     ReduceScatter,
     SplitToGroup,
 )
+from meshtron.comm_pending import Pending, Works
 from meshtron.comm_record import LANE, CommStats, Recording, Span, flight_name, recorder
 
 _gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
@@ -100,39 +101,6 @@ def _splits_evenly(op: str, x: torch.Tensor, dim: int, group: CommGroup) -> None
         )
 
 
-class Pending:
-    """An in-flight collective; `wait()` blocks (with the comm deadline) until its buffers are valid."""
-
-    def __init__(
-        self, comm: Comm, work: Any, op: str, group: CommGroup, on_done: Callable[[], None] | None = None
-    ):
-        self.comm, self.work, self.op, self.group, self.on_done = comm, work, op, group, on_done
-
-    def wait(self) -> None:
-        if self.work is not None:
-            work, self.work = self.work, None
-            self.comm.wait(work, self.op, self.group)
-            if self.on_done is not None:
-                self.on_done()
-
-    def completed(self) -> bool:
-        """Whether the operation has finished (without waiting); `wait()` is still to be called."""
-        return self.work is None or self.work.is_completed()
-
-
-class _Works:
-    """Several in-flight operations waited on as one."""
-
-    def __init__(self, works: list[Any]):
-        self.works = works
-
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        return all(w.wait(timeout=timeout) is not False for w in self.works)
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
 class Comm:
     """Collectives on named groups, with accounting and a deadline on every wait."""
 
@@ -145,6 +113,7 @@ class Comm:
         self._twins: dict[str, Any] | None = None
         # Inside a `recording(spans=True)`: every wait as (op, group name, lane, start, end), perf_counter s.
         self.spans: list[Span] | None = None
+        self.pairwise_all_to_all = False  # set where the backend has no all-to-all (`_exchange`)
 
     @contextlib.contextmanager
     def recording(self, spans: bool = False) -> Iterator[Recording]:
@@ -279,8 +248,31 @@ class Comm:
         self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
         inputs = [c.contiguous() for c in x.chunk(group.size, dim=split_dim)]
         outputs = [torch.empty_like(c) for c in inputs]
-        self.wait(dist.all_to_all(outputs, inputs, group=self._pg(group), async_op=True), "all_to_all", group)
+        self._exchange(outputs, inputs, group)
         return torch.cat(outputs, dim=concat_dim)
+
+    def _exchange(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: CommGroup) -> None:
+        """inputs[j] to rank j, outputs[i] from rank i: torch's all_to_all, or where the backend lacks it
+        (gloo in torch 2.11) every pair's send and receive, posted together."""
+        pg, me = self._pg(group), group.rank
+        if not self.pairwise_all_to_all:
+            try:
+                return self.wait(
+                    dist.all_to_all(outputs, inputs, group=pg, async_op=True), "all_to_all", group
+                )
+            except RuntimeError as err:  # (raised alike on every rank: the backend is the same)
+                if "does not support alltoall" not in str(err):
+                    raise
+                self.pairwise_all_to_all = True
+        outputs[me].copy_(inputs[me])
+        pairs = [
+            (j, op, t)
+            for j in range(group.size)
+            if j != me
+            for op, t in ((dist.isend, inputs[j]), (dist.irecv, outputs[j]))
+        ]
+        ops = [dist.P2POp(op, t, group.ranks[j], pg) for j, op, t in pairs]
+        self.wait(Works(dist.batch_isend_irecv(ops)), "all_to_all", group)
 
     def all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
@@ -292,10 +284,18 @@ class Comm:
         row = _nbytes(x[:1]) if x.shape[0] else 0
         sent = (x.shape[0] - input_splits[group.rank]) * row
         self.stats.record(group.name, "all_to_all", sent)
-        work = dist.all_to_all_single(
-            out, x.contiguous(), output_splits, input_splits, group=self._pg(group), async_op=True
-        )
-        self.wait(work, "all_to_all", group)
+        if not self.pairwise_all_to_all:
+            try:
+                work = dist.all_to_all_single(
+                    out, x.contiguous(), output_splits, input_splits, group=self._pg(group), async_op=True
+                )
+                self.wait(work, "all_to_all", group)
+                return out
+            except RuntimeError as err:  # as in `_exchange`
+                if "does not support alltoall" not in str(err):
+                    raise
+                self.pairwise_all_to_all = True
+        self._exchange(list(out.split(output_splits)), list(x.contiguous().split(input_splits)), group)
         return out
 
     def broadcast_(self, x: torch.Tensor, group: CommGroup, src: int) -> torch.Tensor:
@@ -348,7 +348,7 @@ class Comm:
             dist.P2POp(dist.isend, x, group.ranks[dst], self._pg(group)),
             dist.P2POp(dist.irecv, out, group.ranks[src], self._pg(group)),
         ]
-        return Pending(self, _Works(dist.batch_isend_irecv(ops)), "sendrecv", group), out
+        return Pending(self, Works(dist.batch_isend_irecv(ops)), "sendrecv", group), out
 
     def all_gather_object(self, obj: Any, group: CommGroup) -> list[Any]:
         """Every rank's picklable `obj`, in group order: for reports (timelines), not for the step's
