@@ -15,8 +15,10 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -352,6 +354,46 @@ def tables(results: list[harness.RankResult], report: reporting.Report) -> list[
     ]
 
 
+# `meshtron train` end to end: the demo on 4 ranks under each engine (issue 34.5's method).
+END_TO_END = {"DDP": 4, "ZeRO-1": 1, "ZeRO-2": 2}  # name -> dp_replicate 4 (DDP), or the ZeRO stage
+
+
+def end_to_end(rounds: int, steps: int = 25, skip: int = 5) -> list[list[str]]:
+    """Each engine's median step time of `meshtron train --config configs/demo.toml --nproc 4` (steps
+    skip+1..steps), the engines alternating for `rounds` rounds, every run's first loss equal to DDP's."""
+    from planner_cpu import Case, run_case
+
+    from meshtron.plan.layout import Layout
+
+    times: dict[str, list[float]] = {name: [] for name in END_TO_END}
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in range(rounds):
+            first = {}
+            for name, value in END_TO_END.items():
+                layout = ["--parallel.dp_replicate=4", "--parallel.dp_shard=1"] if name == "DDP" else [
+                    "--parallel.dp_shard=4", f"--parallel.zero={value}"]  # fmt: skip
+                flags = [f"--training.steps={steps}", "--training.global_batch=8", "--training.micro_batch=2",
+                         "--run.plot=false", "--run.log_every=1", *layout]  # fmt: skip
+                rows, _ = run_case(
+                    Case(name, "configs/demo.toml", Layout()), flags, steps, Path(tmp) / f"{name}-{index}"
+                )
+                first[name] = rows[0]["loss"]
+                times[name].append(statistics.median(r["step_time_s"] for r in rows[skip:]))
+            if any(abs(loss - first["DDP"]) > 1e-4 * abs(first["DDP"]) for loss in first.values()):
+                sys.exit(f"end to end: first losses differ ({first}): nothing compared")
+    ddp = statistics.median(times["DDP"])
+    rows = [
+        [name, " / ".join(ms(t) for t in ts), f"{statistics.median(ts) / ddp:.2f}"]
+        for name, ts in times.items()
+    ]
+    return table(
+        "engine | median step ms per round | median over rounds vs DDP",
+        rows,
+        f"`meshtron train --config configs/demo.toml --nproc 4`, global batch 8, micro-batch 2, steps "
+        f"{skip + 1}-{steps} of each run, the engines alternating over {rounds} rounds:",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = reporting.parser(__doc__)
@@ -359,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size, both sides"
     )
     parser.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME", help="a subset (quote names)")
+    parser.add_argument(
+        "--end-to-end-rounds", type=int, default=2, help="rounds of `meshtron train` runs (0: none)"
+    )
     args = parser.parse_args(argv)
     report, names = reporting.Report(__file__, TITLE), args.only or list(NAMES)
     results = harness.run_world(
@@ -366,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     report.add(results)
     report.blocks = tables(results, report)
+    if args.end_to_end_rounds:
+        report.blocks.append(end_to_end(args.end_to_end_rounds))
     rss = max(r.max_rss for r in results) / 2**20
     report.facts = [
         f"{WORLD} ranks x `torch.set_num_threads(1)` on {os.cpu_count()} cores: oversubscribed, so every "
