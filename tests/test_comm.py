@@ -258,3 +258,32 @@ def pairwise_all_to_all_matches() -> bool:
 @pytest.mark.parametrize("world", [2, 4])
 def test_pairwise_all_to_all_equals_the_collective(workers, world):
     assert all(workers(world).run(pairwise_all_to_all_matches))
+
+
+def pairwise_all_gather_matches() -> bool:
+    """On gloo the all-gathers go pair by pair (comm_pairwise.py): two in flight at once, with a ring's
+    send and receive (tag 0) on the same group between them, still give torch's all-gather."""
+    comm = Comm()
+    group = _world_group(comm)
+    n, r = group.size, group.rank
+    parts = [torch.arange(5, dtype=torch.float32) + 100 * r + 10 * k for k in range(2)]
+    outs = [torch.empty(5 * n) for _ in parts]
+    first = comm.all_gather_async(outs[0], parts[0], group)
+    ring, received = comm.sendrecv(torch.full((3,), float(r)), group, (r + 1) % n, (r - 1) % n)
+    second = comm.all_gather_async(outs[1], parts[1], group)
+    for pending in (second, ring, first):
+        pending.wait()
+    expected = [torch.empty(5 * n) for _ in parts]
+    for want, part in zip(expected, parts, strict=True):
+        dist.all_gather_into_tensor(want, part)
+    tensor = comm.all_gather_tensor(parts[0].view(5, 1), group, dim=1)
+    return (
+        all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+        and torch.equal(received, torch.full((3,), float((r - 1) % n)))
+        and torch.equal(tensor, expected[0].view(n, 5).T)
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pairwise_all_gather_equals_the_collective(workers, world):
+    assert all(workers(world).run(pairwise_all_gather_matches))

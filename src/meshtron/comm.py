@@ -8,7 +8,8 @@ Bytes are counted as the per-rank volume of a ring algorithm (docs/theory.md#com
 over n ranks 2*S*(n-1)/n; all-gather and reduce-scatter S*(n-1)/n with S the full (unsharded) size;
 all-to-all S*(n-1)/n; broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing.
 This is the volume of the collective asked for: gloo has no reduce-scatter of its own and runs one as
-an all-reduce, so on gloo a reduce-scatter really moves twice its counted bytes.
+an all-reduce, so on gloo a reduce-scatter really moves twice its counted bytes. Gloo's all-gathers go
+as every pair's messages at once (comm_pairwise.py: faster there), which move the counted bytes.
 
 Autograd rules (SPMD: the loss is the sum of every rank's loss):
   all_reduce      forward sum over ranks       backward all_reduce
@@ -46,6 +47,7 @@ import torch.distributed as dist
 # module yet; SimpleFSDP's compiled path needs them (gather_rows_traced).
 import torch.distributed._functional_collectives as functional
 
+from meshtron import comm_pairwise as pairwise
 from meshtron.comm_autograd import (
     AllGather,
     AllReduce,
@@ -218,8 +220,7 @@ class Comm:
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
-        work = _all_gather_single(out, moved, group=self._pg(group), async_op=True)
-        self.wait(work, "all_gather", group)
+        self.wait(self._all_gather_work(out, moved, group), "all_gather", group)
         # Contiguous, so consumers (several projections read a gathered sequence) share one copy.
         return out.movedim(0, dim).contiguous()
 
@@ -264,15 +265,7 @@ class Comm:
                 if "does not support alltoall" not in str(err):
                     raise
                 self.pairwise_all_to_all = True
-        outputs[me].copy_(inputs[me])
-        pairs = [
-            (j, op, t)
-            for j in range(group.size)
-            if j != me
-            for op, t in ((dist.isend, inputs[j]), (dist.irecv, outputs[j]))
-        ]
-        ops = [dist.P2POp(op, t, group.ranks[j], pg) for j, op, t in pairs]
-        self.wait(Works(dist.batch_isend_irecv(ops)), "all_to_all", group)
+        self.wait(pairwise.exchange(outputs, inputs, pg, group.ranks, me), "all_to_all", group)
 
     def all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
@@ -376,7 +369,11 @@ class Comm:
     def reduce_scatter_is_all_reduce(self, group: CommGroup) -> bool:
         """Whether the backend runs a reduce-scatter as an all-reduce of the whole input (gloo has none
         of its own): a caller that keeps the whole sum anyway can then all-reduce in place instead."""
-        return group.size > 1 and dist.get_backend(group.process_group) == "gloo"
+        return group.size > 1 and self._is_gloo(group)
+
+    @staticmethod
+    def _is_gloo(group: CommGroup) -> bool:
+        return dist.get_backend(group.process_group) == "gloo"
 
     def reduce_scatter_kept_whole_async(
         self, x: torch.Tensor, group: CommGroup, counted_numel: int
@@ -423,8 +420,12 @@ class Comm:
             recorder().note(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
         else:
             self.book_all_gather(_nbytes(out), group)
-        work = _all_gather_single(out, inp, group=self._pg(group), async_op=True)
-        return Pending(self, work, "all_gather", group)
+        return Pending(self, self._all_gather_work(out, inp, group), "all_gather", group)
+
+    def _all_gather_work(self, out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> Any:
+        if self._is_gloo(group):  # faster there as every pair's messages (comm_pairwise.py)
+            return pairwise.all_gather(out, inp, self._pg(group), group.ranks, group.rank)
+        return _all_gather_single(out, inp, group=self._pg(group), async_op=True)
 
     def book_all_gather(self, out_nbytes: int, group: CommGroup) -> None:
         """Count the bytes and the call of an all-gather (into `out_nbytes` bytes) to be issued later."""
