@@ -192,7 +192,9 @@ def saved_bytes_by_part(
         block.register_forward_pre_hook(lambda *_a, i=index: part.update(now=i))
         block.register_forward_hook(lambda *_a: part.update(now="head"))
         if block.moe is not None:
-            block.moe.experts.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+            block.moe.experts.register_forward_pre_hook(
+                lambda _m, args: rows.append(args[0].shape[:-1].numel())
+            )
     with recording_saves(record):
         logits, aux = model(tokens, return_aux=True)  # the MoE losses are back-propagated too
         ce = (
@@ -263,6 +265,7 @@ MOE_CASES = [
     (1, False, 2, "alltoall", 0, "selective", []),
     (1, False, 2, "alltoall", 0, "full", []),
     (1, False, 2, "alltoall", 0, "none", MOE_VARIANT),
+    (1, False, 2, "alltoall", 0, "selective", ["--model.capacity_factor=1.5"]),
     (1, False, 2, "allgather", 0, "none", []),
 ]
 

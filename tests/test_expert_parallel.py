@@ -5,6 +5,8 @@ dispatcher equivalence, skewed routing, exact bytes); HF MoE checkpoints under e
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import types
 
 import pytest
@@ -178,16 +180,19 @@ def run_moe(cfg: ModelConfig, dispatch: str | None, skew: bool) -> dict[str, tor
     return {"out": out.detach(), "x_grad": x.grad, **grads}
 
 
+@pytest.mark.parametrize("capacity", [0.0, 1.0], ids=["dropless", "capacity"])
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
-def test_dispatchers_match_local_experts(workers, skew):
+def test_dispatchers_match_local_experts(workers, skew, capacity):
     """alltoall and allgather give the outputs and gradients of the experts run locally (each rank's
     experts' gradients summed over the ranks, as data parallel would), on 4 ranks; with skewed routing
-    three ranks receive no tokens and still finish, with zero gradients for the idle experts."""
+    three ranks receive no tokens and still finish, with zero gradients for the idle experts. With a
+    capacity (skewed: most assignments dropped), alltoall exchanges fixed capacity slots instead."""
     pool = workers(4)
-    local = pool.run(run_moe, MODULE_CFG, None, skew)
+    cfg = dataclasses.replace(MODULE_CFG, capacity_factor=capacity)
+    local = pool.run(run_moe, cfg, None, skew)
     summed = {name: sum(r[name] for r in local) for name in ("w1", "w3", "w2")}
     for dispatch in ("alltoall", "allgather"):
-        results = pool.run(run_moe, MODULE_CFG, dispatch, skew)
+        results = pool.run(run_moe, cfg, dispatch, skew)
         for rank, (got, want) in enumerate(zip(results, local, strict=True)):
             for key in ("out", "x_grad"):  # fp32 sums in another order: relative L2 error <= 1e-5
                 error = float((got[key] - want[key]).norm() / want[key].norm())
@@ -198,11 +203,11 @@ def test_dispatchers_match_local_experts(workers, skew):
             assert all(results[0][name][2:].abs().max() == 0 for name in summed)
 
 
-def dispatch_bytes(dispatch: str) -> dict[str, float]:
+def dispatch_bytes(dispatch: str, capacity: float = 0.0) -> dict[str, float]:
     """Bytes and calls of the ep group's token all-to-alls over one forward and backward, with every
     token's k choices spread round-robin over the experts (exactly uniform routing)."""
     world = torch.distributed.get_world_size()
-    cfg = MODULE_CFG
+    cfg = dataclasses.replace(MODULE_CFG, capacity_factor=capacity)
     moe, comm = random_moe(cfg), Comm()
     n_tokens = 4 * cfg.n_experts
     experts_Tk = (torch.arange(n_tokens * cfg.top_k) % cfg.n_experts).view(n_tokens, cfg.top_k)
@@ -234,6 +239,18 @@ def test_alltoall_moves_the_formula_bytes_exactly(workers, world):
     n_tokens = 4 * cfg.n_experts
     per_call = cfg.top_k * n_tokens * cfg.dim * 4 * (world - 1) / world
     for got in workers(world).run(dispatch_bytes, "alltoall"):
+        assert got == {"all_to_all": 4 * per_call, "calls": 4}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_capacity_slots_move_the_capacity_bytes_exactly(workers, world):
+    """With a capacity factor of 1.5 each all-to-all moves every expert's C = ceil(1.5·T·k/E) slots,
+    filled or not: E·C·dim·4 bytes·(ep−1)/ep from each rank."""
+    cfg = MODULE_CFG
+    n_tokens = 4 * cfg.n_experts
+    slots = math.ceil(1.5 * n_tokens * cfg.top_k / cfg.n_experts)
+    per_call = cfg.n_experts * slots * cfg.dim * 4 * (world - 1) / world
+    for got in workers(world).run(dispatch_bytes, "alltoall", 1.5):
         assert got == {"all_to_all": 4 * per_call, "calls": 4}
 
 

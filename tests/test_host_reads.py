@@ -36,6 +36,18 @@ CASES = {
         [*MOE, "--parallel.ep=2", "--parallel.dp_shard=2", "--training.micro_batch=2"],
         {**STEP, **LOADS, **per_layer(SORT, 2, 2), **per_layer(SPLITS, 2, 2)},
     ),
+    # With a capacity the all-to-all dispatch exchanges fixed slots: it reads nothing, nor sorts.
+    "moe_ep2_alltoall_capacity": (
+        2,
+        [
+            *MOE,
+            "--model.capacity_factor=1.5",
+            "--parallel.ep=2",
+            "--parallel.dp_shard=2",
+            "--training.micro_batch=2",
+        ],
+        {**STEP, **LOADS},
+    ),
     "moe_ep2_allgather": (
         2,
         [

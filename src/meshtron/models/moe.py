@@ -220,10 +220,23 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # down
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor | None) -> torch.Tensor:
+        """Rows sorted by expert, counts_E of each; or counts_E None: x is [E, M, D], M rows per expert."""
+        if counts_E is None:
+            return self.forward_slots(x_ND)
         gate = grouped_linear(x_ND, self.w1, counts_E)
         up = grouped_linear(x_ND, self.w3, counts_E)
         return grouped_linear(F.silu(gate) * up, self.w2, counts_E)
+
+    def forward_slots(self, x_EMD: torch.Tensor) -> torch.Tensor:
+        """Every expert on its own M rows (capacity slots; empty ones zero, and so their outputs): batched
+        matmuls of static shapes, nothing read on the host."""
+        x_EMD = compute_dtype(x_EMD)
+
+        def linear(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(x, w_EOI.to(x.dtype).transpose(1, 2))
+
+        return linear(F.silu(linear(x_EMD, self.w1)) * linear(x_EMD, self.w3), self.w2)
 
 
 def local_dispatch(

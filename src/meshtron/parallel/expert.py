@@ -10,6 +10,10 @@ routes and keeps; this module moves the tokens):
     3  all-to-all the token rows (uneven splits), regroup what arrived by local expert
     4  local experts as one grouped matmul
     5  the reverse all-to-all, then each token's outputs weighted by its gate values and summed in fp32
+    with a capacity C per expert (`slots`): every expert gets C rows from each rank, the kept
+    assignments in slots found on the device and zeros in the rest, so both all-to-alls are even and
+    nothing is read on the host (no counts, no sort by size): GShard's dispatch, at the cost of the
+    empty slots' bytes and FLOPs
   allgather
     1  all-gather every rank's tokens, gate values, expert ids and keep mask over ep
     2  each rank runs its experts on the assignments routed to them and sums them per token (fp32)
@@ -34,7 +38,7 @@ from torch import nn
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import EpDispatch
 from meshtron.models.llama import Transformer
-from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, sort_by_expert
+from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, counts_of, sort_by_expert
 
 
 def expert_parameter_names(model: nn.Module) -> frozenset[str]:
@@ -67,6 +71,9 @@ class AllToAllDispatch(ExpertDispatch):
         keep_Tk: torch.Tensor,
     ) -> torch.Tensor:
         n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
+        capacity = moe.capacity(x_TD.shape[0])
+        if capacity is not None:
+            return self.slots(moe, x_TD, weights_Tk, experts_Tk, keep_Tk, capacity)
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
         table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
         received_SE = table[:, me]
@@ -80,6 +87,53 @@ class AllToAllDispatch(ExpertDispatch):
         y_MD = moe.experts(x_MD[by_expert], received_SE.sum(0))[torch.argsort(by_expert)]
         y_ND = self.comm.all_to_all_v(y_MD, self.ep, sent, received)
         return combine(y_ND, order, weights_Tk, x_TD.shape[0])
+
+    def slots(
+        self,
+        moe: MoE,
+        x_TD: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        experts_Tk: torch.Tensor,
+        keep_Tk: torch.Tensor,
+        capacity: int,
+    ) -> torch.Tensor:
+        """With a capacity C, every expert of the ep group gets C rows from each rank, the kept assignments
+        in them and zeros in the rest: one even all-to-all each way, nothing read on the host."""
+        n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
+        slot_A = capacity_slots(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local, capacity)
+        rows = n * local * capacity  # slot `rows` takes every assignment not sent here, then is dropped
+        tokens, top_k = x_TD.shape[0], moe.top_k
+        # Each slot's token (the zero row `tokens` for an empty one): a gather, which saves only its ids.
+        token_R = torch.full((rows + 1,), tokens, device=x_TD.device)
+        token_R[slot_A] = torch.arange(tokens * top_k, device=x_TD.device) // top_k
+        x_TD = compute_dtype(x_TD)
+        x_RD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_R[:rows]]
+        # [dest rank, local expert, slot] -> [source rank, local expert, slot] -> [local expert, rows]
+        x_SLCD = self.comm.all_to_all(x_RD, self.ep, 0, 0).view(n, local, capacity, -1)
+        y_LMD = moe.experts(x_SLCD.transpose(0, 1).reshape(local, n * capacity, -1), None)
+        y_SLCD = y_LMD.view(local, n, capacity, -1).transpose(0, 1).reshape(rows, -1)
+        y_RD = self.comm.all_to_all(y_SLCD, self.ep, 0, 0)
+        y_AD = torch.cat([y_RD, y_RD.new_zeros(1, y_RD.shape[1])])[slot_A]
+        weighted = y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)) * weights_Tk.reshape(-1, 1)
+        return weighted.view(*weights_Tk.shape, -1).sum(1)
+
+
+def capacity_slots(
+    experts_Tk: torch.Tensor, keep_Tk: torch.Tensor, first: int, n_experts: int, capacity: int
+) -> torch.Tensor:
+    """[T*k]: each assignment's row in a [n_experts * capacity] buffer (expert-major, kept assignments of
+    one expert in token order), or n_experts * capacity for the ones not kept or not among experts
+    [first, first + n_experts). On the device throughout: a stable sort, counts, a scatter."""
+    local = experts_Tk.flatten() - first
+    mine = keep_Tk.flatten() & (local >= 0) & (local < n_experts)
+    key = torch.where(mine, local, n_experts)
+    order = torch.argsort(key, stable=True)
+    counts = counts_of(key, n_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.empty_like(order).scatter_(
+        0, order, torch.arange(key.numel(), device=key.device) - starts[key[order]]
+    )
+    return torch.where(mine, key * capacity + place, n_experts * capacity)
 
 
 class AllGatherDispatch(ExpertDispatch):

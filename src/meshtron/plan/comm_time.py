@@ -136,8 +136,17 @@ def layer_comm(
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)
     if p.ep > 1 and m.is_moe_layer(layer):
         ep = _on(net, g["ep"])
-        one = collective_time("all_to_all", imbalance * m.top_k * tokens * m.dim * act, ep, net.gpu, net.eff)
-        counts = collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff)
+        rows, counts = (
+            imbalance * m.top_k * tokens,
+            collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff),
+        )
+        if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
+            owners = 1 if p.etp in (0, p.tp) else p.tp
+            rows, counts = (
+                m.n_experts // owners * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts),
+                0.0,
+            )
+        one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
         out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one) * (0.0 if net.overlap.ep else 1.0)
     return out
 

@@ -196,6 +196,17 @@ def moe_layer_activation_elements(
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
     ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp
+    if ep > 1 and ep_dispatch == "alltoall" and cfg.capacity_factor > 0:
+        routed = _capacity_slot_elements(
+            cfg, tokens, ffn, owners, assignments=None if kept is None else assignments
+        )
+        attention = SavedElements(floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses))
+        return (
+            attention
+            + _router_elements(cfg, batch, tokens)
+            + routed
+            + _shared_expert_elements(cfg, tokens, tp)
+        )
     # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
     # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
     # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
@@ -209,6 +220,22 @@ def moe_layer_activation_elements(
     attention = SavedElements(floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses))
     return (
         attention + _router_elements(cfg, batch, tokens) + routed + _shared_expert_elements(cfg, tokens, tp)
+    )
+
+
+def _capacity_slot_elements(
+    cfg: ModelConfig, tokens: int, ffn: int, owners: int, assignments: int | None
+) -> SavedElements:
+    """The all-to-all dispatch with a capacity (parallel/expert.py, `slots`): the experts process every
+    slot, M = (E/owners)·C rows, filled or not (`assignments` if measured); every one of the A = T·k
+    assignments is gathered back and weighted: each slot's token id (M + 1, int64), each assignment's
+    slot (A, int64), the experts' rows and SwiGLU M·(h + 4·e), the gathered outputs in fp32 A·h and the
+    gate values A (fp32)."""
+    capacity = math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+    rows = cfg.n_experts // owners * capacity if assignments is None else assignments
+    routed = tokens * cfg.top_k
+    return SavedElements(
+        floats=rows * (cfg.dim + 4 * ffn), fp32=routed * cfg.dim + routed, int64=routed + rows + 1
     )
 
 
