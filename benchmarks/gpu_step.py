@@ -14,7 +14,7 @@ Cases run in priority order until `--budget-s` is spent (the rest are listed as 
 eager and compiled, with and without full recompute, then the 3B and the MoE.
 
     python benchmarks/gpu_step.py                      # on a CUDA GPU: the table goes to RESULTS.md
-    python benchmarks/gpu_step.py --smoke --out -      # CPU, tiny shapes, fp32: what CI runs
+    python benchmarks/gpu_step.py --smoke --out -      # CPU, tiny shapes, fp32 (CI: through gpu_check.py)
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def parity(outcomes: list[Outcome], rtol: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32 (CI's run)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
     parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting cases after this")
     parser.add_argument("--no-compile", action="store_true", help="eager cases only")

@@ -1,0 +1,303 @@
+"""One GPU, one script: meshtron's single-device paths checked against the CPU, then timed and measured.
+
+    python benchmarks/gpu_check.py                    # CUDA: every section into RESULTS.md, under 8 min
+    python benchmarks/gpu_check.py --smoke --out -    # CPU, tiny shapes, fp32: what CI runs
+
+It needs nothing beyond torch, transformers, safetensors, tokenizers and numpy, and no network (the
+memory section trains on the byte-tokenized default corpus, prepared from Python's own library).
+
+1. Correctness first. Every path a single GPU takes, on a small Llama (and its MoE twin), against the
+   CPU fp32 reference on the same weights and batch: the reference is the eager model with attention as
+   dense masked SDPA; the device runs the path under test in bf16 autocast over fp32 weights. Compared:
+   the first loss (relative difference) and the gradients (relative L2 error of all of them together,
+   and of the worst parameter). The bf16 tolerances are those of bf16 rounding through a few layers
+   (8 mantissa bits: 2^-8 = 0.4% per rounding): loss 1e-2, all gradients 5e-2, worst parameter 1e-1; in
+   the CPU smoke run (fp32 throughout) 1e-5, 1e-4, 1e-4. Generation compares the KV-cached logits of
+   every new token with a full forward over the whole sequence (fp32, 1e-4), and the checkpoint the
+   loss after a safetensors round trip (exactly equal).
+2. Speed: benchmarks/gpu_step.py's cases (the Llama-3.2-1B and 3B shapes and an MoE, eager and
+   compiled, recompute on and off, against transformers on the same weights, MFU against the datasheet
+   peak), within a time budget; its own section of RESULTS.md.
+3. Memory: a few steps of `meshtron train`'s Trainer on the 1B shape per configuration, the peak of
+   `torch.cuda.max_memory_allocated` against the planner's prediction for the same config on one GPU
+   (plan/gpu_memory.py: parameters, gradients, optimizer, activations, transients; no CUDA context, no
+   fragmentation: allocated, not reserved). The smoke run trains the tiny shape on the CPU and reports
+   the prediction only (the CPU's measurement is benchmarks/memory_vs_plan.py's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gpu_step
+import torch
+import torch.nn.functional as F
+from reporting import RESULTS, table, write_section
+from torch import nn
+
+from meshtron.checks import load_config
+from meshtron.config import ModelConfig
+from meshtron.hf import load, save
+from meshtron.models.blockwise_attention import attend_blockwise
+from meshtron.models.llama import Attention, KVCache, build_model, document_causal_mask
+from meshtron.parallel.compile import compile_blocks
+from meshtron.parallel.recompute import apply_recompute
+from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory
+
+TITLE = "## One GPU: acceptance checks (correctness against the CPU, memory against the planner)"
+SMALL = ModelConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192)
+TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+TOLERANCES = {torch.bfloat16: (1e-2, 5e-2, 1e-1), torch.float32: (1e-5, 1e-4, 1e-4)}  # loss, grads, worst
+
+
+@dataclass(frozen=True)
+class Setting:
+    device: torch.device
+    dtype: torch.dtype  # the autocast dtype on the device (fp32: none)
+    dense: ModelConfig
+    seq: int
+    batch: int
+
+    @property
+    def moe(self) -> ModelConfig:
+        return dataclasses.replace(self.dense, n_experts=8, top_k=2, moe_ffn_dim=self.dense.ffn_dim // 2)
+
+    @property
+    def windowed(self) -> ModelConfig:
+        return dataclasses.replace(self.dense, sliding_window=self.seq // 4)
+
+
+def dense_attention(model: nn.Module) -> None:
+    """Every attention as SDPA with an explicit mask (causal, within documents, within the window):
+    the reference, whatever path the device takes."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+
+            def attend(q, k, v, docs_BS=None, m=module):
+                docs = (
+                    docs_BS if docs_BS is not None else torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
+                )
+                mask = document_causal_mask(docs.to(q.device), m.sliding_window)
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+                )
+
+            module.attend = attend
+
+
+def blockwise_attention(model: nn.Module) -> None:
+    """Every attention through the tiled blockwise path (context parallel's kernel, and one rank's
+    document masks on the CPU), with the model's window."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend = lambda q, k, v, docs_BS=None, m=module: attend_blockwise(
+                q, k, v, docs_BS, m.sliding_window
+            )
+
+
+def batch_of(s: Setting, cfg: ModelConfig, documents: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens [B, S+1] and, with `documents`, ids [B, S] of 5 documents of random lengths per sequence."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (s.batch, s.seq + 1), generator=generator)
+    if not documents:
+        return tokens, None
+    starts = torch.zeros(s.batch, s.seq, dtype=torch.long)
+    for row in starts:
+        row[torch.randperm(s.seq - 1, generator=generator)[:4] + 1] = 1
+    return tokens, torch.cumsum(starts, dim=1)
+
+
+def loss_and_grads(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    docs: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    tokens = tokens.to(device)
+    extra = {} if docs is None else {"docs_BS": docs.to(device)}
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits, aux = model(tokens[:, :-1], return_aux=True, **extra)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) + aux
+    loss.backward()
+    return float(loss), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def compare(
+    name: str, s: Setting, cfg: ModelConfig, prepare: Callable[[nn.Module], None], documents: bool
+) -> list:
+    """One row: the path `prepare` sets up, on the device, against the CPU fp32 dense reference."""
+    reference = build_model(cfg, seed=0)
+    candidate = copy.deepcopy(reference).to(s.device)
+    dense_attention(reference)
+    prepare(candidate)
+    tokens, docs = batch_of(s, cfg, documents)
+    want_loss, want = loss_and_grads(reference, tokens, docs, torch.device("cpu"), torch.float32)
+    got_loss, got = loss_and_grads(candidate, tokens, docs, s.device, s.dtype)
+    errors = {n: float((got[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in want.items()}
+    total = math.sqrt(sum(float((got[n] - g).norm()) ** 2 for n, g in want.items()))
+    total /= math.sqrt(sum(float(g.norm()) ** 2 for g in want.values()))
+    worst = max(errors, key=errors.get)
+    loss_error = abs(got_loss - want_loss) / abs(want_loss)
+    tol = TOLERANCES[s.dtype]
+    ok = loss_error <= tol[0] and total <= tol[1] and errors[worst] <= tol[2]
+    return [name, f"{want_loss:.5f}", f"{got_loss:.5f}", f"{loss_error:.1e}", f"{total:.1e}",
+            f"{errors[worst]:.1e} ({worst})", "ok" if ok else "OVER"]  # fmt: skip
+
+
+def generate_row(s: Setting) -> list:
+    """Logits of 8 new tokens through the KV cache against a full forward of the whole sequence (fp32)."""
+    model = build_model(s.dense, seed=0).to(s.device).eval()
+    tokens, _ = batch_of(s, s.dense, False)
+    tokens = tokens[:, : s.seq // 2].to(s.device)
+    with torch.no_grad():
+        cache = KVCache(s.dense, tokens.shape[0], tokens.shape[1] + 8, s.device, torch.float32)
+        logits, worst = model(tokens, cache=cache)[:, -1], 0.0
+        for _ in range(8):
+            full = model(tokens)[:, -1]
+            worst = max(worst, float((logits - full).abs().max() / full.abs().max()))
+            token = logits.argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, token], dim=1)
+            logits = model(token, cache=cache)[:, -1]
+    return ["generate: KV cache vs full forward (fp32, 8 tokens)", "", "", f"{worst:.1e}", "", "",
+            "ok" if worst <= 1e-4 else "OVER"]  # fmt: skip
+
+
+def checkpoint_row(s: Setting) -> list:
+    """The loss before and after a safetensors save and load (meshtron.hf) on the device: equal."""
+    model = build_model(s.dense, seed=0).to(s.device)
+    tokens, _ = batch_of(s, s.dense, False)
+    before, _ = loss_and_grads(model, tokens, None, s.device, s.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tmp)
+        loaded = load(tmp).to(s.device)
+    after, _ = loss_and_grads(loaded, tokens, None, s.device, s.dtype)
+    return ["checkpoint: safetensors save and load", f"{before:.5f}", f"{after:.5f}",
+            f"{abs(after - before):.1e}", "", "", "ok" if after == before else "OVER"]  # fmt: skip
+
+
+def correctness(s: Setting) -> tuple[list[str], bool]:
+    def recompute(mode: str) -> Callable[[nn.Module], None]:
+        return lambda m: apply_recompute(m, mode)
+
+    checks = [
+        ("attention: SDPA, causal", s.dense, lambda m: None, False),
+        ("attention: default path (CUDA: SDPA), documents + window", s.windowed, lambda m: None, True),
+        ("attention: blockwise (CUDA: tiled), documents + window", s.windowed, blockwise_attention, True),
+        ("MoE: grouped GEMM (8 experts, top-2)", s.moe, lambda m: None, False),
+        ("compile: every block", s.dense, compile_blocks, False),
+        ("recompute: full", s.dense, recompute("full"), False),
+        ("recompute: selective", s.dense, recompute("selective"), False),
+        (
+            "MoE compiled, selective recompute",
+            s.moe,
+            lambda m: (compile_blocks(m), apply_recompute(m, "selective")),
+            False,
+        ),
+    ]
+    rows = []
+    for name, cfg, prepare, documents in checks:
+        rows.append(compare(name, s, cfg, prepare, documents))
+        print(" | ".join(rows[-1]), flush=True)
+    rows += [generate_row(s), checkpoint_row(s)]
+    header = ("check | CPU fp32 loss | device loss | loss rel. diff | gradients rel. L2 | worst parameter "
+              "| within tolerance")  # fmt: skip
+    return table(header, rows), all(r[-1] == "ok" for r in rows)
+
+
+MEMORY = {  # name: overrides of the 1B shape's training config
+    "eager": [],
+    "selective recompute": ["--training.recompute=selective"],
+    "full recompute": ["--training.recompute=full"],
+    "compiled": ["--training.compile=true"],
+}
+
+
+def memory(s: Setting, smoke: bool, run_dir: str) -> list[str]:
+    from meshtron.train.trainer import Trainer
+
+    base = ["--model.name=llama3-1b", "--training.seq_len=2048", "--training.global_batch=4",
+            "--training.micro_batch=4", "--training.dtype=bf16"]  # fmt: skip
+    if smoke:  # the tiny shape, eager only (the correctness section compiled it already)
+        base = [f"--model.{k}={getattr(TINY, k)}" for k in SHAPE_KEYS]
+        base += ["--training.seq_len=32", "--training.global_batch=2", "--training.micro_batch=2"]
+    common = ["--data.tokenizer=byte", "--run.plot=false", "--run.sample_tokens=0", "--training.steps=3",
+              f"--run.dir={run_dir}", f"--run.device={s.device.type}"]  # fmt: skip
+    rows = []
+    for name, overrides in MEMORY.items():
+        if smoke and "--training.compile=true" in overrides:
+            continue
+        cfg = load_config(None, [*base, *common, *overrides])
+        parts = stage_memory(cfg, 1, 0, None, MemoryOverhead(context_bytes=0.0, fragmentation=0.0))
+        predicted = sum(v for k, v in parts.items() if k != "reserved")
+        trainer = Trainer(cfg)
+        if s.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(s.device)
+        for step in range(cfg.training.steps):
+            trainer.step(step)
+        measured = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else math.nan
+        trainer.close()
+        del trainer
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()
+        ratio = "" if math.isnan(measured) else f"{measured / predicted:.2f}"
+        shown = "" if math.isnan(measured) else f"{measured / 2**20:,.0f}"
+        split = ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in parts.items() if k != "reserved" and v)
+        rows.append([name, shown, f"{predicted / 2**20:,.0f}", ratio, split])
+        print(" | ".join(rows[-1]), flush=True)
+    header = (
+        "configuration | measured peak MiB | predicted MiB | measured / predicted | predicted parts (MiB)"
+    )
+    return table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32 (CI's run)")
+    parser.add_argument("--speed-budget-s", type=float, default=180.0, help="gpu_step's time budget")
+    parser.add_argument("--out", default=str(RESULTS), help="results file ('-': print only)")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke for the CPU path")
+    started = time.perf_counter()
+    if args.smoke:
+        setting = Setting(torch.device("cpu"), torch.float32, TINY, 32, 2)
+    else:
+        setting = Setting(torch.device("cuda"), torch.bfloat16, SMALL, 512, 2)
+    rows, ok = correctness(setting)
+    speed = ["--smoke"] if args.smoke else ["--budget-s", str(args.speed_budget_s)]
+    speed_failed = gpu_step.main([*speed, "--out", args.out])
+    with tempfile.TemporaryDirectory() as tmp:
+        memory_rows = memory(setting, args.smoke, tmp)
+    name = torch.cuda.get_device_name(setting.device) if setting.device.type == "cuda" else "CPU (smoke)"
+    facts = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; {name}; torch {torch.__version__}; took "
+        f"{time.perf_counter() - started:.0f} s",
+        f"correctness: {'every check within tolerance' if ok else 'SOME CHECKS OVER TOLERANCE'}; model "
+        f"dim {setting.dense.dim}, {setting.dense.n_layers} layers, seq {setting.seq}, batch {setting.batch}, "
+        f"device dtype {str(setting.dtype).removeprefix('torch.')}",
+        "speed: the section of benchmarks/gpu_step.py (written by this run)",
+        f"reproduce: `python benchmarks/gpu_check.py{' --smoke' if args.smoke else ''}`",
+    ]
+    body = "\n".join(
+        ["\n".join(f"- {f}" for f in facts), "", *rows, "", "Memory: peak allocated over 3 training steps "
+         "against the planner's prediction for the same config on one GPU:", "", *memory_rows]
+    )  # fmt: skip
+    print(body)
+    if args.out != "-":
+        write_section(Path(args.out), TITLE, "gpu_check.py", body + "\n")
+    return 0 if ok and not speed_failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""benchmarks/gpu_check.py's CPU path (tiny shapes, fp32), so that the one-GPU acceptance script cannot rot
+between the sessions that have a GPU: its correctness checks must pass, gpu_step.py's table (which it
+runs) must build both models from the same weights and agree on the first loss, and the memory section
+must train every configuration it predicts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_its_cpu_smoke_path():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", "-"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "correctness: every check within tolerance" in out.stdout
+    for check in ("tiled", "grouped GEMM", "compile", "recompute: full", "KV cache", "safetensors"):
+        assert check in out.stdout, check
+    assert "parity of the first loss: ok for every shape" in out.stdout
+    for shape in ("tiny", "tiny-moe"):
+        for impl in ("meshtron", "transformers"):
+            assert f"| {shape} | {impl} |" in out.stdout
+    for configuration in ("| eager |", "| selective recompute |", "| full recompute |"):
+        assert configuration in out.stdout, configuration
