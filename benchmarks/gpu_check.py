@@ -186,6 +186,48 @@ def checkpoint_row(s: Setting) -> list:
             f"{abs(after - before):.1e}", "", "", "ok" if after == before else "OVER"]  # fmt: skip
 
 
+def pair_lane_row(s: Setting) -> list:
+    """DualPipeV's pair lane on one device (pipeline/pairs.py): one model's forward in the helper thread
+    (on CUDA on its own stream, its saved tensors marked for the main stream) while another model's
+    backward runs here, then the first one's backward: the losses and gradients of both equal the same
+    work done one after the other. What needs two GPUs (NCCL across ranks) is not checked here."""
+    from meshtron.comm import Comm
+    from meshtron.pipeline.pairs import run_pair
+
+    tokens, _ = batch_of(s, s.dense, False)
+    batches = (tokens, tokens.roll(1, dims=0))
+    serial = [build_model(s.dense, seed=seed).to(s.device) for seed in (0, 1)]
+    paired = [copy.deepcopy(m) for m in serial]
+
+    def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(s.device)
+        with torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32):
+            logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+    want = [loss(m, b) for m, b in zip(serial, batches, strict=True)]
+    for value in reversed(want):
+        value.backward()
+    waiting = loss(paired[1], batches[1])  # the pair's backward is an earlier micro-batch's
+    got: dict = {}
+
+    def forward() -> None:
+        got["stream"] = torch.cuda.current_stream(s.device) if s.device.type == "cuda" else None
+        got["loss"] = loss(paired[0], batches[0])
+
+    run_pair(Comm(), forward, waiting.backward, s.device)
+    got["loss"].backward()
+    errors = [abs(float(got["loss"]) - float(want[0])) / abs(float(want[0]))]
+    for ours, theirs in zip(paired, serial, strict=True):
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            errors.append(float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)))
+    own_stream = s.device.type != "cuda" or got["stream"] != torch.cuda.current_stream(s.device)
+    worst = max(errors)
+    where = "its own stream" if s.device.type == "cuda" else "CPU: no streams"
+    return [f"DualPipeV pair lane: forward in a thread ({where}) while a backward runs", "", "",
+            f"{errors[0]:.1e}", f"{worst:.1e}", "", "ok" if worst <= 1e-5 and own_stream else "OVER"]  # fmt: skip
+
+
 def correctness(s: Setting) -> tuple[list[str], bool]:
     def recompute(mode: str) -> Callable[[nn.Module], None]:
         return lambda m: apply_recompute(m, mode)
@@ -209,7 +251,7 @@ def correctness(s: Setting) -> tuple[list[str], bool]:
     for name, cfg, prepare, documents in checks:
         rows.append(compare(name, s, cfg, prepare, documents))
         print(" | ".join(rows[-1]), flush=True)
-    rows += [generate_row(s), checkpoint_row(s)]
+    rows += [generate_row(s), checkpoint_row(s), pair_lane_row(s)]
     header = ("check | CPU fp32 loss | device loss | loss rel. diff | gradients rel. L2 | worst parameter "
               "| within tolerance")  # fmt: skip
     return table(header, rows), all(r[-1] == "ok" for r in rows)

@@ -21,7 +21,8 @@ def test_gpu_check_runs_its_cpu_smoke_path():
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "correctness: every check within tolerance" in out.stdout
-    for check in ("tiled", "grouped GEMM", "compile", "recompute: full", "KV cache", "safetensors"):
+    checks = ("tiled", "grouped GEMM", "compile", "recompute: full", "KV cache", "safetensors", "pair lane")
+    for check in checks:
         assert check in out.stdout, check
     assert "parity of the first loss: ok for every shape" in out.stdout
     for shape in ("tiny", "tiny-moe"):

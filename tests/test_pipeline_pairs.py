@@ -5,15 +5,18 @@ expert all-to-alls running while the other micro-batch computes."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
+import torch
 
 from meshtron.checks import load_config, validate
 from meshtron.comm import Comm
 from meshtron.comm_record import recorder
 from meshtron.commands.main import main
 from meshtron.pipeline.actions import Action, Kind
-from meshtron.pipeline.pairs import hidden_exchanges
+from meshtron.pipeline.pairs import hidden_exchanges, run_pair
+from meshtron.pipeline.rules import UNVERIFIED_PAIR_LANE
 from meshtron.pipeline.schedules import build_schedule, simulate
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout, trainer_for
 from meshtron.testing.tiny import MOE, TINY
@@ -81,20 +84,41 @@ def test_pairing_without_overlap_costs_about_one_ramp_of_forwards():
         (["--parallel.pp_schedule=zbv"], 2, "needs parallel.pp > 1 with parallel.pp_schedule='dualpipev'"),
         (["--parallel.dp_shard=2", "--parallel.zero=3"], 4, "cannot be combined with ZeRO-3"),
         (["--training.compile=true"], 2, "cannot be combined with training.compile"),
-        (["--run.device=cuda"], 2, "runs on CPU ranks (gloo) only for now"),
+        (["--run.device=cuda"], 2, "not verified on two or more GPUs yet"),
     ],
 )
-def test_overlap_rules_are_named(extra, world, message):
+def test_overlap_rules_are_named(extra, world, message, monkeypatch):
+    monkeypatch.delenv(UNVERIFIED_PAIR_LANE, raising=False)
+    assert any(message in problem for problem in overlap_problems(extra, world))
+
+
+def overlap_problems(extra: list[str], world: int) -> list[str]:
     base = [
         "--parallel.pp=2",
         "--parallel.pp_schedule=dualpipev",
         "--parallel.vpp=2",
         "--parallel.dp_shard=1",
     ]
-    problems = validate(
-        load_config(None, [*TINY, *MOE_4, *base, "--parallel.pp_overlap=true", *extra]), world
+    return validate(load_config(None, [*TINY, *MOE_4, *base, "--parallel.pp_overlap=true", *extra]), world)
+
+
+def test_the_unverified_cuda_pair_lane_runs_only_when_asked(monkeypatch):
+    monkeypatch.setenv(UNVERIFIED_PAIR_LANE, "1")
+    assert not any("pp_overlap" in problem for problem in overlap_problems(["--run.device=cuda"], 2))
+    monkeypatch.setenv(UNVERIFIED_PAIR_LANE, "0")
+    assert any("not verified" in problem for problem in overlap_problems(["--run.device=cuda"], 2))
+
+
+def test_a_cpu_pair_runs_without_streams():
+    """run_pair on the CPU (no side stream): the forward runs in another thread, both finish, and an error
+    in either reaches the caller."""
+    threads = []
+    run_pair(
+        Comm(), lambda: threads.append(threading.current_thread().name), lambda: None, torch.device("cpu")
     )
-    assert any(message in problem for problem in problems), problems
+    assert threads == ["meshtron-pair-forward"]
+    with pytest.raises(ValueError, match="in the forward"):
+        run_pair(Comm(), lambda: (_ for _ in ()).throw(ValueError("in the forward")), lambda: None)
 
 
 def test_hidden_exchanges_counts_only_the_other_threads_compute():

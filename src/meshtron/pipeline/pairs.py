@@ -12,9 +12,26 @@ on, the runtime runs a pair (an F marked `paired` in the schedule, and the B and
   4  both threads are joined; then the pair's sends go out
 
 While one thread waits in an all-to-all (the wait releases the interpreter lock, and the backend moves
-the bytes), the other computes. CPU (gloo) only for now: on a GPU both threads would launch onto one
-stream, behind the same NCCL waits, and NCCL asks every rank to post concurrent work on several
-communicators in one order; a stream of its own for the forward is the next step.
+the bytes), the other computes.
+
+On CUDA the paired forward runs on a stream of its own (one per device, `side_stream`): on the one
+stream both threads would share, `work.wait()` of the forward's all-to-all would hold the backward's
+kernels queued behind it too. Around a pair:
+
+  before   the side stream waits for the main one (the pair's received inputs, everything before)
+  forward  kernels on the side stream; every tensor it saves for backward is marked as used by the
+           main stream (`record_stream`): its backward runs there later, and the caching allocator
+           must not hand the memory to the side stream again before that work is done
+  after    the main stream waits for the side one (the pair's sends and later actions read its outputs)
+
+The forward's outputs are released between actions (after their sends are waited on), never during a
+pair, and the next pair's side stream waits for the main one first, so their memory is safe without a
+mark. NCCL: each lane's collectives go to its own communicators (the twins), in one order per lane on
+every rank; the two lanes' kernels may then interleave differently on different ranks, which NCCL
+tolerates while both fit on the GPU at once (its kernels take a few SMs each). What needs two GPUs or
+more (the NCCL ordering, the overlap itself) is not verified yet, so on CUDA the runtime refuses
+`parallel.pp_overlap` unless MESHTRON_UNVERIFIED_PAIR_LANE=1 (pipeline/rules.py); the streams alone are
+checked on one GPU by benchmarks/gpu_check.py.
 
 What must not be shared between the two threads is kept per thread: the weight-gradient deferral modes
 (zero_bubble.py) and whether expert loads are counted (models/moe.py). What cannot be shared at all is
@@ -28,21 +45,60 @@ does not reach the paired forwards; nothing in meshtron does.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import torch
 
 from meshtron.comm import Comm
 from meshtron.pipeline.actions import Action, Kind
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-def run_pair(comm: Comm, forward: Callable[[], object], backward: Callable[[], object]) -> None:
-    """`forward` in a helper thread on `comm`'s pair lane while `backward` runs in this one; returns when
-    both are done and raises what either raised (the backward's first)."""
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream paired forwards run on, one per CUDA device (made once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def on_side_stream(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None) -> Iterator[None]:
+    """In this thread: kernels on `side`, every tensor autograd saves marked as used by `main` (where its
+    backward will read it). Nothing to do without a side stream (CPU)."""
+    if side is None:
+        yield
+        return
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda:
+            t.record_stream(main)
+        return t
+
+    with torch.cuda.stream(side), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def run_pair(
+    comm: Comm,
+    forward: Callable[[], object],
+    backward: Callable[[], object],
+    device: torch.device | None = None,
+) -> None:
+    """`forward` in a helper thread on `comm`'s pair lane (on CUDA: on the side stream) while `backward`
+    runs in this one; returns when both are done and raises what either raised (the backward's first)."""
     failures: list[BaseException] = []
+    cuda = device is not None and device.type == "cuda"
+    side, main = (side_stream(device), torch.cuda.current_stream(device)) if cuda else (None, None)
+    if side is not None:
+        side.wait_stream(main)
 
     def run_forward() -> None:
         try:
-            with comm.pair_lane():
+            with comm.pair_lane(), on_side_stream(side, main):
                 forward()
         except BaseException as err:  # re-raised in the calling thread below
             failures.append(err)
@@ -53,6 +109,8 @@ def run_pair(comm: Comm, forward: Callable[[], object], backward: Callable[[], o
         backward()
     finally:
         helper.join()
+        if side is not None:
+            main.wait_stream(side)
     if failures:
         raise failures[0]
 

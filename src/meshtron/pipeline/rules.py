@@ -4,6 +4,8 @@ package's rules)."""
 
 from __future__ import annotations
 
+import os
+
 from meshtron.config import Config
 from meshtron.data.rules import batch_problems, micro_batches_per_step
 from meshtron.pipeline.schedules import schedule_problems
@@ -36,6 +38,9 @@ def pipeline_problems(cfg: Config, world_size: int, device_type: str | None = No
     return problems
 
 
+UNVERIFIED_PAIR_LANE = "MESHTRON_UNVERIFIED_PAIR_LANE"  # on CUDA: run the pair lane anyway
+
+
 def pair_overlap_problems(cfg: Config, world_size: int, device_type: str | None = None) -> list[str]:
     """What `parallel.pp_overlap = true` needs of the layout."""
     p = cfg.parallel
@@ -53,10 +58,11 @@ def pair_overlap_problems(cfg: Config, world_size: int, device_type: str | None 
             "gather and free parameter units from two threads): use parallel.zero=1 or 2, or pp_overlap=false"
         )
     device = device_type or ("cuda" if cfg.run.device == "cuda" else "cpu")
-    if device != "cpu":
+    if device != "cpu" and os.environ.get(UNVERIFIED_PAIR_LANE) != "1":
         problems.append(
-            f"parallel.pp_overlap=true runs on CPU ranks (gloo) only for now, not on {device}: set "
-            "parallel.pp_overlap=false"
+            f"parallel.pp_overlap=true on {device} is built (the forward on its own stream, twin NCCL "
+            "communicators) but not verified on two or more GPUs yet (docs/performance.md): set "
+            f"{UNVERIFIED_PAIR_LANE}=1 to run it anyway, or parallel.pp_overlap=false"
         )
     if cfg.training.compile:
         problems.append(

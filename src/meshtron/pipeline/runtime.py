@@ -400,7 +400,11 @@ class PipelineRuntime:
         """The paired F at `index` in a helper thread on the pair lane, while the B and W after it run
         here (pairs.py); returns their indices."""
         later = [i for i in range(index + 1, len(step.actions)) if step.actions[i].kind.is_compute][:2]
-        run_pair(self.comm, lambda: self._timed(step, index), lambda: [self._timed(step, i) for i in later])
+        forward, backward = (
+            (lambda: self._timed(step, index)),
+            (lambda: [self._timed(step, i) for i in later]),
+        )
+        run_pair(self.comm, forward, backward, step.device)
         return later
 
     @torch.no_grad()
