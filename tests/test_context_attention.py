@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from meshtron.comm import Comm
 from meshtron.layout import ParallelDims
 from meshtron.mesh import ParallelMesh
+from meshtron.models.block_positions import Positions
 from meshtron.models.blockwise_attention import (
     _FUSED,
     _FUSED_BACKWARD,
@@ -193,7 +194,8 @@ def test_fused_and_tiled_blocks_agree(q_at, k_at, with_docs):
     q_pos, k_pos = positions[q_at], positions[k_at]
     if q_at == "gap":
         k_pos = torch.cat([torch.arange(0, 22), torch.arange(30, 64)])
-    assert (_fused_parts(q_pos, k_pos) is None) == (q_at == "gap")  # which path "fused" takes
+    parts = _fused_parts(Positions.of(q_pos), Positions.of(k_pos))
+    assert (parts is None) == (q_at == "gap")  # which path "fused" takes
     gen = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(2, 4, q_pos.numel(), 8, generator=gen) for _ in range(2))
     k, v = (torch.randn(2, 2, k_pos.numel(), 8, generator=gen) for _ in range(2))
@@ -240,3 +242,24 @@ def test_the_ring_steps_a_document_mask_skips_are_those_the_mask_leaves_empty(ri
             assert skipped[r][step] == (not allowed[mine][:, theirs].any())
     assert any(map(any, skipped)) or ring == 2
     assert draw_documents(lengths, ring, tmp_path / "docs.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_positions_answer_as_their_tensor_does(seed):
+    """Blocks plan their tiles from runs of positions on the host (models/block_positions.py): every
+    question they ask gives what the tensor of those positions gives, for random rising runs and slices."""
+    rng = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, 5, (4,), generator=rng).cumsum(0) * 10
+    lengths = torch.randint(0, 9, (4,), generator=rng)
+    tensor = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(starts, lengths, strict=True)])
+    positions = Positions.of(tensor)
+    assert torch.equal(positions.on("cpu"), tensor) and len(positions) == tensor.numel()
+    for begin in range(tensor.numel() + 1):
+        for end in range(begin, tensor.numel() + 1):
+            assert torch.equal(positions[begin:end].on("cpu"), tensor[begin:end])
+    for x in range(-2, 60):
+        assert positions.count_upto(x) == int((tensor <= x).sum())
+    assert [positions.at(i) for i in range(tensor.numel())] == tensor.tolist()
+    bounds = [b for b, _ in positions.segments()] + [tensor.numel()]
+    jumps = [i for i in range(1, tensor.numel()) if tensor[i] != tensor[i - 1] + 1]
+    assert bounds == [0, *jumps, tensor.numel()] or tensor.numel() == 0

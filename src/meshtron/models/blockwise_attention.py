@@ -3,7 +3,9 @@ the merge of such partial results: the arithmetic every context-parallel impleme
 (parallel/context.py), and the path of a document mask on one rank's CPU (`attend_blockwise`: no
 [S, S] mask is built or kept, and the work of keys in other documents is skipped).
 
-A block is identified by the global positions of its queries and keys, so one rule masks every case:
+A block is identified by the global positions of its queries and keys (block_positions.py: runs of
+consecutive positions, known on the host, so planning tiles reads nothing from the device), so one rule
+masks every case:
 key j is visible to query i when pos_k[j] <= pos_q[i] (and pos_q[i] - pos_k[j] < window with a sliding
 window, and doc_k[j] = doc_q[i] under a document mask, `docs`). Keys arrive sorted by position, so each
 tile of queries only reads the keys up to its last position: the masked upper triangle is skipped, not
@@ -44,6 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from meshtron.models.block_positions import Positions, as_positions
+
 NEG_INF = float("-inf")
 # Score elements per tile (fp32: 4 MiB): bounds the transient memory of a long block.
 TILE_ELEMENTS = 1 << 20
@@ -62,11 +66,12 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tens
 
 
 def _key_range(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, docs: Documents | None = None
+    q_pos: Positions, k_pos: Positions, window: int, docs: Documents | None = None
 ) -> tuple[int, int]:
-    """The keys (sorted by position) any query of this tile can see: [lo, hi)."""
-    hi = int(torch.searchsorted(k_pos, q_pos.max(), right=True))
-    lo = int(torch.searchsorted(k_pos, q_pos.min() - window, right=True)) if window > 0 else 0
+    """The keys (sorted by position) any query of this tile can see: [lo, hi). From the positions alone
+    nothing is read from the device; a document mask reads the tile's first document ids."""
+    hi = k_pos.count_upto(q_pos.last())
+    lo = k_pos.count_upto(q_pos.first() - window) if window > 0 else 0
     if docs is not None:  # keys of documents before every query's own (per sequence; the earliest)
         first_doc_B1 = docs[0].amin(dim=1, keepdim=True)
         lo = max(lo, int(torch.searchsorted(docs[1].contiguous(), first_doc_B1).min()))
@@ -74,25 +79,26 @@ def _key_range(
 
 
 def _tiles(
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    q_pos: Positions,
+    k_pos: Positions,
     heads: int,
     batch: int,
     window: int,
-    docs: Documents | None = None,
+    docs: Documents | None,
+    device: torch.device,
 ) -> Iterator[tuple[slice, slice, torch.Tensor]]:
     """(query slice, key slice, mask) per tile of queries. A tile never spans a jump in the query
     positions (the two chunks a load-balanced rank holds), so each reads only the keys it can see, and
     it holds as many queries as fit TILE_ELEMENTS scores against the keys its run of queries can see.
     The mask is [Sq, Sk], or [B, 1, 1, Sq, Sk] under a document mask."""
-    for begin, end in _segments(q_pos):
+    for begin, end in q_pos.segments():
         lo, hi = _key_range(q_pos[begin:end], k_pos, window, _rows(docs, slice(begin, end)))
         rows = max(1, TILE_ELEMENTS // max(1, batch * heads * (hi - lo)))
         for start in range(begin, end, rows):
             tile = slice(start, min(start + rows, end))
             tile_docs = _rows(docs, tile)
             lo, hi = _key_range(q_pos[tile], k_pos, window, tile_docs)
-            mask = visible(q_pos[tile], k_pos[lo:hi], window)
+            mask = visible(q_pos[tile].on(device), k_pos[lo:hi].on(device), window)
             if tile_docs is not None:
                 same = tile_docs[0][:, :, None] == tile_docs[1][:, None, lo:hi]
                 mask = (mask & same)[:, None, None]
@@ -128,26 +134,18 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - finite[..., None])
 
 
-def _segments(q_pos: torch.Tensor) -> list[tuple[int, int]]:
-    """[begin, end) of each run of consecutive query positions (a load-balanced rank holds two)."""
-    jumps = (torch.nonzero(q_pos[1:] - q_pos[:-1] != 1).flatten() + 1).tolist()
-    bounds = [0, *jumps, q_pos.numel()]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def _fused_parts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
+def _fused_parts(q_pos: Positions, k_pos: Positions) -> list[tuple[slice, slice, bool]] | None:
     """(query rows, keys, causal) blocks the fused kernel can compute: per run of query positions
     [a, a + n), the keys before a (all visible) and the keys at a .. a + n − 1 (a causal square); None
     when the keys at the run's positions are not exactly those (then the tiled path masks by position)."""
     parts = []
-    for begin, end in _segments(q_pos):
-        first, n = int(q_pos[begin]), end - begin
-        lo = int(torch.searchsorted(k_pos, first))
-        hi = int(torch.searchsorted(k_pos, first + n))
+    for begin, end in q_pos.segments():
+        first, n = q_pos.at(begin), end - begin
+        lo, hi = k_pos.count_upto(first - 1), k_pos.count_upto(first + n - 1)
         if lo > 0:
             parts.append((slice(begin, end), slice(0, lo), False))
         if hi > lo:
-            if hi - lo != n or int(k_pos[lo]) != first:
+            if hi - lo != n or k_pos.at(lo) != first:
                 return None
             parts.append((slice(begin, end), slice(lo, hi), True))
     return parts
@@ -156,8 +154,8 @@ def _fused_parts(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[slice, 
 def _fused(
     q: torch.Tensor,
     window: int,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    q_pos: Positions,
+    k_pos: Positions,
     allow_fused: bool,
     docs: Documents | None,
 ) -> list[tuple[slice, slice, bool, torch.Tensor | None]] | None:
@@ -172,7 +170,7 @@ def _fused(
     zero, minus_inf = torch.zeros((), dtype=q.dtype), torch.full((), NEG_INF, dtype=q.dtype)
     return [
         (rows, keys, False, torch.where(mask[:, 0], zero, minus_inf))
-        for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs)
+        for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs, q.device)
         if keys.stop > keys.start
     ]
 
@@ -181,8 +179,8 @@ def block_forward(
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
     v_BKSD: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    q_pos: Positions | torch.Tensor,
+    k_pos: Positions | torch.Tensor,
     window: int = 0,
     allow_fused: bool = True,
     docs: Documents | None = None,
@@ -190,6 +188,7 @@ def block_forward(
     """(output [B, H, Sq, Dh], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
     that sees no key has output 0 and log-sum-exp −inf. `allow_fused=False` forces the tiled path;
     `docs`: the queries' and keys' document ids, under a document mask."""
+    q_pos, k_pos = as_positions(q_pos), as_positions(k_pos)
     out = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     lse = torch.full(q_BHSD.shape[:-1], NEG_INF, device=q_BHSD.device)
     parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused, docs)
@@ -204,7 +203,7 @@ def block_forward(
     B, H, Sq, D = q_BHSD.shape
     K, scale = k_BKSD.shape[1], D**-0.5
     q_g, out_g, lse_g = _grouped(q_BHSD, K), out.view(B, K, H // K, Sq, D), lse.view(B, K, H // K, Sq)
-    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs):
+    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs, q_BHSD.device):
         if keys.stop == keys.start:
             continue
         s = _scores(q_g[..., rows, :], k_BKSD[:, :, keys], mask, scale)
@@ -224,8 +223,8 @@ def block_backward(
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
     v_BKSD: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    q_pos: Positions | torch.Tensor,
+    k_pos: Positions | torch.Tensor,
     out_BHSD: torch.Tensor,
     lse_BHS: torch.Tensor,
     dout_BHSD: torch.Tensor,
@@ -235,6 +234,7 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final output and
     log-sum-exp (over all its keys, not only this block's)."""
+    q_pos, k_pos = as_positions(q_pos), as_positions(k_pos)
     dq = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
     dv = torch.zeros_like(dk)
@@ -265,7 +265,7 @@ def _tiled_backward(
     q_g, do_g = _grouped(q_BHSD, K), _grouped(dout_BHSD, K)
     lse_g, delta_g = lse_BHS.view(B, K, H // K, Sq), delta(out_BHSD, dout_BHSD).view(B, K, H // K, Sq)
     dq, dk, dv = grads[0].view(B, K, H // K, Sq, D), grads[1], grads[2]
-    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs):
+    for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs, q_BHSD.device):
         if keys.stop == keys.start:
             continue
         k, v = k_BKSD[:, :, keys].float()[:, :, None], v_BKSD[:, :, keys].float()[:, :, None]
@@ -294,9 +294,11 @@ def delta(out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Tensor:
     return (dout_BHSD.float() * out_BHSD.float()).sum(-1)
 
 
-def docs_at(docs_BS: Tensor | None, q_pos: Tensor, k_pos: Tensor) -> Documents | None:
+def docs_at(docs_BS: Tensor | None, q_pos: Positions, k_pos: Positions) -> Documents | None:
     """The document ids of a block's queries and keys, looked up in the whole window's [B, S]."""
-    return None if docs_BS is None else (docs_BS[:, q_pos], docs_BS[:, k_pos])
+    if docs_BS is None:
+        return None
+    return docs_BS[:, q_pos.on(docs_BS.device)], docs_BS[:, k_pos.on(docs_BS.device)]
 
 
 @dataclass
@@ -309,7 +311,7 @@ class LocalPass:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        pos = torch.arange(q.shape[2], device=q.device)
+        pos = Positions.arange(0, q.shape[2])
         return block_forward(q, k, v, pos, pos, self.window, docs=docs_at(docs_BS, pos, pos))
 
     def backward(
@@ -322,7 +324,7 @@ class LocalPass:
         dout: Tensor,
         docs_BS: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
-        pos = torch.arange(q.shape[2], device=q.device)
+        pos = Positions.arange(0, q.shape[2])
         docs = docs_at(docs_BS, pos, pos)
         return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs)
 

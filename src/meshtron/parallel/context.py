@@ -41,6 +41,7 @@ from torch import Tensor
 
 from meshtron.comm import Comm, CommGroup
 from meshtron.config import CpImpl
+from meshtron.models.block_positions import Positions
 from meshtron.models.blockwise_attention import (
     BlockwiseAttention,
     Documents,
@@ -55,14 +56,18 @@ from meshtron.models.blockwise_attention import (
 from meshtron.models.llama import Transformer
 
 
-def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
+def zigzag_runs(index: int, parts: int, seq_len: int) -> Positions:
     """Global positions held by rank `index` of `parts` under load balancing: chunks index and
     2·parts−1−index of the sequence cut into 2·parts chunks (the whole sequence for parts = 1)."""
     if parts == 1:
-        return torch.arange(seq_len)
+        return Positions.arange(0, seq_len)
     c = seq_len // (2 * parts)
-    first = torch.arange(index * c, (index + 1) * c)
-    return torch.cat([first, torch.arange((2 * parts - 1 - index) * c, (2 * parts - index) * c)])
+    return Positions(((index * c, c), ((2 * parts - 1 - index) * c, c)))
+
+
+def zigzag_positions(index: int, parts: int, seq_len: int) -> torch.Tensor:
+    """`zigzag_runs` as a tensor (on the CPU)."""
+    return zigzag_runs(index, parts, seq_len).on("cpu")
 
 
 @dataclass(frozen=True)
@@ -104,23 +109,16 @@ class _Flight:
 
 
 # (query rows, key columns, their positions, their document ids or None) of one ring step.
-RingStep = tuple[slice, slice, Tensor, Tensor, Documents | None]
+RingStep = tuple[slice, slice, Positions, Positions, Documents | None]
 
 
-def ring_step(
-    r: int,
-    j: int,
-    ring: int,
-    local_len: int,
-    docs_BS: Tensor | None = None,
-    device: torch.device | None = None,
-) -> RingStep | None:
+def ring_step(r: int, j: int, ring: int, local_len: int, docs_BS: Tensor | None = None) -> RingStep | None:
     """What rank r computes when it holds rank j's K/V (ring_block), with positions and document ids;
     None when a document mask leaves nothing of it: no query shares a document with a key (every key
     of a step but the diagonal comes before every query, so a shared document is a visible pair)."""
     rows, keys = ring_block(r, j, local_len)
-    q_pos = zigzag_positions(r, ring, local_len * ring).to(device)[rows]
-    k_pos = zigzag_positions(j, ring, local_len * ring).to(device)[keys]
+    q_pos = zigzag_runs(r, ring, local_len * ring)[rows]
+    k_pos = zigzag_runs(j, ring, local_len * ring)[keys]
     docs = docs_at(docs_BS, q_pos, k_pos)
     if docs is not None and j != r and not shares_document(docs):
         return None
@@ -148,9 +146,9 @@ class RingPass:
         self.exposed_s += time.perf_counter() - start
         return out
 
-    def block(self, r: int, j: int, S: int, docs_BS: Tensor | None, device: torch.device) -> RingStep | None:
+    def block(self, r: int, j: int, S: int, docs_BS: Tensor | None) -> RingStep | None:
         """ring_step, counted."""
-        step = ring_step(r, j, self.group.size, S, docs_BS, device)
+        step = ring_step(r, j, self.group.size, S, docs_BS)
         self.blocks += 1
         self.blocks_skipped += step is None
         return step
@@ -165,7 +163,7 @@ class RingPass:
         for i in range(n):
             j = (r - i) % n
             flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
-            block = self.block(r, j, S, docs_BS, q.device)
+            block = self.block(r, j, S, docs_BS)
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
                 part, part_lse = block_forward(
@@ -194,7 +192,7 @@ class RingPass:
         for i in range(n):
             j = (r - i) % n
             flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None
-            block = self.block(r, j, S, docs_BS, q.device)
+            block = self.block(r, j, S, docs_BS)
             grads = None
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
@@ -234,9 +232,9 @@ class GatherPass:
         kv_rank_major = self.comm.all_gather_tensor(torch.stack([k, v])[None], self.group, dim=0)
         return torch.cat(self._chunks(kv_rank_major), dim=-2)
 
-    def positions(self, q: Tensor) -> tuple[Tensor, Tensor]:
+    def positions(self, q: Tensor) -> tuple[Positions, Positions]:
         n, S = self.group.size, q.shape[2]
-        return zigzag_positions(self.group.rank, n, S * n).to(q.device), torch.arange(S * n, device=q.device)
+        return zigzag_runs(self.group.rank, n, S * n), Positions.arange(0, S * n)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
