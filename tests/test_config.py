@@ -88,7 +88,11 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (["--parallel.zero=4"], 1, "parallel.zero=4 is not one of 1, 2, 3"),
         (["--training.min_lr_ratio=2.0"], 1, "training.min_lr_ratio=2.0 must be between 0 and 1"),
         (["--training.dtype=fp16"], 1, "training.dtype='fp16' is not one of fp32, bf16"),
-        (["--training.recompute=some"], 1, "training.recompute='some' is not one of none, selective, full"),
+        (
+            ["--training.recompute=some"],
+            1,
+            "training.recompute='some' is not one of none, selective, op, full",
+        ),
         (["--parallel.pp_schedule=1f1f"], 1, "did you mean '1f1b'?"),
         (
             ["--parallel.cp_impl=ulysses"],

@@ -57,7 +57,8 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv",
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: parallel.vpp = 2, implied
 SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # backward split into input (B) and weight (W) gradients
 PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
+OpRecomputeSaves = Literal["matmuls", "every_other_matmul"]  # what training.recompute="op" keeps
 Device = Literal["auto", "cpu", "cuda"]
 CorpusTokenizer = Literal["bpe", "byte"]
 
@@ -182,9 +183,7 @@ class ParallelConfig:
     pp_head_layers: float = non_negative(0.0)
     pp_balance: PipelineBalance = "layers"  # "cost": minimise the busiest rank's FLOPs (its chunk, or its
     # two under a V; embedding, head, loss and MoE active experts counted), instead of even counts
-    # dualpipev: run each F&B pair's forward (in a second thread, on twin process groups) while its
-    # backward runs, so one micro-batch's communication (the MoE all-to-alls) hides behind the other's
-    # compute (docs/pipeline.md: off by default; on CPU ranks that share cores it measured slower)
+    # dualpipev: each F&B pair's forward in a second thread while its backward runs (docs/pipeline.md)
     pp_overlap: bool = False
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
@@ -245,6 +244,7 @@ class TrainingConfig:
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_skipped_steps: int = non_negative(5)
     recompute: Recompute = "none"
+    op_recompute_saves: OpRecomputeSaves = "matmuls"  # what recompute="op" keeps (parallel/recompute.py)
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
     eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages

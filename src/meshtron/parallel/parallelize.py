@@ -172,7 +172,8 @@ def parallelize(
     apply_expert_parallel(model, comm, mesh.group("ep"), p.ep_dispatch)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
-    apply_recompute(model, cfg.training.recompute)
+    t = cfg.training
+    apply_recompute(model, t.recompute, t.op_recompute_saves, keep_attention=cfg.parallel.cp == 1)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size("tp") if p.sp else 1

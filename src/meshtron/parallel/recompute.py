@@ -2,6 +2,13 @@
 
   full       each transformer block keeps only its input; its whole forward is rerun in backward
   selective  only the attention core (rotary embedding + attention) is rerun; everything else is kept
+  op         each block keeps its input and the outputs of chosen operations, per operation: every
+             matmul's (or every other one's, `training.op_recompute_saves`) and the attention kernels'
+             (with their log-sum-exp); backward reruns the block's forward, where a kept output is taken
+             from the store instead of computed (torch's selective checkpoint API), so only the cheap
+             operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. Collectives are
+             not kept, so they run again, as under full recompute. torchtitan's op-level policy does
+             the same (it also keeps reduce-scatter outputs, which meshtron's blocks do not issue)
 
 The wrapped callables are the block's `forward` and the attention's `core`, replaced on the instance so
 that parameter names and module hooks (FSDP, tensor parallel) stay where they are: a block's own hooks
@@ -12,14 +19,15 @@ restores the RNG state for the rerun, so the recomputed activations are the ones
 from __future__ import annotations
 
 import contextlib
+import threading
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from meshtron.config import Recompute
+from meshtron.config import OpRecomputeSaves, Recompute
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
 from meshtron.pipeline.zero_bubble import active_deferrals
@@ -41,18 +49,96 @@ def _entered(modes: list[Any]) -> Iterator[None]:
         yield
 
 
-def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(
+    fn: Callable[..., Any],
+    context_fn: Callable[[], tuple[Any, Any]] = _replay_function_modes,
+) -> Callable[..., Any]:
     # Never traced by torch.compile (its checkpoint cannot take this context_fn): compiled blocks call
     # it eagerly, around the compiled forward (full) or as a break in the block's graph (selective).
     @torch.compiler.disable
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_replay_function_modes, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 
 
-def apply_recompute(model: Transformer, mode: Recompute) -> None:
-    """The recompute step of `parallelize`: wrap what `mode` reruns in backward (nothing for "none")."""
+_aten = torch.ops.aten
+MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default} | {
+    op.default for op in (getattr(_aten, "_grouped_mm", None),) if op is not None
+}
+# The attention kernels SDPA dispatches to (CPU's fused kernel, CUDA's flash, memory-efficient, cuDNN).
+ATTENTION = {
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+}
+
+
+class _Region(threading.local):
+    """Whether this thread is inside an attention core (`_in_attention`): its operations follow the
+    attention rule of the op policy, not the matmul one."""
+
+    attention = False
+
+
+_REGION = _Region()
+
+
+def _in_attention(core: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, _REGION.attention = _REGION.attention, True
+        try:
+            return core(*args, **kwargs)
+        finally:
+            _REGION.attention = before
+
+    return run
+
+
+def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tuple[Any, Any]]:
+    """The context_fn of one block's checkpoint under recompute = "op": a fresh policy per call (it
+    counts the block's matmuls, in forward and in the rerun alike), with the replay modes on the rerun.
+    Inside the attention core only an attention kernel's outputs are kept, and only with
+    `keep_attention` (without context parallel: there the core is one kernel; under cp it is a ring of
+    partial blocks, or a tiled path whose matmuls are score tiles, so the core is recomputed whole)."""
+
+    def context_fn() -> tuple[Any, Any]:
+        counts = {False: 0, True: 0}  # matmuls seen, by is_recompute
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if _REGION.attention:
+                keep = keep_attention and op in ATTENTION
+                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            if op in MATMULS:
+                index, counts[ctx.is_recompute] = counts[ctx.is_recompute], counts[ctx.is_recompute] + 1
+                if saves == "matmuls" or index % 2 == 0:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        forward, rerun = create_selective_checkpoint_contexts(policy)
+        return forward, _both(rerun, _entered(active_deferrals()))
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager
+) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def apply_recompute(
+    model: Transformer, mode: Recompute, op_saves: OpRecomputeSaves = "matmuls", keep_attention: bool = True
+) -> None:
+    """The recompute step of `parallelize`: wrap what `mode` reruns in backward (nothing for "none").
+    `keep_attention` (mode "op"): keep the attention kernel's outputs (False under context parallel)."""
     if mode not in typing.get_args(Recompute):
         raise ValueError(f"training.recompute={mode!r} is not one of {', '.join(typing.get_args(Recompute))}")
     for block in model.layers.values():
@@ -60,3 +146,6 @@ def apply_recompute(model: Transformer, mode: Recompute) -> None:
             block.forward = _checkpointed(block.forward)
         elif mode == "selective":
             block.attention.core = _checkpointed(block.attention.core)
+        elif mode == "op":
+            block.attention.core = _in_attention(block.attention.core)
+            block.forward = _checkpointed(block.forward, op_policy(op_saves, keep_attention))

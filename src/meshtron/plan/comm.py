@@ -125,7 +125,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         # sp gathers each region's input again in backward (half an all-reduce's volume), unless full
         # recompute reruns the forward's gathers instead; the head's region always does.
         regather = 0.5 if p.sp else 0.0
-        per_layer = 6 if t.recompute == "full" else 4 + 2 * regather
+        per_layer = 6 if t.recompute in ("full", "op") else 4 + 2 * regather
         activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
         first, last = _holds_ends(cfg, pp_rank)
         add(

@@ -130,7 +130,7 @@ def layer_comm(
         one = collective_time("all_reduce", tokens * m.dim * act, _on(net, g["tp"]), net.gpu, net.eff)
         # Full recompute reruns the forward's two; otherwise sp gathers each region's input again in
         # backward (two all-gathers: one all-reduce's time).
-        extra = 2 if t.recompute == "full" else 1 if p.sp else 0
+        extra = 2 if t.recompute in ("full", "op") else 1 if p.sp else 0
         out["tp"] = PassTimes(f=2 * one, b=(2 + extra) * one) * (0.0 if net.overlap.tp else 1.0)
     if p.cp > 1:
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)

@@ -134,7 +134,13 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     kept = layer_bytes(cfg, layer, "none")
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     forward = gemm + core + elementwise / 4
-    recompute = {"none": 0.0, "selective": core, "full": forward}[t.recompute]
+    # "op": the block's forward again, its kept matmuls (and, without cp, attention) taken from the store
+    rerun = (
+        elementwise / 4
+        + (core if p.cp > 1 else 0.0)
+        + (gemm / 2 if t.op_recompute_saves != "matmuls" else 0.0)
+    )
+    recompute = {"none": 0.0, "selective": core, "op": rerun, "full": forward}[t.recompute]
     return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute, w=gemm)
 
 

@@ -33,6 +33,8 @@ Recompute (`recompute_flops_per_token`) runs part of the forward again in backwa
 (MFU leaves it out, Chowdhery et al. 2022) but the GPUs execute it:
 
   full        every layer's forward again (projections, core, FFN, router); the head is not recomputed
+  op          the matmuls it does not keep (none, or about half with every_other_matmul) and, under
+              context parallel, the attention core; the elementwise rest is not counted in FLOPs
   selective   the attention core only (QKᵀ and softmax·V; `Attention.core` in models/llama.py)
 
 Check: a GPT block (MHA, FFN of 4h, i.e. f = 8h/3 with SwiGLU), full attention and full recompute gives
@@ -56,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from meshtron.config import ModelConfig, Recompute
+from meshtron.config import ModelConfig, OpRecomputeSaves, Recompute
 
 AttentionCount = Literal["causal", "full"]
 TRAINING_PASSES = 3  # forward + backward (input and weight gradients)
@@ -154,12 +156,19 @@ def recompute_flops_per_token(
     recompute: Recompute,
     attention: AttentionCount = "causal",
     layers: Iterable[int] | None = None,
+    cp: int = 1,
+    op_saves: OpRecomputeSaves = "matmuls",
 ) -> float:
     """Extra forward FLOPs per token that activation recompute runs in backward, over `layers` (all by
-    default): a whole block's forward with "full", the attention core with "selective", none with "none"."""
+    default): a whole block's forward with "full", the attention core with "selective", none with "none";
+    with "op" the matmuls it does not keep (half of them with every_other_matmul, about) and, under
+    context parallel, the attention core."""
     if recompute == "none":
         return 0.0
     blocks = model_flops(cfg, seq_len, attention, layers, head=False)
+    if recompute == "op":
+        matmuls = blocks.attention_projections + blocks.ffn + blocks.router
+        return (matmuls / 2 if op_saves != "matmuls" else 0.0) + (blocks.attention_core if cp > 1 else 0.0)
     return blocks.total if recompute == "full" else blocks.attention_core
 
 

@@ -66,6 +66,8 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
     """Bytes layer `layer` keeps for one micro-batch (plan/memory.py; MoE layers at balanced routing)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     kwargs = dict(tp=p.tp, sp=p.sp, recompute=recompute, cp=p.cp)
+    if recompute == "op":
+        kwargs["op_saves"] = t.op_recompute_saves
     if p.cp_impl == "alltoall":
         kwargs["ulysses"] = p.cp
     if m.is_moe_layer(layer):
@@ -106,13 +108,13 @@ def loss_transient_bytes(cfg: Config) -> float:
 
 
 def recompute_transient_bytes(cfg: Config, layers: list[int]) -> float:
-    """Under full recompute, a layer's backward first runs its forward again: for a moment the layer holds
-    what it keeps without recompute (the largest of the stage's layers)."""
+    """Under full (or per-operation) recompute, a layer's backward first runs its forward again: for a
+    moment the layer holds what it keeps without recompute (the largest of the stage's layers)."""
     t = cfg.training
-    if t.recompute != "full" or not layers:
+    if t.recompute not in ("full", "op") or not layers:
         return 0.0
     return max(
-        layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, "full")
+        layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, t.recompute)
         for layer, _ in _kinds(cfg.model, layers)
     )
 

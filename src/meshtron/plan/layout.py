@@ -18,7 +18,7 @@ own rules (checks.validate) deciding what is allowed.
   dp_shard       sharded data parallel (parallel.dp_shard)      what the world size leaves
   zero           1, 2, 3 (parallel.zero)                        each
   micro_batch    sequences per micro-batch                      1, 2, 4, 8 (dividing the batch)
-  recompute      none, selective, full                          each
+  recompute      none, op, selective, full                      each
   pp_head_layers the head + loss counted as this many layers     the head's FLOPs in layers (pp > 1),
                  in the balanced split (parallel.pp_head_layers) so the last stage is not the slowest
 """

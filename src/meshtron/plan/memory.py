@@ -15,6 +15,8 @@ width held per rank, f the FFN width:
                     input) and its log-sum-exp: s·b·(2q/t + 2k) + b·(a/t)·s
   SwiGLU            gate and up projections, silu(gate), their product: 4·s·b·f/t
   full recompute    the block input only: s·b·h (s·b·h/t with sp)
+  op recompute      the block input and every (or every other) matmul's output, and without cp the
+                    attention kernel's output and log-sum-exp (plan/op_memory.py)
   selective         rotary embedding and attention rerun: q and k before rotation are kept instead of
                     after (the same size), the log-sum-exp is not, and the kernel's output is kept anyway
                     as the output projection's input: minus b·(a/t)·s only. With a fused kernel there is
@@ -53,6 +55,7 @@ Indices are int64, the grouped matmuls' offsets int32, the combine fp32:
                     fp32 (index_add keeps the latter only for its shape)
   shared experts    SwiGLU 4·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
   full recompute    the block input only, as dense
+  op recompute      the block input and the outputs its policy keeps (plan/op_memory.py), as dense
 
 The all-gather dispatch sorts and combines every ep rank's rows for its own experts: N = M there.
 
@@ -77,7 +80,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import DType, EpDispatch, ModelConfig, Recompute
+from meshtron.config import DType, EpDispatch, ModelConfig, OpRecomputeSaves, Recompute
+from meshtron.plan.op_memory import op_kept_elements, slot_rows
 
 
 @dataclass(frozen=True)
@@ -144,13 +148,20 @@ def layer_activation_elements(
     ulysses: int = 1,
     layer: int | None = None,
     ep: int = 1,
+    op_saves: OpRecomputeSaves = "matmuls",
 ) -> int:
     """Elements one transformer layer keeps for backward on one rank of tp x cp (`ulysses`: the
     all-to-all degree of context parallel, cp for cp_impl="alltoall"). `layer`: which layer (None: an
     MoE layer if the model has any); an MoE layer counts its balanced routing over `ep` ranks, in
-    elements of mixed dtypes (`moe_layer_activation_elements` has them by dtype, for bytes)."""
+    elements of mixed dtypes (`moe_layer_activation_elements` has them by dtype, for bytes). `op_saves`:
+    what recompute = "op" keeps (plan/op_memory.py)."""
     if _is_moe(cfg, layer):
-        return moe_layer_activation_elements(cfg, batch, seq, tp, sp, recompute, cp, ulysses, ep).elements
+        kept = moe_layer_activation_elements(
+            cfg, batch, seq, tp, sp, recompute, cp, ulysses, ep, op_saves=op_saves
+        )
+        return kept.elements
+    if recompute == "op":
+        return sum(op_kept_elements(cfg, batch, seq, tp, sp, cp, op_saves, None))
     seq //= cp
     if recompute == "full":
         return seq * batch * cfg.dim // tp if sp else seq * batch * cfg.dim
@@ -181,6 +192,7 @@ def moe_layer_activation_elements(
     expert_tp: bool = True,
     kept: int | None = None,
     assignments: int | None = None,
+    op_saves: OpRecomputeSaves = "matmuls",
 ) -> SavedElements:
     """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
     given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
@@ -193,6 +205,11 @@ def moe_layer_activation_elements(
     owners = 1 if expert_tp else tp  # the tp ranks that split the experts between them
     kept = balanced_assignments(cfg, tokens) // owners if kept is None else kept
     assignments = kept if assignments is None else assignments
+    if recompute == "op":
+        slots = slot_rows(cfg, tokens, owners, ep, ep_dispatch)
+        rows = assignments if slots is None or kept is not None else slots
+        floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp)
+        return SavedElements(floats=floats, fp32=fp32)
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
     ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp

@@ -30,7 +30,9 @@ from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
-RECOMPUTE = ("none", "selective", "full")
+# Less recompute first: a layout is not tried again with more once it fits. "op" keeps less than
+# "selective" and reruns less (the elementwise work; selective reruns the attention core).
+RECOMPUTE = ("none", "op", "selective", "full")
 
 
 @dataclass

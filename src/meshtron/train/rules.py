@@ -1,5 +1,5 @@
-"""What the training loop's services need of the config: checkpoints of the layout, and the Weights &
-Biases package when run.wandb_project asks for it. Torch-free (checks.py gathers every package's rules)."""
+"""What the training loop's services need of the config: checkpoints of the layout, recompute that
+compiled blocks can honour, and the Weights & Biases package when run.wandb_project asks for it. Torch-free (checks.py gathers every package's rules)."""
 
 from __future__ import annotations
 
@@ -37,5 +37,17 @@ def wandb_problems(cfg: Config) -> list[str]:
         return [
             f"run.wandb_project={cfg.run.wandb_project!r} needs the wandb package, which is not installed: "
             "pip install 'meshtron[wandb]' (or wandb), or leave run.wandb_project empty"
+        ]
+    return []
+
+
+def recompute_problems(cfg: Config) -> list[str]:
+    """Per-operation recompute keeps outputs through a dispatch mode, which compiled blocks bypass."""
+    t = cfg.training
+    if t.recompute == "op" and t.compile:
+        return [
+            "training.recompute='op' keeps chosen operations' outputs as they run, which compiled blocks do "
+            "not show it: with training.compile=true it would recompute whole blocks; use "
+            "training.recompute='full' or 'selective' with compile, or training.compile=false"
         ]
     return []

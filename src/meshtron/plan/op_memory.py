@@ -1,0 +1,86 @@
+"""What a layer keeps under per-operation recompute (`training.recompute = "op"`, parallel/recompute.py).
+
+The block keeps its input (the checkpoint's) and the outputs of the operations its policy stores; every
+other tensor of the block's forward is made again in backward. In the order the forward runs them, with
+T = s·b the tokens of this rank (s/cp per sequence under context parallel), t = tp, q = n_heads·head_dim,
+k the key/value width held per rank, f the FFN width, the matmuls' outputs are:
+
+  attention     q, k, v projections T·q/t, T·k, T·k; the output projection T·h (a row-parallel partial
+                sum: whole h on every tp rank, reduced after)
+  dense FFN     gate and up T·f/t each, down T·h (partial)
+  MoE           the router's scores T·E (fp32: it computes in fp32); the experts' gate and up M·e each
+                and down M·h over the M rows they process (e = expert FFN width per rank); the shared
+                expert's gate, up T·f_s/t and down T·h; its sigmoid gate's projection T
+
+"matmuls" keeps them all, "every_other_matmul" the first, third, fifth... in that order (torchtitan's
+trade of memory for a little recompute). Without context parallel the attention kernel's output T·q/t
+and log-sum-exp b·(a/t)·s (fp32) are kept too; under cp the attention core is a ring of partial blocks
+(or a tiled path whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The
+input is T·h, or T·h/t under sequence parallel. M comes from the routing as in plan/memory.py: balanced
+by default, the measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
+every capacity slot of the ep group's experts, E/owners·C.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshtron.config import EpDispatch, ModelConfig, OpRecomputeSaves
+
+# (elements, whether they are fp32 whatever the activation dtype) of each stored output, in forward order.
+Outputs = list[tuple[int, bool]]
+
+
+def _attention_matmuls(cfg: ModelConfig, tokens: int, tp: int) -> Outputs:
+    q = cfg.n_heads * cfg.head_size // tp
+    k = cfg.kv_heads_per_rank(tp) * cfg.head_size
+    return [(tokens * q, False), (tokens * k, False), (tokens * k, False), (tokens * cfg.dim, False)]
+
+
+def _moe_matmuls(cfg: ModelConfig, tokens: int, tp: int, expert_tp: bool, rows: int) -> Outputs:
+    e = cfg.expert_ffn_dim // tp if expert_tp else cfg.expert_ffn_dim
+    out = [(tokens * cfg.n_experts, True), (rows * e, False), (rows * e, False), (rows * cfg.dim, False)]
+    if cfg.n_shared_experts:
+        s = cfg.shared_expert_ffn_dim // tp
+        out += [(tokens * s, False), (tokens * s, False), (tokens * cfg.dim, False)]
+        if cfg.shared_expert_gate:
+            out.append((tokens, False))
+    return out
+
+
+def op_kept_elements(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    cp: int,
+    saves: OpRecomputeSaves,
+    moe_rows: int | None,
+    expert_tp: bool = True,
+) -> tuple[int, int]:
+    """(elements in the activation dtype, fp32 elements) one layer keeps; `seq` is the whole sequence
+    (divided by cp here); `moe_rows`: the rows its experts process (None: a dense layer)."""
+    seq //= cp
+    tokens = batch * seq
+    outputs = _attention_matmuls(cfg, tokens, tp)
+    if moe_rows is None:
+        f = cfg.ffn_dim // tp
+        outputs += [(tokens * f, False), (tokens * f, False), (tokens * cfg.dim, False)]
+    else:
+        outputs += _moe_matmuls(cfg, tokens, tp, expert_tp, moe_rows)
+    kept = outputs if saves == "matmuls" else outputs[::2]
+    floats = sum(n for n, fp32 in kept if not fp32) + (tokens * cfg.dim // tp if sp else tokens * cfg.dim)
+    fp32 = sum(n for n, is_fp32 in kept if is_fp32)
+    if cp == 1:  # the attention kernel's output and log-sum-exp
+        floats += tokens * cfg.n_heads * cfg.head_size // tp
+        fp32 += batch * (cfg.n_heads // tp) * seq
+    return floats, fp32
+
+
+def slot_rows(cfg: ModelConfig, tokens: int, owners: int, ep: int, ep_dispatch: EpDispatch) -> int | None:
+    """The rows every expert pass processes when they are fixed: the capacity slots of the all-to-all
+    dispatch with a capacity (ep > 1); None when they follow the routing."""
+    if ep > 1 and ep_dispatch == "alltoall" and cfg.capacity_factor > 0:
+        return cfg.n_experts // owners * math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+    return None
