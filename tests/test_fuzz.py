@@ -34,6 +34,7 @@ EIGHT_RANKS = {
         "--parallel.ep=2",
         "--parallel.zero=3",
         "--training.micro_batch=2",
+        "--training.recompute=op",
     ],
     "dp2_x_cp2_x_tp2_zero1": [
         "--parallel.dp_shard=2",
@@ -68,7 +69,7 @@ def test_the_seed_list_covers_every_dim_and_option():
     want = {"zero1", "zero2", "zero3", "moe", "dense", "tied", "sp", "etp1", "kv_heads:1", "kv_heads:2"}
     want |= {f"schedule:{s}" for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")}
     want |= {f"cp_impl:{i}" for i in ("ring", "allgather", "alltoall", "hybrid")}
-    want |= {f"recompute:{r}" for r in ("none", "selective", "full")}
+    want |= {f"recompute:{r}" for r in ("none", "selective", "op", "full")}
     want |= {"ep_dispatch:alltoall", "ep_dispatch:allgather", "kv_heads:4"}
     assert want <= options, want - options
 

@@ -31,6 +31,8 @@ CASES = {
     "moe_every_other": (1, MOE, EVERY_OTHER),
     "zero3_dp2": (2, [], [*OP, "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     "tp2_sp": (2, [], [*EVERY_OTHER, "--parallel.tp=2", "--parallel.sp=true"]),
+    # Row-parallel partial sums are kept and then reduced: the reduction must copy them, not reduce in place.
+    "tp2_moe": (2, [*MOE, "--model.router_bias_rate=0.01"], [*OP, "--parallel.tp=2"]),
     "cp2_ring": (2, [], [*OP, "--parallel.cp=2"]),
     "cp2_alltoall": (2, [], [*EVERY_OTHER, "--parallel.cp=2", "--parallel.cp_impl=alltoall"]),
     "ep2_alltoall": (2, MOE, [*OP, "--parallel.ep=2", "--training.micro_batch=4"]),

@@ -6,6 +6,9 @@ Each rule calls back into the `Comm` that applied it, so every collective still 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,11 +99,33 @@ class CopyToGroup(torch.autograd.Function):
         return ctx.comm.all_reduce_(grad.clone(), ctx.group), None, None
 
 
+class _InPlace(threading.local):
+    """Whether ReduceFromGroup may reduce its input in place (per thread; `out_of_place`)."""
+
+    on = True
+
+
+IN_PLACE = _InPlace()
+
+
+@contextlib.contextmanager
+def out_of_place() -> Iterator[None]:
+    """ReduceFromGroup copies its input first: for regions whose operation outputs a store keeps
+    (per-operation recompute), where reducing a kept partial sum in place would change what is kept."""
+    before, IN_PLACE.on = IN_PLACE.on, False
+    try:
+        yield
+    finally:
+        IN_PLACE.on = before
+
+
 class ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: CommGroup) -> torch.Tensor:
         # In place: the input is a partial sum only this reduction reads (no clone, no new buffer);
         # marked dirty, so autograd raises if anything had saved it for backward.
+        if not IN_PLACE.on:
+            return comm.all_reduce_(x.clone(), group)
         ctx.mark_dirty(x)
         return comm.all_reduce_(x, group)
 

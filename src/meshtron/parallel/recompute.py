@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from meshtron.comm_autograd import out_of_place
 from meshtron.config import OpRecomputeSaves, Recompute
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
@@ -121,7 +122,10 @@ def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tup
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         forward, rerun = create_selective_checkpoint_contexts(policy)
-        return forward, _both(rerun, _entered(active_deferrals()))
+        # A kept matmul output must not be reduced in place afterwards (tensor parallel's partial sums).
+        return _both(forward, out_of_place()), _both(
+            rerun, _both(out_of_place(), _entered(active_deferrals()))
+        )
 
     return context_fn
 
