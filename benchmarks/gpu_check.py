@@ -186,6 +186,31 @@ def checkpoint_row(s: Setting) -> list:
             f"{abs(after - before):.1e}", "", "", "ok" if after == before else "OVER"]  # fmt: skip
 
 
+def float8_row(s: Setting, recipe: str) -> list:
+    """Float8 projections (parallel/float8.py) on the device (torch._scaled_mm on CUDA) against the same
+    model's float8 arithmetic emulated on the CPU, both under bf16 autocast: the casts and scales agree,
+    so what differs is the accumulation order and bf16 rounding (tolerances: loss 1e-2, all gradients
+    5e-2, the worst parameter 1e-1)."""
+    from meshtron.comm import Comm
+    from meshtron.parallel.float8 import apply_float8
+
+    reference = build_model(s.dense, seed=0)
+    candidate = copy.deepcopy(reference).to(s.device)
+    for model in (reference, candidate):
+        apply_float8(model, recipe, Comm(), None)
+    tokens, _ = batch_of(s, s.dense, False)
+    want_loss, want = loss_and_grads(reference, tokens, None, torch.device("cpu"), torch.bfloat16)
+    got_loss, got = loss_and_grads(candidate, tokens, None, s.device, torch.bfloat16)
+    total = math.sqrt(sum(float((got[n] - g).norm()) ** 2 for n, g in want.items()))
+    total /= math.sqrt(sum(float(g.norm()) ** 2 for g in want.values()))
+    errors = {n: float((got[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in want.items()}
+    worst = max(errors, key=errors.get)
+    loss_error = abs(got_loss - want_loss) / abs(want_loss)
+    ok = loss_error <= 1e-2 and total <= 5e-2 and errors[worst] <= 1e-1
+    return [f"float8 projections ({recipe}) vs the CPU's emulation, bf16", f"{want_loss:.5f}", f"{got_loss:.5f}",
+            f"{loss_error:.1e}", f"{total:.1e}", f"{errors[worst]:.1e} ({worst})", "ok" if ok else "OVER"]  # fmt: skip
+
+
 def pair_lane_row(s: Setting) -> list:
     """DualPipeV's pair lane on one device (pipeline/pairs.py): one model's forward in the helper thread
     (on CUDA on its own stream, its saved tensors marked for the main stream) while another model's
@@ -251,6 +276,7 @@ def correctness(s: Setting) -> tuple[list[str], bool]:
     for name, cfg, prepare, documents in checks:
         rows.append(compare(name, s, cfg, prepare, documents))
         print(" | ".join(rows[-1]), flush=True)
+    rows += [float8_row(s, recipe) for recipe in ("tensorwise", "rowwise")]
     rows += [generate_row(s), checkpoint_row(s), pair_lane_row(s)]
     header = ("check | CPU fp32 loss | device loss | loss rel. diff | gradients rel. L2 | worst parameter "
               "| within tolerance")  # fmt: skip

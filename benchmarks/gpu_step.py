@@ -35,11 +35,13 @@ import torch.nn.functional as F
 from reporting import RESULTS, table, write_section
 from torch import nn
 
+from meshtron.comm import Comm
 from meshtron.config import ModelConfig
 from meshtron.hf import save
 from meshtron.hf.weights import hf_state_dict
 from meshtron.models.llama import build_model
 from meshtron.parallel.compile import compile_blocks
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.plan.flops import training_flops_per_token
 from meshtron.presets import PRESETS
@@ -69,10 +71,12 @@ class Case:
     impl: str  # "meshtron" or "transformers"
     compiled: bool
     recompute: bool
+    fp8: bool = False  # meshtron's float8 projections (training.dtype = "fp8"; parallel/float8.py)
 
     @property
     def label(self) -> str:
-        return f"{self.shape} {self.impl}{' compiled' if self.compiled else ''}{' recompute' if self.recompute else ''}"
+        extra = f"{' compiled' if self.compiled else ''}{' recompute' if self.recompute else ''}"
+        return f"{self.shape} {self.impl}{extra}{' fp8' if self.fp8 else ''}"
 
 
 @dataclass
@@ -102,7 +106,9 @@ def cases(shapes: list[str], compile_too: bool) -> list[Case]:
             if compiled and not compile_too:
                 continue
             out += [Case(shape, impl, compiled, recompute) for impl in ("meshtron", "transformers")]
-    return out
+        if i == 0:  # float8 (meshtron only: transformers has none without torchao), eager and compiled
+            out += [Case(shape, "meshtron", compiled, False, fp8=True) for compiled in (False, compile_too)]
+    return list(dict.fromkeys(out))
 
 
 def transformers_model(cfg: ModelConfig, ours: nn.Module) -> nn.Module:
@@ -140,6 +146,8 @@ def prepare(case: Case, cfg: ModelConfig, device: torch.device) -> tuple[nn.Modu
     ours = build_model(cfg, seed=0)
     if case.impl == "meshtron":
         model = ours.to(device)
+        if case.fp8:
+            apply_float8(model, "tensorwise", Comm(), None)
         if case.compiled:  # before recompute, as parallelize orders them: the checkpoint wraps it
             compile_blocks(model)
         if case.recompute:
@@ -196,7 +204,7 @@ def run_case(
 
 
 def rows(outcomes: list[Outcome], peak: float) -> list[list[str]]:
-    theirs = {
+    theirs = {  # float8 runs against transformers' bf16 run of the same shape and compilation
         (o.case.shape, o.case.compiled, o.case.recompute): o
         for o in outcomes
         if o.case.impl == "transformers"
@@ -208,7 +216,8 @@ def rows(outcomes: list[Outcome], peak: float) -> list[list[str]]:
         mfu = o.tokens_per_s * o.flops_per_token / peak
         memory = "" if o.peak_bytes != o.peak_bytes else f"{o.peak_bytes / 2**30:.1f}"
         out.append([
-            o.case.shape, o.case.impl, "yes" if o.case.compiled else "no", "full" if o.case.recompute else "none",
+            o.case.shape, o.case.impl + (" fp8" if o.case.fp8 else ""), "yes" if o.case.compiled else "no",
+            "full" if o.case.recompute else "none",
             f"{1e3 * statistics.median(o.step_s):.1f}", f"{o.tokens_per_s:,.0f}", f"{100 * mfu:.1f}%", memory,
             f"{o.first_loss:.5f}", ratio,
         ])  # fmt: skip
@@ -218,8 +227,8 @@ def rows(outcomes: list[Outcome], peak: float) -> list[list[str]]:
 def parity(outcomes: list[Outcome], rtol: float) -> list[str]:
     """Cases whose first loss differs from the other implementation's on the same shape by more than rtol."""
     first: dict[str, list[float]] = {}
-    for o in outcomes:
-        first.setdefault(o.case.shape, []).append(o.first_loss)
+    for o in outcomes:  # float8 rounds differently: its runs are compared among themselves
+        first.setdefault(o.case.shape + (" fp8" if o.case.fp8 else ""), []).append(o.first_loss)
     return [s for s, losses in first.items() if max(losses) - min(losses) > rtol * abs(min(losses))]
 
 

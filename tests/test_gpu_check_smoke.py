@@ -21,12 +21,22 @@ def test_gpu_check_runs_its_cpu_smoke_path():
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "correctness: every check within tolerance" in out.stdout
-    checks = ("tiled", "grouped GEMM", "compile", "recompute: full", "KV cache", "safetensors", "pair lane")
+    checks = (
+        "tiled",
+        "grouped GEMM",
+        "compile",
+        "recompute: full",
+        "KV cache",
+        "safetensors",
+        "pair lane",
+        "float8",
+    )
     for check in checks:
         assert check in out.stdout, check
     assert "parity of the first loss: ok for every shape" in out.stdout
     for shape in ("tiny", "tiny-moe"):
         for impl in ("meshtron", "transformers"):
             assert f"| {shape} | {impl} |" in out.stdout
+    assert "| tiny | meshtron fp8 |" in out.stdout
     for configuration in ("| eager |", "| selective recompute |", "| full recompute |"):
         assert configuration in out.stdout, configuration

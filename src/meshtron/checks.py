@@ -15,7 +15,7 @@ every candidate layout with the rules `meshtron train` applies, without importin
   parallel/rules.py   tensor, context and expert parallel; the data-parallel engines
   data/rules.py       the batch split; validation data
   pipeline/rules.py   the layer split, the schedule, micro-batches per step, DualPipeV's overlapped pairs
-  train/rules.py      checkpoints of the layout; recompute under compile; Weights & Biases
+  train/rules.py      checkpoints of the layout; recompute under compile; float8 sizes; Weights & Biases
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from meshtron.parallel.rules import (
     tensor_parallel_problems,
 )
 from meshtron.pipeline.rules import pipeline_problems
-from meshtron.train.rules import checkpoint_unsupported, recompute_problems, wandb_problems
+from meshtron.train.rules import checkpoint_unsupported, float8_problems, recompute_problems, wandb_problems
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -63,7 +63,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += batch_problems(cfg, world_size)
     problems += pipeline_problems(cfg, world_size, device_type)
     problems += validation_problems(cfg) + mixture_problems(cfg)
-    problems += wandb_problems(cfg) + recompute_problems(cfg)
+    problems += wandb_problems(cfg) + recompute_problems(cfg) + float8_problems(cfg, device_type)
     return problems
 
 

@@ -45,6 +45,8 @@ def refuse(problems: Sequence[str]) -> None:
 
 # The enumerated options; modules that act on them read their names from here (typing.get_args).
 DType = Literal["fp32", "bf16"]
+TrainingDType = Literal["fp32", "bf16", "fp8"]  # fp8: bf16 autocast, float8 projections (parallel/float8.py)
+Float8Recipe = Literal["tensorwise", "rowwise"]  # the scale groups of training.dtype = "fp8"
 RopeScaling = Literal["none", "llama3"]
 RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
@@ -181,8 +183,7 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)
     pp_embedding_layers: float = non_negative(0.0)
     pp_head_layers: float = non_negative(0.0)
-    pp_balance: PipelineBalance = "layers"  # "cost": minimise the busiest rank's FLOPs (its chunk, or its
-    # two under a V; embedding, head, loss and MoE active experts counted), instead of even counts
+    pp_balance: PipelineBalance = "layers"  # "cost": minimise the busiest rank's FLOPs (docs/pipeline.md)
     # dualpipev: each F&B pair's forward in a second thread while its backward runs (docs/pipeline.md)
     pp_overlap: bool = False
     ep: int = positive(1)
@@ -239,10 +240,10 @@ class TrainingConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 0
-    dtype: DType = "fp32"
+    dtype: TrainingDType = "fp32"
+    fp8_recipe: Float8Recipe = "tensorwise"
     grad_clip: float = non_negative(1.0)  # 0: no clipping
-    # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
-    max_skipped_steps: int = non_negative(5)
+    max_skipped_steps: int = non_negative(5)  # non-finite steps in a row (each skipped) that stop a run
     recompute: Recompute = "none"
     op_recompute_saves: OpRecomputeSaves = "matmuls"  # what recompute="op" keeps (parallel/recompute.py)
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
@@ -287,10 +288,8 @@ class RunConfig:
     device: Device = "auto"
     plot: bool = True
     sample_tokens: int = non_negative(40)  # greedy tokens printed at the end of a run (rank 0); 0: none
-    # Weights & Biases: rank 0 logs the TensorBoard scalars to this project ("": off); needs the wandb
-    # extra. wandb_name names the W&B run ("": run.dir's last part).
-    wandb_project: str = ""
-    wandb_name: str = ""
+    wandb_project: str = ""  # Weights & Biases (the wandb extra): rank 0 logs the scalars here; "": off
+    wandb_name: str = ""  # the W&B run's name; "": run.dir's last part
 
 
 @dataclass

@@ -84,7 +84,8 @@ def _cuda_hardware(cfg: Config, world_size: int) -> Hardware:
     per_node = _ranks_per_node(world_size)
     # What this device reports, not the table's nominal size: the driver keeps some for itself.
     gpu = dataclasses.replace(accelerator(name), memory_bytes=props.total_memory, gpus_per_node=per_node)
-    return Hardware(Cluster(gpu, world_size, "bf16"), f"{props.name}, the planner's {name}")
+    peak = "fp8" if cfg.training.dtype == "fp8" else "bf16"  # (the planner's fp8 rate on every matmul)
+    return Hardware(Cluster(gpu, world_size, peak), f"{props.name}, the planner's {name}")
 
 
 def detect_hardware(cfg: Config, world_size: int) -> Hardware:

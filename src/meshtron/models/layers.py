@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DTYPES = types.MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16})  # config.DType -> torch
+DTYPES = types.MappingProxyType(
+    {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+)  # config.DType -> torch
 
 
 class RMSNorm(nn.Module):

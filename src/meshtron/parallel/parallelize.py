@@ -3,6 +3,8 @@
   1  pipeline split      keep this rank's chunks of layers, so the steps below cut only what is kept
                          (pipeline/runtime.py)
   2  tensor (+ seq.)     column / row / vocab-parallel weights over tp (tensor.py)
+     float8              with training.dtype = "fp8", the projections of each block as float8 layers
+                         on this rank's shards (float8.py)
   3  context             attention exchanges K/V (or heads) over cp; each rank holds its tokens
                          (context.py)
   4  expert              each rank keeps its experts; tokens reach the others by all-to-all or
@@ -38,6 +40,7 @@ from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data_parallel import DataParallelSettings, apply_data_parallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -165,6 +168,8 @@ def parallelize(
     tp_plan = None
     if mesh.size("tp") > 1:
         tp_plan = apply_tensor_parallel(model, comm, mesh.group("tp"), p.sp, cfg.parallel.expert_tp)
+    if cfg.training.dtype == "fp8":  # on this rank's shards, before compile and recompute wrap the blocks
+        apply_float8(model, cfg.training.fp8_recipe, comm, mesh.group("tp"))
     hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
     ring, ulysses = (mesh.group("cp_ring"), mesh.group("cp_ulysses")) if hybrid else (None, None)
     seq_len = cfg.training.seq_len

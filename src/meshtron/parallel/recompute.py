@@ -65,7 +65,9 @@ def _checkpointed(
 
 _aten = torch.ops.aten
 MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default} | {
-    op.default for op in (getattr(_aten, "_grouped_mm", None),) if op is not None
+    op.default
+    for op in (getattr(_aten, name, None) for name in ("_grouped_mm", "_scaled_mm"))
+    if op is not None
 }
 # The attention kernels SDPA dispatches to (CPU's fused kernel, CUDA's flash, memory-efficient, cuDNN).
 ATTENTION = {

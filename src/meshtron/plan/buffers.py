@@ -62,7 +62,7 @@ def zero12_buffers(cfg: Config, params: list[RankParameter], n: int, in_place: b
     if n == 1 or not params:
         return 0.0
     p, t = cfg.parallel, cfg.training
-    pb, rb = (2 if t.dtype == "bf16" else 4), (2 if p.reduce_dtype == "bf16" else 4)
+    pb, rb = (2 if t.dtype != "fp32" else 4), (2 if p.reduce_dtype == "bf16" else 4)
     buckets = [sum(_padded(x.shape, n) for x in b) for b in _buckets(params, int(p.bucket_mb * 2**20))]
     units = [sum(_padded(x.shape, n) for x in u) for u in _units(params).values()]
     packs = not (in_place and p.zero == 1 and p.dp_replicate == 1)  # gloo all-reduces stage 1 in place
@@ -78,7 +78,7 @@ def zero3_buffers(cfg: Config, params: list[RankParameter], n: int) -> float:
     if n == 1 or not params:
         return 0.0
     p, t = cfg.parallel, cfg.training
-    pb, rb = (2 if t.dtype == "bf16" else 4), (2 if p.reduce_dtype == "bf16" else 4)
+    pb, rb = (2 if t.dtype != "fp32" else 4), (2 if p.reduce_dtype == "bf16" else 4)
     sizes = {key: sum(_padded(x.shape, n) for x in unit) for key, unit in _units(params).items()}
     root = sizes.pop("root", 0)
     block = max(sizes.values(), default=0)

@@ -49,7 +49,7 @@ def _dp_bytes(
     if shard == 1:
         return 0.0, 2 * reduce * full * _ring(replicate)
     padded = sum(math.ceil(s[0] / shard) * shard * math.prod(s[1:]) for s in shapes)
-    gather = 2 if cfg.training.dtype == "bf16" else 4  # parameters gather in the compute dtype
+    gather = 2 if cfg.training.dtype != "fp32" else 4  # parameters gather in the compute dtype
     if p.zero == 3:
         per_micro = gather * (2 if p.reshard_after_forward else 1) + reduce
         volume = micro * per_micro * padded

@@ -123,7 +123,7 @@ def layer_comm(
     """Exposed F and B seconds of one layer's tp, cp and ep communication for one micro-batch."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     g = groups(cfg)
-    act = 2 if t.dtype == "bf16" else 4
+    act = 2 if t.dtype != "fp32" else 4
     tokens = t.micro_batch * t.seq_len // p.cp
     out: dict[str, PassTimes] = {}
     if p.tp > 1:
@@ -160,7 +160,7 @@ def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, P
     tp = _on(net, groups(cfg)["tp"])
     tokens = t.micro_batch * t.seq_len // p.cp
     act = collective_time(
-        "all_reduce", tokens * cfg.model.dim * (2 if t.dtype == "bf16" else 4), tp, net.gpu, net.eff
+        "all_reduce", tokens * cfg.model.dim * (2 if t.dtype != "fp32" else 4), tp, net.gpu, net.eff
     )
     loss = collective_time("all_reduce", 3 * tokens * 4, tp, net.gpu, net.eff, calls=3)
     regather = 0.5 if p.sp else 0.0  # sp: the head's input gathered again in backward
@@ -193,7 +193,7 @@ def pp_p2p(cfg: Config, net: Network) -> float:
     p, t = cfg.parallel, cfg.training
     if p.pp == 1 or net.overlap.pp_p2p:
         return 0.0
-    act = 2 if t.dtype == "bf16" else 4
+    act = 2 if t.dtype != "fp32" else 4
     shards = p.tp if p.sp else 1
     message = t.micro_batch * t.seq_len // p.cp // shards * cfg.model.dim * act
     return collective_time("p2p", message, _on(net, groups(cfg)["pp"]), net.gpu, net.eff)
@@ -221,7 +221,7 @@ def _engine_time(
     replica = timed("all_reduce", reduce * padded / shard.size, replicas)
     scatter = timed("reduce_scatter", reduce * padded, shard)
     if p.zero == 3:
-        gather = timed("all_gather", (2 if t.dtype == "bf16" else 4) * padded, shard)
+        gather = timed("all_gather", (2 if t.dtype != "fp32" else 4) * padded, shard)
         backward = gather * (1 if p.reshard_after_forward else 0) + scatter
         return gather, backward, replica, 0.0
     gather = collective_time("all_gather", 4 * padded, shard, net.gpu, net.eff, units)

@@ -72,7 +72,7 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
         kwargs["ulysses"] = p.cp
     if m.is_moe_layer(layer):
         kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.expert_tp)
-    act = 2 if t.dtype == "bf16" else 4
+    act = 2 if t.dtype != "fp32" else 4
     key = ("layer", model_key(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
     return _cached(key, lambda: layer_activation_bytes(m, t.micro_batch, t.seq_len, act, layer, **kwargs))
 
@@ -132,7 +132,7 @@ def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> flo
     freed by B). Attention's projections share one input, as the MLP's gate and up; MoE experts run
     outside the linear layers and are not deferred, their router is."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    tokens, act = t.micro_batch * t.seq_len // p.cp, 2 if t.dtype == "bf16" else 4
+    tokens, act = t.micro_batch * t.seq_len // p.cp, 2 if t.dtype != "fp32" else 4
     q, kv, ffn = m.n_heads * m.head_size // p.tp, m.kv_heads_per_rank(p.tp) * m.head_size, m.ffn_dim // p.tp
     attention = (m.dim + q) + (q + 2 * kv + m.dim)  # inputs: normed x, attention out; output gradients
     mlp = (m.dim + ffn) + (2 * ffn + m.dim)

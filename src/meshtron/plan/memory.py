@@ -80,7 +80,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import DType, EpDispatch, ModelConfig, OpRecomputeSaves, Recompute
+from meshtron.config import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
 from meshtron.plan.op_memory import op_kept_elements, slot_rows
 
 
@@ -338,7 +338,13 @@ def layer_activation_bytes(
 
 
 def head_activation_bytes(
-    cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False, cp: int = 1, dtype: DType = "fp32"
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    dtype: TrainingDType = "fp32",
 ) -> int:
     """Bytes the final norm, head and loss keep (`head_activation_elements`); exact in fp32."""
-    return head_activation_elements(cfg, batch, seq, tp, sp, cp).bytes(2 if dtype == "bf16" else 4)
+    return head_activation_elements(cfg, batch, seq, tp, sp, cp).bytes(4 if dtype == "fp32" else 2)

@@ -51,3 +51,27 @@ def recompute_problems(cfg: Config) -> list[str]:
             "training.recompute='full' or 'selective' with compile, or training.compile=false"
         ]
     return []
+
+
+def float8_problems(cfg: Config, device_type: str | None) -> list[str]:
+    """On CUDA, float8 matmuls (the scaled-matmul kernel) take sizes that are multiples of 16: every float8
+    projection's widths on a tp rank and the tokens of a micro-batch on a cp rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    if t.dtype != "fp8" or (device_type or cfg.run.device) != "cuda":
+        return []
+    widths = {
+        "model.dim": m.dim,
+        "the query width per tp rank": m.n_heads * m.head_size // p.tp,
+        "the key/value width per tp rank": m.kv_heads_per_rank(p.tp) * m.head_size,
+        "model.ffn_dim per tp rank": m.ffn_dim // p.tp,
+        "the tokens of a micro-batch per cp rank": t.micro_batch * t.seq_len // p.cp,
+    }
+    if m.n_shared_experts:
+        widths["the shared experts' width per tp rank"] = m.shared_expert_ffn_dim // p.tp
+    odd = [f"{name} = {value}" for name, value in widths.items() if value % 16]
+    if not odd:
+        return []
+    return [
+        f"training.dtype='fp8' on CUDA needs float8 matmul sizes that are multiples of 16, not {', '.join(odd)}: "
+        "change them, or use training.dtype='bf16'"
+    ]

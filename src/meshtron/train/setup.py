@@ -36,7 +36,7 @@ import torch.distributed as dist
 from meshtron.checks import check
 from meshtron.comm import Comm, CommGroup
 from meshtron.comm_record import recorder
-from meshtron.config import Config, ConfigError, DType
+from meshtron.config import Config, ConfigError, TrainingDType
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.mixture import Mixture, MixtureSampler
@@ -193,9 +193,9 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
 
 
-def autocast_context(device: torch.device, dtype: DType) -> contextlib.AbstractContextManager:
-    """bf16 autocast over fp32 master weights, or nothing for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+def autocast_context(device: torch.device, dtype: TrainingDType) -> contextlib.AbstractContextManager:
+    """bf16 autocast over fp32 master weights (also under fp8, around its float8 layers), or nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype != "fp32" else contextlib.nullcontext()
 
 
 def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDims]:

@@ -1,0 +1,160 @@
+"""Float8 training (`training.dtype = "fp8"`): the float8 linear layer's arithmetic against a plain
+restatement and against torch's own scaled matmul; under tensor parallel, column- and row-parallel
+shards with their amax reductions equal one device to fp32 rounding (both recipes, forward and
+gradients); whole layouts track the single-device float8 run (bf16's 1e-2 over three steps, as every
+bf16 layout test asks); what stays bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtron.checks import load_config, validate
+from meshtron.comm import Comm
+from meshtron.layout import ParallelDims
+from meshtron.mesh import ParallelMesh
+from meshtron.models.float8 import E4M3, E5M2, Float8Linear, no_reduce, quantize, scaled_mm
+from meshtron.parallel.float8 import _reducers, apply_float8
+from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from meshtron.testing.parity import assert_losses_match, train_rows
+from meshtron.testing.tiny import MOE, TINY
+
+NO_REDUCE = (no_reduce, no_reduce, no_reduce)
+
+
+def restated(t: torch.Tensor, dtype: torch.dtype, axis: int | None) -> torch.Tensor:
+    """The cast, written out: scale = amax / the format's max, round to the format, scale back."""
+    amax = t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)
+    scale = amax / torch.finfo(dtype).max
+    return (t / scale).to(dtype).float() * scale
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_float8_linear_is_the_restated_arithmetic(rowwise):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 32, generator=gen, requires_grad=True)
+    w = torch.randn(48, 32, generator=gen, requires_grad=True)
+    dy = torch.randn(6, 48, generator=gen)
+    y = Float8Linear.apply(x, w, None, rowwise, NO_REDUCE)
+    y.backward(dy)
+    row = 1 if rowwise else None
+    want_y = restated(x.detach(), E4M3, row) @ restated(w.detach(), E4M3, row).T
+    col = 0 if rowwise else None
+    want_dx = restated(dy, E5M2, row) @ restated(w.detach(), E4M3, col)
+    want_dw = restated(dy, E5M2, col).T @ restated(x.detach(), E4M3, col)
+    for got, want in ((y, want_y), (x.grad, want_dx), (w.grad, want_dw)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and float8 is a real rounding: not the fp32 product
+    assert (y - x.detach() @ w.detach().T).abs().max() > 1e-3
+
+
+def test_the_emulated_matmul_is_torchs_scaled_mm():
+    """On the CPU torch 2.13 runs `torch._scaled_mm` itself (slowly): the emulation gives its result."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(16, 32, generator=gen), torch.randn(32, 16, generator=gen)
+    aq, sa = quantize(a, E4M3, None, no_reduce)
+    bq, sb = quantize(b.T.contiguous(), E4M3, None, no_reduce)
+    ours = scaled_mm(aq, sa, bq.T, sb, torch.float32)
+    theirs = torch._scaled_mm(aq, bq.T, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def sharded_float8(rowwise: bool) -> dict[str, float]:
+    """On each of 2 ranks: a column-parallel and a row-parallel float8 layer cut from one device's, their
+    outputs and gradients gathered back, against the one-device float8 layer (fp32, no autocast)."""
+    comm, mesh = Comm(timeout_s=60), ParallelMesh(ParallelDims(tp=2, dp_shard=1), "cpu")
+    tp, r = mesh.group("tp"), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=gen) * torch.linspace(0.1, 3, 32)  # uneven columns: splits matter
+    w, dy = torch.randn(16, 32, generator=gen), torch.randn(8, 16, generator=gen)
+    errors = {}
+    for kind in ("column", "row"):
+        whole_x, whole_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        Float8Linear.apply(whole_x, whole_w, None, rowwise, NO_REDUCE).backward(dy)
+        if kind == "column":  # rows of W, columns of y
+            layer = ColumnParallelLinear(32, 8, bias=False)
+            part_x, part_w, part_dy = x.clone(), w[8 * r : 8 * r + 8].clone(), dy[:, 8 * r : 8 * r + 8]
+        else:  # columns of x and of W; y is a partial sum, whole dy
+            layer = RowParallelLinear(16, 16, None)
+            part_x, part_w, part_dy = (
+                x[:, 16 * r : 16 * r + 16].clone(),
+                w[:, 16 * r : 16 * r + 16].clone(),
+                dy,
+            )
+        part_x.requires_grad_()
+        part_w.requires_grad_()
+        y = Float8Linear.apply(part_x, part_w, None, rowwise, _reducers(layer, comm, tp))
+        y.backward(part_dy)
+        with torch.no_grad():
+            whole_y = Float8Linear.apply(x, w, None, rowwise, NO_REDUCE)
+        got_y = (
+            comm.all_gather_tensor(y.detach(), tp, dim=1)
+            if kind == "column"
+            else comm.all_reduce_(y.detach(), tp)
+        )
+        got_w = comm.all_gather_tensor(part_w.grad, tp, dim=0 if kind == "column" else 1)
+        got_x = (
+            comm.all_reduce_(part_x.grad, tp)
+            if kind == "column"
+            else comm.all_gather_tensor(part_x.grad, tp, dim=1)
+        )
+        for name, got, want in (
+            ("y", got_y, whole_y),
+            ("dW", got_w, whole_w.grad),
+            ("dx", got_x, whole_x.grad),
+        ):
+            errors[f"{kind} {name}"] = float((got - want).norm() / want.norm())
+    mesh.close()
+    return errors
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_tensor_parallel_shards_cast_as_one_device(workers, rowwise):
+    """Every scale group that spans the split is reduced over tp first, so the shards' float8 values are
+    one device's: outputs and both gradients equal it to fp32 rounding of the accumulations."""
+    for errors in workers(2).run(sharded_float8, rowwise):
+        assert max(errors.values()) <= 1e-6, errors
+
+
+def test_which_layers_are_float8():
+    cfg = load_config(None, [*TINY, *MOE, "--model.n_shared_experts=1"])
+    from meshtron.models.llama import build_model
+
+    model = build_model(cfg.model, seed=0)
+    assert apply_float8(model, "tensorwise", Comm(), None) == cfg.model.n_layers * 7  # wq..wo, shared w1..w3
+    block = model.layers["0"]
+    assert "forward" in vars(block.attention.wq) and "forward" in vars(block.moe.shared_experts.w2)
+    assert "forward" not in vars(block.moe.router) and "forward" not in vars(model.output)
+
+
+FP8 = [*TINY, "--training.dtype=fp8", "--training.steps=3"]
+LAYOUTS = {
+    "tp2_sp_rowwise": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.fp8_recipe=rowwise"]),
+    "tp2": (2, ["--parallel.tp=2"]),
+    "zero3_dp2": (2, ["--parallel.dp_shard=2", "--training.micro_batch=4"]),
+    "pp2_zero_bubble": (2, ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--training.micro_batch=2"]),
+    "cp2_ring_op_recompute": (2, ["--parallel.cp=2", "--training.recompute=op"]),
+    "ep2_moe": (2, [*MOE, "--parallel.ep=2", "--training.micro_batch=4"]),
+    "compiled": (1, ["--training.compile=true"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_layouts_track_the_single_device_float8_run(workers, tmp_path, case):
+    world, extra = LAYOUTS[case]
+    model = [o for o in extra if o.startswith(("--model.", "--training.fp8_recipe"))]
+    want = workers(1).run(
+        train_rows, [*FP8, *model, "--training.micro_batch=8", f"--run.dir={tmp_path / 'one'}"]
+    )[0]
+    micro = [] if any("micro_batch" in o for o in extra) else ["--training.micro_batch=8"]
+    rows = workers(world).run(train_rows, [*FP8, *extra, *micro, f"--run.dir={tmp_path / case}"])[0]
+    assert_losses_match(rows, want, rtol=1e-2)
+
+
+def test_float8_sizes_are_checked_for_cuda():
+    """torch._scaled_mm takes multiples of 16: on CUDA an odd width is refused before anything starts."""
+    cfg = load_config(None, [*TINY, "--training.dtype=fp8", "--model.ffn_dim=100"])
+    problems = validate(cfg, 1, "cuda")
+    assert any("model.ffn_dim per tp rank = 100" in p for p in problems), problems
+    assert not any("fp8" in p for p in validate(cfg, 1, "cpu"))
