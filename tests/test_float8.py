@@ -17,7 +17,7 @@ from meshtron.mesh import ParallelMesh
 from meshtron.models.float8 import E4M3, E5M2, Float8Linear, no_reduce, quantize, scaled_mm
 from meshtron.parallel.float8 import _reducers, apply_float8
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from meshtron.testing.parity import assert_losses_match, train_rows
+from meshtron.testing.parity import assert_losses_match, comm_by_op, train_rows
 from meshtron.testing.tiny import MOE, TINY
 
 NO_REDUCE = (no_reduce, no_reduce, no_reduce)
@@ -158,3 +158,39 @@ def test_float8_sizes_are_checked_for_cuda():
     problems = validate(cfg, 1, "cuda")
     assert any("model.ffn_dim per tp rank = 100" in p for p in problems), problems
     assert not any("fp8" in p for p in validate(cfg, 1, "cpu"))
+
+
+def gathered_bytes(overrides: list[str]) -> float:
+    """The ZeRO-3 all-gather bytes of one step's forward and backward on this rank."""
+    base = [*FP8, "--parallel.dp_shard=2", "--training.micro_batch=4", *overrides]
+    return comm_by_op(base, ("dp_shard", "dp_shard_cp"), ("all_gather",))["all_gather"]
+
+
+def test_zero3_gathers_float8_weights_in_float8(workers, tmp_path):
+    """training.fp8_all_gather: the float8 layers' weights travel as e4m3 bytes, exactly 1 byte per
+    element instead of bf16's 2 (their section padded to 16 bytes per rank), and the run tracks the
+    bf16-gathered float8 run."""
+    plain, f8 = (
+        workers(2).run(gathered_bytes, extra)[0] for extra in ([], ["--training.fp8_all_gather=true"])
+    )
+    m = load_config(None, TINY).model
+    q, kv = m.n_heads * m.head_size, m.kv_heads * m.head_size
+    elements = (m.dim * (2 * q + 2 * kv) + 3 * m.dim * m.ffn_dim) // 2  # a rank's float8 rows per block
+    e4m3_bytes = -(-elements // 16) * 16
+    # per gather of a block on 2 ranks: out bytes fall by 2 * (2 * elements - e4m3_bytes), ring volume
+    # counts half of that; forward and backward each gather every block once
+    assert plain - f8 == 2 * m.n_layers * (2 * elements - e4m3_bytes), (plain, f8)
+    base = [*FP8, "--parallel.dp_shard=2", "--training.micro_batch=4"]
+    want = workers(2).run(train_rows, [*base, f"--run.dir={tmp_path / 'a'}"])[0]
+    rows = workers(2).run(
+        train_rows, [*base, "--training.fp8_all_gather=true", f"--run.dir={tmp_path / 'b'}"]
+    )[0]
+    assert_losses_match(rows, want, rtol=1e-2)
+
+
+def test_float8_all_gather_needs_tensorwise_zero3():
+    cfg = load_config(
+        None,
+        [*TINY, "--training.dtype=fp8", "--training.fp8_all_gather=true", "--training.fp8_recipe=rowwise"],
+    )
+    assert any("fp8_all_gather" in p for p in validate(cfg, 2))

@@ -242,6 +242,7 @@ class TrainingConfig:
     seed: int = 0
     dtype: TrainingDType = "fp32"
     fp8_recipe: Float8Recipe = "tensorwise"
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 layers' weights in e4m3 (docs/float8.md)
     grad_clip: float = non_negative(1.0)  # 0: no clipping
     max_skipped_steps: int = non_negative(5)  # non-finite steps in a row (each skipped) that stop a run
     recompute: Recompute = "none"
@@ -267,7 +268,7 @@ class DataConfig:
     reset_positions: bool = True  # with document_mask: RoPE positions restart at 0 at every document
     tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
     tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
-    # Validation data (data/validation.py): the tokens' last val_fraction held out, or a prepared dir.
+    # Validation data (data/validation.py): the tokens' last val_fraction held out, or a prepared dir
     val_fraction: float = _ranged(0.0, lambda v: 0.0 <= v < 1.0, "must be in [0, 1): the share held out")
     val_path: str = ""
 

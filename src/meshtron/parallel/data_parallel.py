@@ -32,6 +32,7 @@ from meshtron.parallel.ddp import DistributedDataParallel
 from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.expert_data_parallel import ExpertDataParallel, ParameterSubset
+from meshtron.parallel.float8 import float8_weight_names
 from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.parallel.materialize import is_meta, materialize_
 from meshtron.parallel.simple_fsdp import SimpleFSDP
@@ -50,6 +51,7 @@ class DataParallelSettings:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered units after each forward
     compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
     device: torch.device = torch.device("cpu")  # where what a rank holds lives (a meta build gets it here)
+    float8_all_gather: bool = False  # ZeRO-3 (meshtron's) gathers the float8 layers' weights in e4m3
 
     @classmethod
     def of(cls, cfg: Config, device: torch.device) -> DataParallelSettings:
@@ -63,6 +65,7 @@ class DataParallelSettings:
             reduce_dtype=DTYPES[p.reduce_dtype],
             reshard_after_forward=p.reshard_after_forward,
             compiled=cfg.training.compile,
+            float8_all_gather=cfg.training.fp8_all_gather,
         )
 
 
@@ -132,7 +135,10 @@ def _engine(
             model, blocks, device_mesh, shard, **dtypes, reshard_after_forward=s.reshard_after_forward,
             device=s.device,
         )  # fmt: skip
+    float8 = (
+        float8_weight_names(model) if s.float8_all_gather and isinstance(model, nn.Module) else frozenset()
+    )
     return FullyShardedDataParallel(
         model, blocks, comm, shard, replicate, **dtypes, reshard_after_forward=s.reshard_after_forward,
-        shard_mesh=mesh.mesh(shard_dim), roots=roots, device=s.device,
+        shard_mesh=mesh.mesh(shard_dim), roots=roots, device=s.device, float8=float8,
     )  # fmt: skip

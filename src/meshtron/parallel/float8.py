@@ -34,6 +34,16 @@ FLOAT8_LINEARS = (
 )  # fmt: skip
 
 
+def float8_weight_names(model: nn.Module) -> frozenset[str]:
+    """The names of `model`'s parameters that float8 layers use as weights (ZeRO-3 may gather them so):
+    the layers carry their recipe (`float8_recipe`), set by apply_float8."""
+    return frozenset(
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if getattr(module, "float8_recipe", None) is not None
+    )
+
+
 def _reducer(comm: Comm, tp: CommGroup | None, split_dim: int | None) -> Reduce:
     """An operand's amax reduction: over tp (max) when its scale group spans `split_dim` (the dim of its
     2-D view that tp splits; None: not split)."""
@@ -80,5 +90,6 @@ def apply_float8(model: Transformer, recipe: Float8Recipe, comm: Comm, tp: CommG
             if type(linear) not in (nn.Linear, ColumnParallelLinear, RowParallelLinear):
                 continue  # a replicated key/value head projection (stays bf16)
             linear.forward = _float8_forward(linear, recipe, _reducers(linear, comm, tp))
+            linear.float8_recipe = recipe
             count += 1
     return count

@@ -30,6 +30,7 @@ from torch import nn
 
 from meshtron.comm import Comm, CommGroup, Pending
 from meshtron.parallel.engine import DataParallelEngine, OwnedRows
+from meshtron.parallel.fsdp_float8 import Float8Gather
 from meshtron.parallel.materialize import is_meta, materialize_
 from meshtron.parallel.shard import FlatLayout
 from meshtron.parallel.staging import Staging
@@ -45,9 +46,11 @@ class FSDPUnit:
         shard: CommGroup,
         param_dtype: torch.dtype,
         device: torch.device,
+        float8: list[bool] | None = None,
     ):
         """`params` on `device`, or on the meta device (built without storage: the shards start at zero
-        and are filled through `owned_rows`, regions.py)."""
+        and are filled through `owned_rows`, regions.py). `float8`: which params gather in float8
+        (fsdp_float8.py); None: all in `param_dtype`."""
         self.names, self.params, self.param_dtype = names, params, param_dtype
         self.rank = shard.rank
         self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
@@ -65,6 +68,7 @@ class FSDPUnit:
                 p.data = torch.empty(p.shape, dtype=param_dtype, device=device)
                 p.untyped_storage().resize_(0)
         self.gathering: tuple[Pending, torch.Tensor] | None = None
+        self.float8 = Float8Gather(params, float8, shard, param_dtype) if float8 and any(float8) else None
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
         self.reduced = False  # reduced at least once this step
@@ -73,8 +77,15 @@ class FSDPUnit:
     def start_gather(self, comm: Comm, shard: CommGroup, staging: Staging) -> None:
         if self.unsharded or self.gathering is not None:
             return
-        send = self.master_flat.to(self.param_dtype)
-        gathered = staging.take(self.param_dtype, send.numel() * shard.size)
+        if self.float8 is not None:  # bytes: float8 weights in e4m3, the rest in the compute dtype
+            send = self.float8.pack(comm, shard, self.master)
+            elements = -(
+                -send.numel() * shard.size // send.new_empty((), dtype=self.param_dtype).element_size()
+            )
+            gathered = staging.take(self.param_dtype, elements).view(torch.uint8)[: send.numel() * shard.size]
+        else:
+            send = self.master_flat.to(self.param_dtype)
+            gathered = staging.take(self.param_dtype, send.numel() * shard.size)
         self.gathering = (comm.all_gather_async(gathered, send, shard), gathered)
 
         def finish() -> None:  # the buffer is needed again: this gather lands in the parameters now
@@ -93,7 +104,10 @@ class FSDPUnit:
         for p in self.params:
             p.untyped_storage().resize_(p.numel() * p.element_size())
         # Through `.data`, so autograd's version counters (checked on saved tensors) are not bumped.
-        self.layout.unpack(gathered, [p.data for p in self.params])
+        if self.float8 is not None:
+            self.float8.unpack(gathered, self.params, shard.size)
+        else:
+            self.layout.unpack(gathered, [p.data for p in self.params])
         self.unsharded = True
 
     def reshard(self) -> None:
@@ -117,11 +131,13 @@ class FullyShardedDataParallel(DataParallelEngine):
         shard_mesh: Any = None,
         roots: list[nn.Module] | None = None,
         device: torch.device | None = None,
+        float8: frozenset[str] = frozenset(),
     ):
         """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
         head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
         the first rank of a V schedule: each gathers the root unit before it runs). `device`: where the
-        shards live (default: the parameters'; needed for a model built on the meta device)."""
+        shards live (default: the parameters'; needed for a model built on the meta device). `float8`:
+        the names of the parameters to gather in float8 (`training.fp8_all_gather`, fsdp_float8.py)."""
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
         self.shard_mesh = shard_mesh
         self.norm_group = shard
@@ -137,7 +153,14 @@ class FullyShardedDataParallel(DataParallelEngine):
         self.has_root = bool(named[0])
         device = device or next(iter(model.parameters())).device
         self.units = [
-            FSDPUnit([n for n, _ in group], [p for _, p in group], shard, param_dtype, device)
+            FSDPUnit(
+                [n for n, _ in group],
+                [p for _, p in group],
+                shard,
+                param_dtype,
+                device,
+                [n in float8 for n, _ in group],
+            )
             for _, group in modules
         ]
         # Gathered units and reduce-scatter inputs (with the received shard after it) in two persistent

@@ -54,9 +54,17 @@ def recompute_problems(cfg: Config) -> list[str]:
 
 
 def float8_problems(cfg: Config, device_type: str | None) -> list[str]:
-    """On CUDA, float8 matmuls (the scaled-matmul kernel) take sizes that are multiples of 16: every float8
+    """What training.fp8_all_gather needs; and on CUDA, float8 matmuls (the scaled-matmul kernel) take sizes that are multiples of 16: every float8
     projection's widths on a tp rank and the tokens of a micro-batch on a cp rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    if t.fp8_all_gather and (
+        t.dtype != "fp8" or t.fp8_recipe != "tensorwise" or p.zero != 3 or p.fsdp_impl != "meshtron"
+    ):
+        return [
+            "training.fp8_all_gather=true gathers the float8 layers' weights with one scale each: it needs "
+            "training.dtype='fp8' with fp8_recipe='tensorwise' and meshtron's ZeRO-3 (parallel.zero=3, "
+            "parallel.fsdp_impl='meshtron'); or set it to false"
+        ]
     if t.dtype != "fp8" or (device_type or cfg.run.device) != "cuda":
         return []
     widths = {
