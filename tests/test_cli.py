@@ -136,14 +136,14 @@ def test_train_reports_every_config_problem_without_traceback():
         "configs/demo.toml",
         "--model.n_heads=7",
         "--parallel.tp=2",
-        "--training.dtype=fp8",
+        "--training.dtype=fp16",
         "--nproc",
         "2",
     )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "n_heads=7 is not divisible by parallel.tp=2" in out.stderr
-    assert "training.dtype='fp8'" in out.stderr
+    assert "training.dtype='fp16'" in out.stderr
     assert "model.dim=256 is not divisible by model.n_heads=7" in out.stderr
     assert "4 problem(s)" in out.stderr
     typo = meshtron("train", "--config", "configs/demo.toml", "--training.stepz=3")
