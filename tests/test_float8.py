@@ -19,6 +19,7 @@ from meshtron.parallel.float8 import _reducers, apply_float8
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from meshtron.testing.parity import assert_losses_match, comm_by_op, train_rows
 from meshtron.testing.tiny import MOE, TINY
+from meshtron.train.rules import float8_device_problems
 
 NO_REDUCE = (no_reduce, no_reduce, no_reduce)
 
@@ -194,3 +195,8 @@ def test_float8_all_gather_needs_tensorwise_zero3():
         [*TINY, "--training.dtype=fp8", "--training.fp8_all_gather=true", "--training.fp8_recipe=rowwise"],
     )
     assert any("fp8_all_gather" in p for p in validate(cfg, 2))
+
+
+def test_gpus_without_float8_tensor_cores_are_refused():
+    assert float8_device_problems((9, 0)) == [] and float8_device_problems((8, 9)) == []
+    assert "this GPU has 8.0" in float8_device_problems((8, 0))[0]  # an A100

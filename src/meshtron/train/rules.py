@@ -83,3 +83,13 @@ def float8_problems(cfg: Config, device_type: str | None) -> list[str]:
         f"training.dtype='fp8' on CUDA needs float8 matmul sizes that are multiples of 16, not {', '.join(odd)}: "
         "change them, or use training.dtype='bf16'"
     ]
+
+
+def float8_device_problems(capability: tuple[int, int]) -> list[str]:
+    """A GPU of CUDA compute `capability` without float8 tensor cores (before 8.9) cannot run fp8."""
+    if capability >= (8, 9):
+        return []
+    return [
+        "training.dtype='fp8' needs float8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
+        f"Blackwell); this GPU has {capability[0]}.{capability[1]}: use training.dtype='bf16'"
+    ]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from meshtron.checks import check
 from meshtron.comm import Comm, CommGroup
 from meshtron.comm_record import recorder
-from meshtron.config import Config, ConfigError, TrainingDType
+from meshtron.config import Config, ConfigError, TrainingDType, refuse
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.mixture import Mixture, MixtureSampler
@@ -58,6 +58,7 @@ from meshtron.train.checkpoint_blocks import ShardBlocks
 from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
 from meshtron.train.optim import build_optimizer
 from meshtron.train.records import write_run_records
+from meshtron.train.rules import float8_device_problems
 
 
 @dataclass
@@ -208,6 +209,8 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
         f"torch {torch.__version__}, {dist.get_backend()} backend, {world_size} rank(s) on {device.type}",
     )
     check(cfg, world_size, device.type)
+    if cfg.training.dtype == "fp8" and device.type == "cuda":
+        refuse(float8_device_problems(torch.cuda.get_device_capability(device)))
     for directory in [Path(cfg.run.dir)] + ([checkpoint_root(cfg)] if cfg.checkpoint.every else []):
         why = unwritable(directory, rank)
         if why:  # found before any work, not at the first checkpoint
