@@ -144,12 +144,18 @@ def compare(
     tokens, docs = batch_of(s, cfg, documents)
     want_loss, want = loss_and_grads(reference, tokens, docs, torch.device("cpu"), torch.float32)
     got_loss, got = loss_and_grads(candidate, tokens, docs, s.device, s.dtype)
-    errors = {n: float((got[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in want.items()}
-    total = math.sqrt(sum(float((got[n] - g).norm()) ** 2 for n, g in want.items()))
-    total /= math.sqrt(sum(float(g.norm()) ** 2 for g in want.values()))
+    return compared(name, (want_loss, want), (got_loss, got), TOLERANCES[s.dtype])
+
+
+def compared(name: str, want: tuple, got: tuple, tol: tuple[float, float, float]) -> list:
+    """A table row: (loss, gradients) of the candidate against the reference's, within `tol` (loss,
+    all gradients, worst parameter: relative)."""
+    (want_loss, want_grads), (got_loss, got_grads) = want, got
+    errors = {n: float((got_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in want_grads.items()}
+    total = math.sqrt(sum(float((got_grads[n] - g).norm()) ** 2 for n, g in want_grads.items()))
+    total /= math.sqrt(sum(float(g.norm()) ** 2 for g in want_grads.values()))
     worst = max(errors, key=errors.get)
     loss_error = abs(got_loss - want_loss) / abs(want_loss)
-    tol = TOLERANCES[s.dtype]
     ok = loss_error <= tol[0] and total <= tol[1] and errors[worst] <= tol[2]
     return [name, f"{want_loss:.5f}", f"{got_loss:.5f}", f"{loss_error:.1e}", f"{total:.1e}",
             f"{errors[worst]:.1e} ({worst})", "ok" if ok else "OVER"]  # fmt: skip
@@ -199,16 +205,10 @@ def float8_row(s: Setting, recipe: str) -> list:
     for model in (reference, candidate):
         apply_float8(model, recipe, Comm(), None)
     tokens, _ = batch_of(s, s.dense, False)
-    want_loss, want = loss_and_grads(reference, tokens, None, torch.device("cpu"), torch.bfloat16)
-    got_loss, got = loss_and_grads(candidate, tokens, None, s.device, torch.bfloat16)
-    total = math.sqrt(sum(float((got[n] - g).norm()) ** 2 for n, g in want.items()))
-    total /= math.sqrt(sum(float(g.norm()) ** 2 for g in want.values()))
-    errors = {n: float((got[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in want.items()}
-    worst = max(errors, key=errors.get)
-    loss_error = abs(got_loss - want_loss) / abs(want_loss)
-    ok = loss_error <= 1e-2 and total <= 5e-2 and errors[worst] <= 1e-1
-    return [f"float8 projections ({recipe}) vs the CPU's emulation, bf16", f"{want_loss:.5f}", f"{got_loss:.5f}",
-            f"{loss_error:.1e}", f"{total:.1e}", f"{errors[worst]:.1e} ({worst})", "ok" if ok else "OVER"]  # fmt: skip
+    want = loss_and_grads(reference, tokens, None, torch.device("cpu"), torch.bfloat16)
+    got = loss_and_grads(candidate, tokens, None, s.device, torch.bfloat16)
+    name = f"float8 projections ({recipe}) vs the CPU's emulation, bf16"
+    return compared(name, want, got, TOLERANCES[torch.bfloat16])
 
 
 def pair_lane_row(s: Setting) -> list:

@@ -97,23 +97,29 @@ class Float8Linear(torch.autograd.Function):
         xq, sx = quantize(x_c, E4M3, 1 if rowwise else None, reducers[0])
         wq, sw = quantize(weight, E4M3, 1 if rowwise else None, reducers[1])
         y = scaled_mm(xq, sx, wq.t(), sw.t() if rowwise else sw, out_dtype)
-        ctx.save_for_backward(x_c, weight)
+        # Tensorwise, backward's casts of x and W are these; rowwise ones run along the other dimension.
+        ctx.save_for_backward(*((x_c, weight) if rowwise else (xq, sx, wq, sw)))
         ctx.rowwise, ctx.reducers, ctx.out_dtype, ctx.x_dtype = rowwise, reducers, out_dtype, x.dtype
+        ctx.weight_dtype = weight.dtype
         ctx.has_bias = bias is not None
         return y + bias.to(out_dtype) if bias is not None else y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
         rx, rw, rdy = ctx.reducers
-        row = ctx.rowwise
-        # dx = dy·W: contraction over the output features (dy's columns, W's rows)
-        dyq, sdy = quantize(dy, E5M2, 1 if row else None, rdy)
-        wq, sw = quantize(weight, E4M3, 0 if row else None, rw)
+        if ctx.rowwise:
+            x, weight = ctx.saved_tensors
+            # dx = dy·W contracts the output features (dy's columns, W's rows), dW = dyᵀ·x the tokens
+            dyq, sdy = quantize(dy, E5M2, 1, rdy)
+            wq, sw = quantize(weight, E4M3, 0, rw)
+            dytq, sdyt = quantize(dy, E5M2, 0, rdy)
+            xq, sx = quantize(x, E4M3, 0, rx)
+            dytq, sdyt = dytq.t(), sdyt.t()
+        else:  # one scale per operand: one cast of dy serves both, x and W are the forward's
+            xq, sx, wq, sw = ctx.saved_tensors
+            dyq, sdy = quantize(dy, E5M2, None, rdy)
+            dytq, sdyt = dyq.t(), sdy
         dx = scaled_mm(dyq, sdy, wq, sw, ctx.out_dtype)
-        # dW = dyᵀ·x: contraction over the tokens (dy's and x's rows)
-        dytq, sdyt = quantize(dy, E5M2, 0 if row else None, rdy)
-        xq, sx = quantize(x, E4M3, 0 if row else None, rx)
-        dw = scaled_mm(dytq.t(), sdyt.t() if row else sdyt, xq, sx, torch.float32)
+        dw = scaled_mm(dytq, sdyt, xq, sx, torch.float32)
         db = dy.float().sum(0) if ctx.has_bias else None
-        return dx.to(ctx.x_dtype), dw.to(weight.dtype), db, None, None
+        return dx.to(ctx.x_dtype), dw.to(ctx.weight_dtype), db, None, None

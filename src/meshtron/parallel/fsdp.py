@@ -79,9 +79,7 @@ class FSDPUnit:
             return
         if self.float8 is not None:  # bytes: float8 weights in e4m3, the rest in the compute dtype
             send = self.float8.pack(comm, shard, self.master)
-            elements = -(
-                -send.numel() * shard.size // send.new_empty((), dtype=self.param_dtype).element_size()
-            )
+            elements = -(-send.numel() * shard.size // (torch.finfo(self.param_dtype).bits // 8))
             gathered = staging.take(self.param_dtype, elements).view(torch.uint8)[: send.numel() * shard.size]
         else:
             send = self.master_flat.to(self.param_dtype)
