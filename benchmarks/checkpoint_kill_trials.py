@@ -8,6 +8,10 @@ resumes the run for one more step with checkpoint.resume=true and requires that 
 checkpoint, says which step it resumed at, and trains on. Results go to RESULTS.md.
 
     python benchmarks/checkpoint_kill_trials.py --trials 20
+    python benchmarks/checkpoint_kill_trials.py --trials 20 --async   # checkpoint.async = true
+
+With --async the kill mostly lands while a save is being written in the background (training goes on
+meanwhile), which must leave the previous checkpoint usable just the same.
 """
 
 from __future__ import annotations
@@ -51,10 +55,10 @@ def kill_run(run_dir: Path) -> None:
             continue
 
 
-def trial(run_dir: Path, rng: random.Random) -> dict:
+def trial(run_dir: Path, rng: random.Random, extra: list[str]) -> dict:
     """One kill and resume; what was on disk and whether the resume worked."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    run = meshtron(["--training.steps=200", f"--run.dir={run_dir}"])
+    run = meshtron(["--training.steps=200", f"--run.dir={run_dir}", *extra])
     root = run_dir / "checkpoints"
     deadline = time.monotonic() + 300
     while not any(root.glob("step-*[0-9]")) and time.monotonic() < deadline and run.poll() is None:
@@ -66,7 +70,9 @@ def trial(run_dir: Path, rng: random.Random) -> dict:
     partial = sorted(p.name for p in root.glob("*.tmp"))
     complete = sorted(p.name for p in root.glob("step-*") if not p.name.endswith(".tmp"))
     newest = int(complete[-1].split("-")[1]) if complete else 0
-    resume = meshtron([f"--training.steps={newest + 1}", "--checkpoint.resume=true", f"--run.dir={run_dir}"])
+    resume = meshtron(
+        [f"--training.steps={newest + 1}", "--checkpoint.resume=true", f"--run.dir={run_dir}", *extra]
+    )
     out, _ = resume.communicate(timeout=600)
     resumed = re.search(r"resumed from .*step-(\d+) at step (\d+)", out)
     return {
@@ -83,12 +89,14 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--async", dest="async_save", action="store_true", help="checkpoint.async = true")
     args = parser.parse_args()
+    extra = ["--checkpoint.async=true"] if args.async_save else []
     rng = random.Random(args.seed)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.trials):
-            result = trial(Path(tmp) / "run", rng)
+            result = trial(Path(tmp) / "run", rng, extra)
             results.append(result)
             print(f"trial {index}: {result['complete']} complete, {result['partial']} partial -> "
                   f"{'resumed at step ' + str(result['resumed_at']) if result['ok'] else 'FAILED'}", flush=True)  # fmt: skip
@@ -96,14 +104,16 @@ def main() -> int:
                 print(result["tail"])
     mid_save = sum(bool(r["partial"]) for r in results)
     ok = sum(r["ok"] for r in results)
+    flag, how = (" --async", "asynchronously (written in the background) ") if args.async_save else ("", "")
     body = (
-        f"{args.trials} trials (`python benchmarks/checkpoint_kill_trials.py --trials {args.trials}`): 2 ranks "
-        "checkpointing after every step, SIGKILLed at a random moment; "
+        f"{args.trials} trials (`python benchmarks/checkpoint_kill_trials.py --trials {args.trials}{flag}`): 2 "
+        f"ranks checkpointing {how}after every step, SIGKILLed at a random moment; "
         f"{mid_save} of them died in the middle of a save (a `.tmp` directory left behind). "
         f"**{ok} of {args.trials}** resumed from the newest complete checkpoint and trained on."
     )
     if args.out != "-":
-        write_section(Path(args.out), "## Checkpoints under random kills", "checkpoint_kill_trials.py", body)
+        title = "## Checkpoints under random kills" + (" (asynchronous saves)" if args.async_save else "")
+        write_section(Path(args.out), title, "checkpoint_kill_trials.py" + flag, body)
     print(body)
     return 0 if ok == args.trials else 1
 

@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "meshtron.pipeline.balance", "meshtron.hf.config", "meshtron.hf.resolve", "meshtron.checks")),
     ("planner", ("meshtron.plan",)),  # the planner's models, pure
     ("comm", ("meshtron.comm", "meshtron.comm_autograd", "meshtron.comm_pending", "meshtron.comm_pairwise",
-              "meshtron.comm_record", "meshtron.mesh",
+              "meshtron.comm_record", "meshtron.mesh", "meshtron.timing",
               "meshtron.testing.workers")),  # fmt: skip
     ("models", ("meshtron.models", "meshtron.data", "meshtron.pipeline.picture")),
     ("parallelisms", ("meshtron.parallel", "meshtron.pipeline")),
@@ -280,6 +280,8 @@ PRIVATE_TORCH = {
     # torch.save's pickle names torch._utils._rebuild_tensor_v2: the layout unpickler recognises the name
     # (it never imports or calls it)
     "train/saved_regions.py": {"torch._utils"},
+    # the CUDA allocator's history with stacks (profile.memory_history) has no public API
+    "train/cuda_memory.py": {"torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot"},
 }
 
 

@@ -20,10 +20,13 @@ every candidate layout with the rules `meshtron train` applies, without importin
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
-from meshtron.config import Config, field_problems, read_config, refuse
+from meshtron.config import Config, read_config, refuse, suggest
 from meshtron.data.rules import (
     batch_problems,
     mixture_problems,
@@ -40,7 +43,13 @@ from meshtron.parallel.rules import (
     tensor_parallel_problems,
 )
 from meshtron.pipeline.rules import pipeline_problems
-from meshtron.train.rules import checkpoint_unsupported, float8_problems, recompute_problems, wandb_problems
+from meshtron.train.rules import (
+    checkpoint_unsupported,
+    float8_problems,
+    profile_problems,
+    recompute_problems,
+    wandb_problems,
+)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -64,6 +73,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += pipeline_problems(cfg, world_size, device_type)
     problems += validation_problems(cfg) + mixture_problems(cfg)
     problems += wandb_problems(cfg) + recompute_problems(cfg) + float8_problems(cfg, device_type)
+    problems += profile_problems(cfg)
     return problems
 
 
@@ -81,3 +91,22 @@ def check(cfg: Config, world_size: int = 1, device_type: str | None = None) -> C
     yet; otherwise return cfg."""
     refuse(validate(cfg, world_size, device_type) or not_yet_supported(cfg, world_size))
     return cfg
+
+
+def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(every field's own problem: an enumerated option that is not one of its options, a number outside
+    its range; those of them about sizes the feature rules divide by)."""
+    problems, sizes = [], []
+    for section in dataclasses.fields(Config):
+        values = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
+            where, value = f"{section.name}.{f.name}", getattr(values, f.name)
+            if typing.get_origin(hints[f.name]) is Literal and value not in typing.get_args(hints[f.name]):
+                known = [str(o) for o in typing.get_args(hints[f.name])]
+                hint = suggest(str(value), known, list_known=False)
+                problems.append(f"{where}={value!r} is not one of {', '.join(known)}{hint}")
+            if "ok" in f.metadata and not f.metadata["ok"](value):
+                problems.append(f"{where}={value} {f.metadata['says']}")
+                sizes += [problems[-1]] if f.metadata["size"] else []
+    return problems, sizes

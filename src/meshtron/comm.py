@@ -4,9 +4,10 @@ This is the only module that calls torch.distributed collectives. Every call goe
 object, which counts bytes and calls per group and per step, and waits on each collective with a
 deadline so a hang turns into an error that names the rank, the collective and the group.
 
-Bytes are counted as the per-rank volume of a ring algorithm (docs/theory.md#communication-volume): all-reduce of S bytes
-over n ranks 2*S*(n-1)/n; all-gather and reduce-scatter S*(n-1)/n with S the full (unsharded) size;
-all-to-all S*(n-1)/n; broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing.
+Bytes are counted as the per-rank volume of a ring algorithm (docs/theory.md#communication-volume): all-reduce
+of S bytes over n ranks 2*S*(n-1)/n; all-gather, reduce-scatter (S the unsharded size), all-to-all and
+broadcast S*(n-1)/n; send/recv S. A group of size 1 moves and counts nothing. Every wait is timed
+(timing.py: the straggler report's waits per group).
 This is the volume of the collective asked for: gloo has no reduce-scatter of its own and runs one as
 an all-reduce, so on gloo a reduce-scatter really moves twice its counted bytes. Gloo's all-gathers go
 as every pair's messages at once (comm_pairwise.py: faster there), which move the counted bytes.
@@ -23,9 +24,8 @@ Tensor parallel also needs the pairs whose other side is replicated (Megatron's 
   reduce_from_group forward all_reduce         backward identity
   split_to_group  forward keep own chunk       backward all_gather
 (the rules live in comm_autograd.py; each calls back into its `Comm`). One more, for torch.compile:
-  gather_rows_traced  forward all-gather       backward reduce-scatter, as functional collectives a
-                      compiler traces into its graph (and may bucket and reorder); nothing is counted
-                      per call there, the caller books the bytes (`book`)
+  gather_rows_traced  forward all-gather       backward reduce-scatter (functional collectives a
+                      compiler traces and may bucket; the caller books the bytes: `book`)
 
 Lanes: a thread inside `pair_lane()` issues every collective on its group's twin (`add_pair_lane`), so
 that two threads (a DualPipeV pair's forward and backward) never interleave their calls on one group.
@@ -61,6 +61,7 @@ from meshtron.comm_autograd import (
 )
 from meshtron.comm_pending import Pending, Works
 from meshtron.comm_record import LANE, CommStats, Recording, Span, flight_name, recorder
+from meshtron.timing import TIMES
 
 _gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
 _reduce_scatter_functional = getattr(functional, "reduce_scatter_single", functional.reduce_scatter_tensor)
@@ -109,13 +110,13 @@ class Comm:
     def __init__(self, timeout_s: float = 300.0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stats = CommStats()  # where collectives are counted: the innermost `recording`'s, if any
-        # The pair lane: a second process group per group, for collectives issued by a thread that runs
-        # at the same time as the main one (a DualPipeV pair's forward while its backward runs): each
-        # group's collectives are then issued in one order on every rank, per lane.
+        # The pair lane: a twin per group for a thread running beside the main one (a DualPipeV pair's
+        # forward during its backward), so each group's collectives keep one order per lane on every rank.
         self._twins: dict[str, Any] | None = None
         # Inside a `recording(spans=True)`: every wait as (op, group name, lane, start, end), perf_counter s.
         self.spans: list[Span] | None = None
         self.pairwise_all_to_all = False  # set where the backend has no all-to-all (`_exchange`)
+        self.timed = True  # waits count in timing.TIMES (not a background checkpoint writer's)
 
     @contextlib.contextmanager
     def recording(self, spans: bool = False) -> Iterator[Recording]:
@@ -174,13 +175,16 @@ class Comm:
     def wait(self, work: Any, op: str, group: CommGroup) -> None:
         flight = recorder()
         flight.begin_wait(op, group.name)
-        start = time.perf_counter()
+        start, mark = time.perf_counter(), TIMES.mark()
         try:
-            completed = work.wait(timeout=self.timeout)
+            with TIMES.span(f"{op} on {group.name}"):
+                completed = work.wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._timeout_error(op, group, err) from err
         finally:
             flight.end_wait()
+            if self.timed:
+                TIMES.waited(group.name, mark, TIMES.mark())
             if self.spans is not None:
                 self.spans.append((op, group.name, self.lane(), start, time.perf_counter()))
         if completed is False:
@@ -344,8 +348,7 @@ class Comm:
         return Pending(self, Works(dist.batch_isend_irecv(ops)), "sendrecv", group), out
 
     def all_gather_object(self, obj: Any, group: CommGroup) -> list[Any]:
-        """Every rank's picklable `obj`, in group order: for reports (timelines), not for the step's
-        tensors, and so not counted in the statistics."""
+        """Every rank's picklable `obj`, in group order: for reports, not counted in the statistics."""
         if group.size == 1:
             return [obj]
         out: list[Any] = [None] * group.size
@@ -469,19 +472,16 @@ class Comm:
     def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         return SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
 
-    # -- traced --
-
     def gather_rows_traced(
         self, x: torch.Tensor, group: CommGroup, reduce_dtype: torch.dtype
     ) -> torch.Tensor:
-        """Every rank's `x` concatenated along dim 0, differentiable (backward: the gradient cast to
-        `reduce_dtype`, reduce-scattered, cast back), through functional collectives that torch.compile
-        traces. Counts nothing (a compiled graph runs no Python per call): callers `book` the bytes."""
+        """Every rank's `x` concatenated along dim 0 through functional collectives torch.compile traces
+        (backward: reduce-scatter in `reduce_dtype`); counts nothing: callers `book` the bytes."""
         return TracedGather.apply(x, group, reduce_dtype) if group.size > 1 else x
 
     def book(self, op: str, full_nbytes: int, group: CommGroup) -> None:
-        """Count the bytes of an all-gather or reduce-scatter of `full_nbytes` (unsharded) that runs
-        inside a compiled graph; not as a call (the compiler may have merged it with others)."""
+        """Count an all-gather or reduce-scatter of `full_nbytes` (unsharded) inside a compiled graph,
+        as bytes and no call (the compiler may have merged it with others)."""
         if group.size > 1:
             self.stats.record(group.name, op, full_nbytes * (group.size - 1) / group.size, False, calls=0)
 

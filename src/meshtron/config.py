@@ -2,9 +2,10 @@
 each field's own range and options.
 
 A field's range sits on the field (`positive(...)`), enumerated options are `Literal` types, and
-`field_problems` reports both. How the options must fit the model, the world size and each other is
-each feature's rule, stated in its package's torch-free rules.py and gathered by checks.py, which also
-loads a config with `model.init_from` (the checkpoint's architecture) and raises every problem at once.
+checks.py's `field_problems` reports both. How the options must fit the model, the world size and each
+other is each feature's rule, stated in its package's torch-free rules.py and gathered by checks.py,
+which also loads a config with `model.init_from` (the checkpoint's architecture) and raises every
+problem at once.
 Nothing here imports a feature.
 """
 
@@ -279,6 +280,16 @@ class CheckpointConfig:
     every: int = non_negative(0)  # 0: never (a final checkpoint is still written when every > 0)
     resume: bool = False  # continue from the newest complete checkpoint in dir, if there is one
     keep: int = non_negative(2)  # newest checkpoints kept; 0 keeps all
+    # Stage to host memory, write in the background (train/checkpoint_async.py); TOML key `async` too.
+    async_save: bool = False
+
+
+@dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)  # [first, last] (1-based) traced into run.dir/traces
+    memory_history: bool = True  # on CUDA: the allocator's history of those steps, a snapshot per rank
+    # A log interval's slowest rank is named when its compute time passes the median's by this share.
+    straggler_threshold: float = non_negative(0.1)
 
 
 @dataclass
@@ -300,6 +311,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -396,6 +408,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"{path} is not valid TOML: {err}"]) from None
 
 
+# Keys a Python field cannot be named (a keyword) -> the field's name.
+KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+
 # Where [model] keys come from when model.init_from names a checkpoint: (the explicit [model] keys,
 # problems) -> the keys to build from (checks.load_config passes the Hugging Face reader, hf/resolve.py).
 ModelSource = Callable[[Mapping[str, Any], list[str]], dict[str, Any]]
@@ -420,7 +435,7 @@ def _merge(
             for k, v in value.items():
                 put(section, k, v, origin)
             return
-        merged.setdefault(section, {})[key] = value
+        merged.setdefault(section, {})[KEY_ALIASES.get((section, key), key)] = value
 
     for section, value in raw.items():
         put(section, None, value, "the config file")
@@ -479,22 +494,3 @@ def read_config(
     """A TOML file (or nothing) with `--section.key=value` overrides as a typed Config, unchecked."""
     raw = load_toml(path) if path is not None else {}
     return build_config(raw, overrides, model_source)
-
-
-def field_problems(cfg: Config) -> tuple[list[str], list[str]]:
-    """(every field's own problem: an enumerated option that is not one of its options, a number outside
-    its range; those of them about sizes the feature rules divide by)."""
-    problems, sizes = [], []
-    for section in dataclasses.fields(Config):
-        values = getattr(cfg, section.name)
-        hints = typing.get_type_hints(type(values))
-        for f in dataclasses.fields(values):
-            where, value = f"{section.name}.{f.name}", getattr(values, f.name)
-            if typing.get_origin(hints[f.name]) is Literal and value not in typing.get_args(hints[f.name]):
-                known = [str(o) for o in typing.get_args(hints[f.name])]
-                hint = suggest(str(value), known, list_known=False)
-                problems.append(f"{where}={value!r} is not one of {', '.join(known)}{hint}")
-            if "ok" in f.metadata and not f.metadata["ok"](value):
-                problems.append(f"{where}={value} {f.metadata['says']}")
-                sizes += [problems[-1]] if f.metadata["size"] else []
-    return problems, sizes

@@ -47,6 +47,7 @@ class ParallelMesh:
             self._cp_parts = {d: dist.new_subgroups_by_enumeration(dims.groups(d))[0] for d in CP_PARTS}
         self._twins: dict[int, Any] | None = None
         self._twin_groups: list[Any] = []
+        self._checkpoint_group: Any = None
         self._sliced: dict[str, Any] = {}  # 1-D meshes by dim: slicing a DeviceMesh builds a new one
 
     def pair_lane(self) -> dict[str, Any]:
@@ -71,6 +72,14 @@ class ParallelMesh:
             self._twins = twins
         return self._twins
 
+    def checkpoint_group(self) -> CommGroup:
+        """Every rank on a gloo group of its own, for asynchronous checkpoints: DCP writes in a background
+        thread whose collectives must not share a group with the training step's (and need a CPU
+        backend under NCCL). Made on the first call, which every rank makes; destroyed with the mesh."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return CommGroup("checkpoint", tuple(range(dist.get_world_size())), self._checkpoint_group)
+
     def close(self) -> None:
         """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
         process that builds many meshes, such as a test worker, must release them)."""
@@ -79,13 +88,13 @@ class ParallelMesh:
         for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
-        for extra in [self._pp_ends, *self._cp_parts.values(), *self._twin_groups]:
+        for extra in [self._pp_ends, *self._cp_parts.values(), *self._twin_groups, self._checkpoint_group]:
             if extra is not None:
                 groups[id(extra)] = extra
         for group in groups.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
-        self._twins, self._twin_groups = None, []
+        self._twins, self._twin_groups, self._checkpoint_group = None, [], None
 
     def mesh(self, dim: str) -> Any:
         """The 1-D DeviceMesh of `dim` that contains this rank."""

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "newest complete checkpoint (set checkpoint.every)",
     )
     train.add_argument(
+        "--profile-steps",
+        metavar="FIRST,LAST",
+        help="trace steps FIRST..LAST (1-based) on every rank into <run.dir>/traces (profile.steps)",
+    )
+    train.add_argument(
         "--dry-run",
         action="store_true",
         help="check the config, print it resolved, the mesh and the planner's prediction on this hardware, "

@@ -82,6 +82,8 @@ def first_rank_error(errors: Path, err: Exception) -> str:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
+    if args.profile_steps:  # "3,4" or "3-4": profile.steps = [3, 4]
+        overrides = [*overrides, f"--profile.steps=[{args.profile_steps.replace('-', ',')}]"]
     cfg = load_config(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     rank_flags: list[str] = []

@@ -45,6 +45,7 @@ from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
+from meshtron.timing import TIMES
 
 
 @dataclass
@@ -115,12 +116,14 @@ class ParallelModel:
         for index, ((inputs, targets), (rope, docs)) in enumerate(zip(micro_batches, layouts, strict=True)):
             if backward:
                 before_grads(index == len(micro_batches) - 1)
-            with loss.autocast():
-                logits, aux = self.model(inputs, rope, return_aux=True, docs_BS=docs)
-            total, ce = loss.of(logits, aux, targets, index)
+            with TIMES.phase("forward", f"forward micro-batch {index}"):
+                with loss.autocast():
+                    logits, aux = self.model(inputs, rope, return_aux=True, docs_BS=docs)
+                total, ce = loss.of(logits, aux, targets, index)
             del logits  # backward needs the loss's log-probabilities, not these: tokens x vocab freed now
             if backward:
-                total.backward()
+                with TIMES.phase("backward", f"backward micro-batch {index}"):
+                    total.backward()
             ce_sum += ce.detach()
         return ce_sum
 

@@ -91,3 +91,23 @@ class Action:
         if not self.kind.is_recv:
             raise ValueError(f"{self} is not a receive")
         return self.chunk - 1 if self.kind == Kind.RECV_F else self.chunk + 1
+
+
+# The step phase each compute action's time counts in (timing.py), and the words a profiler span uses.
+ACTION_PHASES = {Kind.F: "forward", Kind.B: "backward", Kind.W: "backward"}
+_SPAN_WORDS = {
+    Kind.F: "forward",
+    Kind.B: "backward",
+    Kind.W: "weight gradients",
+    Kind.SEND_F: "send activations",
+    Kind.RECV_F: "receive activations",
+    Kind.SEND_B: "send gradients",
+    Kind.RECV_B: "receive gradients",
+}
+
+
+def action_span(a: Action) -> str:
+    """A trace's name for action `a`: "forward chunk 1 micro-batch 3", "send gradients chunk 2
+    micro-batch 0 to rank 1"."""
+    peer = f" {'to' if a.kind.is_send else 'from'} rank {a.peer}" if a.peer >= 0 else ""
+    return f"{_SPAN_WORDS[a.kind]} chunk {a.chunk} micro-batch {a.mb}{peer}"

@@ -48,10 +48,11 @@ from meshtron.models.documents import MicroBatchLayout
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.parallel.engine import DataParallelEngine
-from meshtron.pipeline.actions import Action, Kind, chunks_of_rank, rank_of_chunk
+from meshtron.pipeline.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
 from meshtron.pipeline.pairs import run_pair
 from meshtron.pipeline.schedules import build_schedule, busy_seconds, send_release_points
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
+from meshtron.timing import TIMES
 
 TIED_WEIGHT = "tok_embeddings.weight"
 
@@ -392,7 +393,9 @@ class PipelineRuntime:
 
     def _timed(self, step: _Step, index: int) -> None:
         a, start = step.actions[index], time.perf_counter()
-        step.handlers[a.kind](index, a)
+        span = action_span(a)
+        with TIMES.phase(ACTION_PHASES[a.kind], span) if a.kind.is_compute else TIMES.span(span):
+            step.handlers[a.kind](index, a)
         if a.kind.is_compute:
             self.timeline.append((a, start - self.step_start, time.perf_counter() - self.step_start))
 

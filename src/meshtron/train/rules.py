@@ -93,3 +93,16 @@ def float8_device_problems(capability: tuple[int, int]) -> list[str]:
         "training.dtype='fp8' needs float8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
         f"Blackwell); this GPU has {capability[0]}.{capability[1]}: use training.dtype='bf16'"
     ]
+
+
+def profile_problems(cfg: Config) -> list[str]:
+    """profile.steps is [] or [first, last] with 1 <= first <= last <= training.steps."""
+    steps, total = cfg.profile.steps, cfg.training.steps
+    if not steps:
+        return []
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= total:
+        return [
+            f"profile.steps={steps} must be [first, last] with 1 <= first <= last <= training.steps ({total}), "
+            "e.g. profile.steps=[3, 4] (or meshtron train --profile-steps 3,4); [] profiles nothing"
+        ]
+    return []

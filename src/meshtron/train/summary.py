@@ -8,6 +8,10 @@ keys:
   peak_mem_bytes          the largest peak of any step (rank 0's: resident memory on CPU, allocated on GPU)
   wall_time_s             from the trainer's start (set-up and data preparation included) to the summary
   final_train_loss        the last step's loss; final_val_loss the last evaluation's (null without one)
+
+The trainer adds, when they apply (Trainer.operations_summary): `checkpoint_stall_s` (sync or async, the
+saves, the median and largest stall) and `memory_by_phase` (profiling.py: each rank's peaks per phase
+and the planner's parts for its stage).
 """
 
 from __future__ import annotations

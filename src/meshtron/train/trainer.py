@@ -4,13 +4,18 @@ A step: for each micro-batch, forward and backward with the loss divided by the 
 (so summing over micro-batches and data-parallel ranks gives the global mean; under pipeline parallel
 the runtime runs them in its schedule's order: ParallelModel.run_micro_batches) ->
 `finish_gradients()` -> exact clipping -> AdamW -> `engine.after_step()`. Its communication is counted
-by one `comm.recording()`, so a step's metrics hold its own collectives and nothing else's.
+by one `comm.recording()`, so a step's metrics hold its own collectives and nothing else's; its time
+by phase (forward, backward, optimizer) and its waits per group by timing.py's clock.
+
+Around the steps (`run_step`): the profiler's window (profiling.py), every log interval's straggler
+report (stragglers.py), evaluations, checkpoints (synchronous, or asynchronous: checkpoint_async.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,15 +29,19 @@ from meshtron.data.rules import micro_batches_per_step
 from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
 from meshtron.pipeline.picture import draw_measured_timeline
+from meshtron.timing import TIMES
 from meshtron.train.checkpoint import save_checkpoint
+from meshtron.train.checkpoint_async import AsyncCheckpointer
 from meshtron.train.evaluate import Evaluator
 from meshtron.train.expert_load import ExpertLoads, draw_expert_load
 from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, plot_loss
 from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
 from meshtron.train.optim import clip_grad_norm_, lr_at
 from meshtron.train.peak import cpu_peak_beaten, job_peak_flops, shown_mfu
+from meshtron.train.profiling import StepProfiler, held_bytes, memory_line, predicted_memory, staging_bytes
 from meshtron.train.sample import checkpoint_files, print_sample
 from meshtron.train.setup import checkpoint_root, set_up
+from meshtron.train.stragglers import straggler_line, straggler_report
 from meshtron.train.summary import run_summary, summary_text, write_summary
 from meshtron.train.wandb_log import WandbSettings
 
@@ -56,6 +65,15 @@ class Trainer:
                 job.parallel, job.val_data, cfg.training, job.loss, place, self.dp, self.dp_cp
             )
         self.model_flops = flops_per_token(cfg.model, t.seq_len)
+        TIMES.use_device(place.device)
+        self.profiler = StepProfiler(
+            cfg.profile.steps, Path(cfg.run.dir), place.device, cfg.profile.memory_history
+        )
+        self.checkpointer = None  # with checkpoint.async: writes in the background (checkpoint_async.py)
+        if cfg.checkpoint.async_save and cfg.checkpoint.every:
+            self.checkpointer = AsyncCheckpointer(place.mesh.checkpoint_group(), cfg.run.comm_timeout_s)
+        self.checkpoint_stalls: list[float] = []  # seconds each save held training up
+        self.interval_start = job.start_step  # the straggler report's interval: steps after this one
 
     # What a test or a benchmark reaches for most, by name.
     cfg = property(lambda self: self.job.cfg)
@@ -75,7 +93,8 @@ class Trainer:
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         prepare = self.engine.prepare_micro_batch
         loss_sum = self.parallel.run_micro_batches(batches, job.loss, job.place.device, before_grads=prepare)
-        self.parallel.finish_gradients()
+        with TIMES.phase("backward", "gradient reductions"):
+            self.parallel.finish_gradients()
         if self.parallel.pipeline is not None:  # the loss is on the last stage only
             return self.comm.all_reduce_(loss_sum, job.place.mesh.group("pp"))
         return loss_sum
@@ -92,20 +111,23 @@ class Trainer:
             comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
             by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
             tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere()
-            grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
+            with TIMES.phase("optimizer", "clip gradients"):
+                grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             # The step's one read of the device (docs/performance.md), the same on every rank.
             loss_value, norm_value = torch.stack([loss_sum.double(), grad_norm.double()]).tolist()
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             first_bad = None
             if finite:
-                self.optimizer.step()
-                self.engine.after_step()
+                with TIMES.phase("optimizer"):
+                    self.optimizer.step()
+                    self.engine.after_step()
             else:  # skipped: nothing changes (nonfinite.py)
                 first_bad = first_nonfinite_gradient(self.engine, comm, self.job.place.world)
             skipped = self.skips.check(step + 1, loss_value, norm_value, first_bad)
             self.engine.zero_grad()
         extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
         elapsed = time.perf_counter() - start
+        TIMES.settle()
         tokens_per_sec = self.job.loss.global_tokens / elapsed
         pipeline = self.parallel.pipeline
         if pipeline is not None:  # the mean over stages of the time each spent not computing
@@ -157,16 +179,33 @@ class Trainer:
         if self.job.owns_mesh:
             self.job.place.mesh.close()
 
-    def save(self, step: int) -> None:
-        job = self.job
+    def save(self, step: int) -> float:
+        """Checkpoint after `step` steps (collective); returns the seconds training stalled for it."""
+        job, start = self.job, time.perf_counter()
         place = job.place
         # What export and generate need besides the state (train/sample.py).
         files = checkpoint_files(self.cfg, place.world_size, job.dataset) if place.rank == 0 else None
         state = {"sampler": job.sampler.state_dict()}
         root, keep = checkpoint_root(self.cfg), self.cfg.checkpoint.keep
-        save_checkpoint(
-            root, step, self.engine, self.optimizer, state, self.comm, place.world, keep, job.tp_blocks, files
+        args = (
+            root,
+            step,
+            self.engine,
+            self.optimizer,
+            state,
+            self.comm,
+            place.world,
+            keep,
+            job.tp_blocks,
+            files,
         )
+        if self.checkpointer is not None:
+            stall = self.checkpointer.save(*args)
+        else:
+            save_checkpoint(*args)
+            stall = time.perf_counter() - start
+        self.checkpoint_stalls.append(stall)
+        return stall
 
     def draw_pipeline_timeline(self, out_path: Path) -> None:
         """Collective over each pipeline: rank 0 draws its pipeline's last step as measured, next to the
@@ -201,9 +240,12 @@ class Trainer:
                 f"{job.dims.summary()}; MFU relative to {self.peak_source}",
                 flush=True,
             )
+        TIMES.take()  # the straggler report's first interval starts here (not at an earlier job's steps)
         for step in range(job.start_step, cfg.training.steps):
             self.run_step(step, logger)
         self.engine.finish_params()  # e.g. ZeRO-1/2's last gathers: the model is whole when the run ends
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # the last save is published before the run ends
         self.finish(logger)
         logger.close()
         return logger.rows
@@ -212,10 +254,24 @@ class Trainer:
         """Step `step` and what follows it: its metrics row and console line, the evaluation and the
         checkpoint when due, the fault injection of restart drills."""
         cfg, rank, last = self.cfg, self.job.place.rank, self.cfg.training.steps - 1
-        row = self.step(step)
+        comm, world, profiler = self.comm, self.job.place.world, self.profiler
+        if profiler.recording(step + 1):
+            profiler.before(step + 1, comm, world, lambda: held_bytes(self.model, self.optimizer))
+            with TIMES.span(f"step {step + 1}"):
+                row = self.step(step)
+            predicted = lambda: predicted_memory(cfg, self.job.place)  # noqa: E731
+            profiler.after(step + 1, comm, world, predicted, staging_bytes(self.engine))
+        else:
+            row = self.step(step)
+        due = step % cfg.run.log_every == 0 or step == last
+        straggler = self.straggler_fields(step) if due and world.size > 1 else {}
+        row.update(straggler)
         logger.log(row)
-        if rank == 0 and (step % cfg.run.log_every == 0 or step == last or row.get("skipped")):
+        if rank == 0 and (due or row.get("skipped")):
             print(MetricsLogger.console_line(row), flush=True)
+            line = straggler and straggler_line(straggler, cfg.profile.straggler_threshold)
+            if line:
+                print(line, flush=True)
         if self.evaluator is not None and self.evaluator.due(step + 1):
             with self.comm.recording():  # not the next step's communication
                 val = self.evaluator.evaluate(step + 1)
@@ -223,8 +279,20 @@ class Trainer:
             if rank == 0:
                 print(MetricsLogger.val_line(val), flush=True)
         if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
-            self.save(step + 1)
+            stall = self.save(step + 1)
+            if rank == 0:
+                how = "staged; writing it in the background" if self.checkpointer else "written"
+                print(
+                    f"meshtron: checkpoint step-{step + 1:08d} {how}: training stalled {stall:.2f} s",
+                    flush=True,
+                )
         kill_if_asked(rank, step + 1)
+
+    def straggler_fields(self, step: int) -> dict[str, Any]:
+        """Collective over the job: the straggler report of the steps since the last one (stragglers.py)."""
+        times = self.comm.all_gather_object(TIMES.take(), self.job.place.world)
+        first, self.interval_start = self.interval_start + 1, step + 1
+        return {"straggler_steps": [first, step + 1], **straggler_report(times, step + 1 - first + 1)}
 
     def finish(self, logger: MetricsLogger) -> None:
         """After the last step: the pictures, a sample of text, the run summary."""
@@ -250,8 +318,26 @@ class Trainer:
                 self.peak_source,
                 job.place.world_size,
             )
+            summary.update(self.operations_summary())
             write_summary(summary, run_dir)
             print(summary_text(summary), flush=True)
+            if self.profiler.peaks_by_rank:
+                print(memory_line(self.profiler.peaks_by_rank), flush=True)
+
+    def operations_summary(self) -> dict[str, Any]:
+        """The run summary's keys from the profiled steps' memory and the checkpoints' stalls."""
+        out: dict[str, Any] = {}
+        if self.profiler.peaks_by_rank:  # each rank's peak bytes per phase and the planner's parts
+            out["memory_by_phase"] = self.profiler.peaks_by_rank
+        if self.checkpoint_stalls:
+            stalls = self.checkpoint_stalls
+            out["checkpoint_stall_s"] = {
+                "mode": "async" if self.checkpointer else "sync",
+                "saves": len(stalls),
+                "median": statistics.median(stalls),
+                "max": max(stalls),
+            }
+        return out
 
 
 def kill_if_asked(rank: int, step: int) -> None:
