@@ -23,6 +23,9 @@ memory section trains on the byte-tokenized default corpus, prepared from Python
    (plan/gpu_memory.py: parameters, gradients, optimizer, activations, transients; no CUDA context, no
    fragmentation: allocated, not reserved). The smoke run trains the tiny shape on the CPU and reports
    the prediction only (the CPU's measurement is benchmarks/memory_vs_plan.py's).
+4. Operations: a short `Trainer.run` with profiled steps and an asynchronous checkpoint on the device:
+   the trace (CUDA kernels included), the allocator's history, the peak per phase against the planner,
+   the checkpoint published and loading back into the same loss (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -329,6 +332,51 @@ def memory(s: Setting, smoke: bool, run_dir: str) -> list[str]:
     return table(header, rows)
 
 
+def operations(s: Setting, run_dir: str) -> tuple[list[str], bool]:
+    """A 3-step run of the tiny model on the device, steps 2-3 profiled, checkpoints written in the
+    background: what it left, and whether the checkpoint reproduces the run's last weights."""
+    import json
+
+    from meshtron.train.checkpoint import complete_checkpoints, load_model_weights
+    from meshtron.train.trainer import Trainer
+
+    shape = [f"--model.{k}={getattr(TINY, k)}" for k in SHAPE_KEYS]
+    cfg = load_config(None, [*shape, "--data.tokenizer=byte", "--training.seq_len=32", "--training.global_batch=2",
+                             "--training.micro_batch=2", "--training.steps=3", "--run.plot=false",
+                             "--run.sample_tokens=0", f"--run.dir={run_dir}", f"--run.device={s.device.type}",
+                             "--profile.steps=[2, 3]", "--checkpoint.every=3", "--checkpoint.async=true"])  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.run()
+    model = {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()}
+    trainer.close()
+    traces = Path(run_dir) / "traces"
+    trace = json.loads((traces / "rank-00000.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in trace}
+    kernels = sum(e.get("cat") == "kernel" for e in trace)
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    measured, planner = summary["memory_by_phase"][0]["measured"], summary["memory_by_phase"][0]["planner"]
+    saved = complete_checkpoints(Path(run_dir) / "checkpoints")
+    copy_ = build_model(TINY)
+    load_model_weights(saved[-1].path, copy_)
+    same = all(torch.equal(model[n], p) for n, p in copy_.named_parameters())
+    cuda = s.device.type == "cuda"
+    checks = {  # None: does not apply on this device
+        "trace with meshtron's spans": {"forward micro-batch 0", "optimizer", "step 3"} <= names,
+        "CUDA kernels in the trace": kernels > 0 if cuda else None,
+        "allocator history": (traces / "memory-rank-00000.pickle").is_file() if cuda else None,
+        "memory per phase": measured.get("peak", 0) > 0,
+        "async checkpoint published, equal to the run's weights": [c.step for c in saved] == [3] and same,
+    }
+    shown = {True: "ok", False: "FAILED", None: "n/a on the CPU"}
+    rows = [f"- {name}: {shown[ok]}" for name, ok in checks.items()]
+    rows.append(
+        f"- peak {measured.get('peak', 0) / 2**20:,.1f} MiB measured ({', '.join(f'{k} {measured[k] / 2**20:,.1f}' for k in ('forward', 'backward', 'optimizer') if k in measured)}); "
+        f"planner {planner['total'] / 2**20:,.1f} MiB; checkpoint stall {summary['checkpoint_stall_s']['median']:.3f} s"
+    )
+    print("\n".join(rows), flush=True)
+    return rows, all(ok is not False for ok in checks.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32 (CI's run)")
@@ -347,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     speed_failed = gpu_step.main([*speed, "--out", args.out])
     with tempfile.TemporaryDirectory() as tmp:
         memory_rows = memory(setting, args.smoke, tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        operation_rows, operations_ok = operations(setting, tmp)
     name = torch.cuda.get_device_name(setting.device) if setting.device.type == "cuda" else "CPU (smoke)"
     facts = [
         f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; {name}; torch {torch.__version__}; took "
@@ -359,12 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     body = "\n".join(
         ["\n".join(f"- {f}" for f in facts), "", *rows, "", "Memory: peak allocated over 3 training steps "
-         "against the planner's prediction for the same config on one GPU:", "", *memory_rows]
+         "against the planner's prediction for the same config on one GPU:", "", *memory_rows, "",
+         "Operations (docs/operations.md), the tiny model, 3 steps:", "", *operation_rows]
     )  # fmt: skip
     print(body)
     if args.out != "-":
         write_section(Path(args.out), TITLE, "gpu_check.py", body + "\n")
-    return 0 if ok and not speed_failed else 1
+    return 0 if ok and operations_ok and not speed_failed else 1
 
 
 if __name__ == "__main__":

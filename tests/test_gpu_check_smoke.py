@@ -38,5 +38,7 @@ def test_gpu_check_runs_its_cpu_smoke_path():
         for impl in ("meshtron", "transformers"):
             assert f"| {shape} | {impl} |" in out.stdout
     assert "| tiny | meshtron fp8 |" in out.stdout
+    assert "async checkpoint published, equal to the run's weights: ok" in out.stdout
+    assert "FAILED" not in out.stdout
     for configuration in ("| eager |", "| selective recompute |", "| full recompute |"):
         assert configuration in out.stdout, configuration

@@ -175,7 +175,7 @@ class Comm:
     def wait(self, work: Any, op: str, group: CommGroup) -> None:
         flight = recorder()
         flight.begin_wait(op, group.name)
-        start, mark = time.perf_counter(), TIMES.mark()
+        start, mark = time.perf_counter(), TIMES.mark() if self.timed else None
         try:
             with TIMES.span(f"{op} on {group.name}"):
                 completed = work.wait(timeout=self.timeout)

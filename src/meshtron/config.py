@@ -289,7 +289,7 @@ class ProfileConfig:
     steps: list[int] = field(default_factory=list)  # [first, last] (1-based) traced into run.dir/traces
     memory_history: bool = True  # on CUDA: the allocator's history of those steps, a snapshot per rank
     # A log interval's slowest rank is named when its compute time passes the median's by this share.
-    straggler_threshold: float = non_negative(0.1)
+    straggler_threshold: float = non_negative(0.2)
 
 
 @dataclass

@@ -132,43 +132,39 @@ def _state(
     return {"model": model_sd, "optimizer": optim_sd, "train": train}, blocks
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    engine: DataParallelEngine,
-    optimizer: torch.optim.Optimizer,
-    train_state: dict[str, Any],
-    comm: Comm,
-    world: CommGroup,
-    keep: int,
-    tp_blocks: ShardBlocks | None = None,
-    files: dict[str, bytes] | None = None,
-) -> Path:
+@dataclass
+class SaveRequest:
+    """One checkpoint to write: where, after which step, what, and over which ranks."""
+
+    root: Path  # the checkpoints directory; this one goes into root/step-NNNNNNNN
+    step: int
+    engine: DataParallelEngine
+    optimizer: torch.optim.Optimizer
+    train_state: dict[str, Any]  # {part: {name: number}}: the sampler's position
+    comm: Comm
+    world: CommGroup
+    keep: int  # newest checkpoints kept (0: all)
+    tp_blocks: ShardBlocks | None = None
+    files: dict[str, bytes] | None = None  # name -> contents, written by rank 0 inside the manifest
+
+
+def save_checkpoint(request: SaveRequest) -> Path:
     """Collective: every rank must call it. Returns the final directory. Refuses (on every rank) to write
-    parameters or optimizer state holding inf or NaN. `files` (name -> contents) are written beside the
-    state by rank 0, inside the manifest."""
-    tmp, state, blocks = prepare_save(root, step, engine, optimizer, train_state, comm, world, tp_blocks)
+    parameters or optimizer state holding inf or NaN."""
+    tmp, state, blocks = prepare_save(request)
     dcp.save(state, checkpoint_id=str(tmp), planner=BlockSavePlanner(blocks))
-    return publish(tmp, root, keep, comm, world, files)
+    return publish(tmp, request, request.comm, request.world)
 
 
-def prepare_save(
-    root: Path,
-    step: int,
-    engine: DataParallelEngine,
-    optimizer: torch.optim.Optimizer,
-    train_state: dict[str, Any],
-    comm: Comm,
-    world: CommGroup,
-    tp_blocks: ShardBlocks | None,
-) -> tuple[Path, dict[str, Any], dict[KeyPath, Block | None]]:
+def prepare_save(request: SaveRequest) -> tuple[Path, dict[str, Any], dict[KeyPath, Block | None]]:
     """Collective: the state to write (refused if non-finite), where its blocks sit, and the empty
     directory `step-NNNNNNNN.tmp` to write it into."""
-    tmp = root / f"step-{step:08d}.tmp"
-    state, blocks = _state(engine, optimizer, train_state, tp_blocks)
+    r, comm, world, root = request, request.comm, request.world, request.root
+    tmp = root / f"step-{r.step:08d}.tmp"
+    state, blocks = _state(r.engine, r.optimizer, r.train_state, r.tp_blocks)
     bad = sorted({n for part in comm.all_gather_object(_non_finite(state), world) for n in part})
     if bad:
-        final = root / f"step-{step:08d}"
+        final = root / f"step-{r.step:08d}"
         raise CheckpointError(f"refusing to write checkpoint {final}: non-finite values in {', '.join(bad)}")
     if world.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -177,16 +173,15 @@ def prepare_save(
     return tmp, state, blocks
 
 
-def publish(
-    tmp: Path, root: Path, keep: int, comm: Comm, world: CommGroup, files: dict[str, bytes] | None
-) -> Path:
-    """Collective, once every rank has written its part into `tmp`: the format record and `files`, the
-    manifest, then the rename that makes it the newest complete checkpoint, and the oldest ones beyond
-    `keep` removed. Returns the final directory."""
-    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+def publish(tmp: Path, request: SaveRequest, comm: Comm, world: CommGroup) -> Path:
+    """Collective over `world`, once every rank has written its part into `tmp`: the format record and
+    the request's files, the manifest, then the rename that makes it the newest complete checkpoint, and
+    the oldest ones beyond `keep` removed. Returns the final directory. (`comm` and `world` are the
+    request's, or a background writer's own.)"""
+    final, root, keep = tmp.with_name(tmp.name.removesuffix(".tmp")), request.root, request.keep
     if world.rank == 0:
         (tmp / FORMAT_FILE).write_text(_format_record())
-        for name, contents in (files or {}).items():
+        for name, contents in (request.files or {}).items():
             (tmp / name).write_bytes(contents)
     comm.barrier(world)
     write_manifest(tmp, comm, world)

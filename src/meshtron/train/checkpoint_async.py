@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from meshtron.comm import Comm, CommGroup
-from meshtron.parallel.engine import DataParallelEngine
-from meshtron.train.checkpoint import prepare_save, publish
-from meshtron.train.checkpoint_blocks import BlockSavePlanner, ShardBlocks
+from meshtron.train.checkpoint import SaveRequest, prepare_save, publish
+from meshtron.train.checkpoint_blocks import BlockSavePlanner
 
 
 class AsyncCheckpointer:
@@ -46,24 +44,12 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(
-        self,
-        root: Path,
-        step: int,
-        engine: DataParallelEngine,
-        optimizer: torch.optim.Optimizer,
-        train_state: dict[str, Any],
-        comm: Comm,
-        world: CommGroup,
-        keep: int,
-        tp_blocks: ShardBlocks | None = None,
-        files: dict[str, bytes] | None = None,
-    ) -> float:
+    def save(self, request: SaveRequest) -> float:
         """Collective: stage this rank's state and start writing it; returns the seconds training
         stalled (waiting for the previous save included)."""
         start = time.perf_counter()
         self.wait()
-        tmp, state, blocks = prepare_save(root, step, engine, optimizer, train_state, comm, world, tp_blocks)
+        tmp, state, blocks = prepare_save(request)
         planner, pg = BlockSavePlanner(blocks), self.group.process_group
         staged = _stage(state)
         written = dcp.async_save(
@@ -73,7 +59,7 @@ class AsyncCheckpointer:
         def finish() -> None:
             try:
                 _result(written)
-                publish(tmp, root, keep, self.comm, self.group, files)
+                publish(tmp, request, self.comm, self.group)
             except BaseException as err:  # noqa: BLE001 - raised in the training thread by `wait`
                 self._error = err
 

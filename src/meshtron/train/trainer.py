@@ -30,7 +30,8 @@ from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.timing import TIMES
-from meshtron.train.checkpoint import save_checkpoint
+from meshtron.train import TrainingDiverged
+from meshtron.train.checkpoint import SaveRequest, save_checkpoint
 from meshtron.train.checkpoint_async import AsyncCheckpointer
 from meshtron.train.evaluate import Evaluator
 from meshtron.train.expert_load import ExpertLoads, draw_expert_load
@@ -187,22 +188,13 @@ class Trainer:
         files = checkpoint_files(self.cfg, place.world_size, job.dataset) if place.rank == 0 else None
         state = {"sampler": job.sampler.state_dict()}
         root, keep = checkpoint_root(self.cfg), self.cfg.checkpoint.keep
-        args = (
-            root,
-            step,
-            self.engine,
-            self.optimizer,
-            state,
-            self.comm,
-            place.world,
-            keep,
-            job.tp_blocks,
-            files,
-        )
+        request = SaveRequest(
+            root, step, self.engine, self.optimizer, state, self.comm, place.world, keep, job.tp_blocks, files
+        )  # fmt: skip
         if self.checkpointer is not None:
-            stall = self.checkpointer.save(*args)
+            stall = self.checkpointer.save(request)
         else:
-            save_checkpoint(*args)
+            save_checkpoint(request)
             stall = time.perf_counter() - start
         self.checkpoint_stalls.append(stall)
         return stall
@@ -357,6 +349,10 @@ def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]
         rows = trainer.run()
         finished = True
         return rows
+    except TrainingDiverged:  # every rank stops here alike: the save in flight (finite) is published first
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.wait()
+        raise
     finally:
         if owns_world and finished:  # no rank closes a connection a peer still uses
             trainer.comm.barrier(trainer.job.place.world)
