@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.comm import Comm
+from meshtron.resident import resident_peak_bytes
 from meshtron.testing.workers import WorkerPool
 
 RTOL = 1e-5  # relative tolerance of every parity check
@@ -322,7 +323,7 @@ def run_rounds(
             batch = batch_of(check_steps + warmup + steps)
             rank0 = not dist.is_initialized() or dist.get_rank() == 0
             result.measured = {r.name: measured_step(r, batch, op_tables and rank0) for r in runners}
-    result.max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result.max_rss = resident_peak_bytes()
     return result
 
 

@@ -84,7 +84,7 @@ def report(rows: list[list[Any]], steps: int) -> str:
     return "\n".join(
         [
             f"Model: dim 512, 8 layers, 8 heads (4 KV), FFN 1536, vocabulary 8192, sequences of 512, global batch 8; "
-            f"{steps} steps; CPU: {cpu_model()}; each rank's resident peak (ru_maxrss), the first rank of "
+            f"{steps} steps; CPU: {cpu_model()}; each rank's resident peak (VmHWM), the first rank of "
             "each stage's data-parallel and tensor-parallel groups. Reproduce: `python benchmarks/memory_vs_plan.py`.",
             "",
             f"Within ±10%: {within} of {len(rows)} (measured / predicted {min(ratios):.2f} to {max(ratios):.2f}).",

@@ -47,7 +47,8 @@ COLLECTIVES = {
 # the layer of the longest name here that is it or its package.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # data and pure arithmetic: the config dataclasses, presets, degrees and groups, pictures' helpers
-    ("foundation", ("meshtron.config", "meshtron.presets", "meshtron.layout", "meshtron.figures", "meshtron.cache")),
+    ("foundation", ("meshtron.config", "meshtron.presets", "meshtron.layout", "meshtron.figures", "meshtron.cache",
+                    "meshtron.resident")),
     # what decides whether a config can run, torch-free: each package's rules, the schedules as data,
     # the layer split, a Hugging Face config.json, and checks.py, which gathers them
     ("rules", ("meshtron.models.rules", "meshtron.data.rules", "meshtron.parallel.rules",

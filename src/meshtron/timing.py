@@ -108,10 +108,11 @@ class PhaseTimes:
         of them, waiting for the device, with `wait`)."""
         pending, self._pending = self._pending, []
         for kind, key, start, end in pending:
-            if self.cuda and not wait and not end.query():
+            if self.cuda and not wait and not (start.query() and end.query()):  # (two streams: either last)
                 self._pending.append((kind, key, start, end))
                 continue
             if self.cuda:
+                start.synchronize()
                 end.synchronize()
             seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
             if kind == "wait":

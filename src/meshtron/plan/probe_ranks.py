@@ -7,7 +7,6 @@ meshtron.comm. Compute is timed in wall-clock windows started by a barrier, coll
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -246,9 +245,10 @@ def rank_probe(threads: int, sizes: ProbeSizes) -> dict[str, float]:
     import torch.distributed as dist
 
     from meshtron.comm import Comm
+    from meshtron.resident import resident_peak_bytes
 
     torch.set_num_threads(threads)
-    context = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
+    context = float(resident_peak_bytes())
     comm = Comm(timeout_s=120.0)
     world = comm.group("world", list(range(dist.get_world_size())), dist.group.WORLD)
     # One at a time, each call's tensors freed before the next is made (the copy's are large).

@@ -4,11 +4,11 @@
                    storage Python reaches, counted once): the interpreter, torch's libraries and their
                    workspaces, gloo's process groups and buffers, the allocator's slack; measured in the
                    same process, between steps, where no activation is alive
-  measured         the resident peak (ru_maxrss) over the steps, minus that fixed overhead
+  measured         the resident peak (VmHWM, train/metrics.py) over the steps, minus that fixed overhead
   predicted        plan/gpu_memory.py's parts for the rank's stage (plan/estimate.py's `stage_memories`),
                    without a GPU's reserved context; gloo's ZeRO-1 all-reduces whole buckets in place
 
-Run `measure_peak` in a fresh process (ru_maxrss never falls) with glibc's mmap threshold fixed
+Run `measure_peak` in a fresh process (a resident peak never falls) with glibc's mmap threshold fixed
 (MALLOC_MMAP_THRESHOLD_ set before the process starts: `FIXED_MMAP_THRESHOLD`): with its default dynamic
 threshold a freed activation raises the threshold and later ones stay in the heap, so the resident peak
 would measure the allocator's history rather than the tensors.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import resource
 import warnings
 from typing import Any
 
@@ -29,6 +28,7 @@ from meshtron.checks import load_config
 from meshtron.plan.estimate import Cluster, stage_memories
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import accelerator
+from meshtron.resident import resident_peak_bytes
 
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 
@@ -89,7 +89,7 @@ def measure_peak(overrides: list[str], steps: int) -> dict[str, Any]:
     mesh = trainer.job.place.mesh
     first = all(mesh.local_rank(dim) == 0 for dim in ("dp_shard_cp", "dp_replicate", "tp"))
     fixed = resident_bytes() - live_tensor_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = resident_peak_bytes()
     return {"pp_rank": mesh.local_rank("pp"), "first": first, "fixed": fixed, "peak": peak}
 
 

@@ -67,9 +67,6 @@ class AsyncCheckpointer:
         self._thread.start()
         return time.perf_counter() - start
 
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> None:
         """Block until the save in flight (if any) is published; raise what went wrong in it."""
         if self._thread is not None:

@@ -4,8 +4,6 @@ metrics.jsonl, TensorBoard, Weights & Biases, plot."""
 from __future__ import annotations
 
 import json
-import resource
-import sys
 import textwrap
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.figures import pyplot, save_figure
 from meshtron.parallel.engine import DataParallelEngine
+from meshtron.resident import resident_peak_bytes
 from meshtron.train.peak import format_mfu
 from meshtron.train.wandb_log import WandbSettings, start_wandb
 
@@ -42,8 +41,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+    return resident_peak_bytes()
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -36,7 +36,8 @@ from meshtron.train.traces import ALIGN, memory_peaks, merge_traces, rank_trace_
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """Bytes of the distinct storages behind this rank's parameters (and the shards its optimizer
-    steps), gradients, buffers and optimizer state: what a CPU rank holds before a profiled window (the CPU profiler counts from its start)."""
+    steps), gradients, buffers and optimizer state: what a CPU rank holds before a profiled window (the
+    CPU profiler counts from its start)."""
     optimized = [p for group in optimizer.param_groups for p in group["params"]]  # ZeRO: the shards
     tensors = [*model.parameters(), *model.buffers(), *optimized]
     tensors += [p.grad for p in [*model.parameters(), *optimized] if p.grad is not None]
@@ -82,7 +83,8 @@ class StepProfiler:
         self.device = device
         self.memory_history = memory_history and device.type == "cuda"
         self.prof: profile | None = None
-        self.base_bytes = 0.0  # held before the window, which the CPU profiler does not count
+        self.held_at_start = 0.0  # bytes allocated when the window opened
+        self.base_bytes = 0.0  # what the profiler's totals leave out: the CPU's count from the window's start
         self.peaks_by_rank: list[dict[str, float]] | None = None  # every rank's, once recorded
 
     def recording(self, step: int) -> bool:
@@ -97,7 +99,8 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         if self.memory_history:
             cuda_memory.start_history()
-        self.base_bytes = 0.0 if cuda else held()
+        self.held_at_start = float(torch.cuda.memory_allocated(self.device)) if cuda else held()
+        self.base_bytes = 0.0 if cuda else self.held_at_start
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.prof = profile(activities=activities, profile_memory=True)
         self.prof.__enter__()
@@ -129,13 +132,13 @@ class StepProfiler:
             cuda_memory.dump_history(self.dir / f"memory-rank-{rank:05d}.pickle")
         device_type = 1 if self.device.type == "cuda" else 0
         peaks = memory_peaks(path, TIMES.span_phases, device_type, self.base_bytes)
-        peaks["held_at_start"] = self.base_bytes if device_type == 0 else float(torch.cuda.memory_allocated())
+        peaks["held_at_start"] = self.held_at_start
         peaks["communication_buffers"] = buffers
         self.peaks_by_rank = comm.all_gather_object({"measured": peaks, "planner": predicted()}, world)
         if rank == 0:
             paths = [self.dir / rank_trace_name(r) for r in range(world.size)]
             # What each rank's CPU totals leave out (a GPU's are whole): its memory counter adds it.
-            bases = [r["measured"]["held_at_start"] if device_type == 0 else 0.0 for r in self.peaks_by_rank]
+            bases = [r["measured"]["held_at_start"] * (device_type == 0) for r in self.peaks_by_rank]
             merged = merge_traces(paths, self.dir / "merged.json", device_type, bases)
             print(
                 f"meshtron: traces of steps {self.first}-{self.last} in {self.dir} (merged: {merged.name}; "
