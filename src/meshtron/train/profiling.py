@@ -31,6 +31,7 @@ from meshtron.parallel.staging import Staging
 from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory
 from meshtron.timing import PHASES, TIMES
 from meshtron.train import cuda_memory
+from meshtron.train.metrics import storage_bytes
 from meshtron.train.traces import ALIGN, memory_peaks, merge_traces, rank_trace_name
 
 
@@ -42,13 +43,7 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
     tensors = [*model.parameters(), *model.buffers(), *optimized]
     tensors += [p.grad for p in [*model.parameters(), *optimized] if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    storages = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.device.type != "meta":
-            storage = local.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return float(sum(storages.values()))
+    return float(storage_bytes([t for t in tensors if t.device.type != "meta"]))
 
 
 def staging_bytes(engine: Any) -> float:
