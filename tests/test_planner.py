@@ -174,6 +174,32 @@ def test_a_model_that_fits_nowhere_says_what_is_short(capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "fits nowhere" in err and "GiB per GPU" in err and "one GPU has 40.0 GiB" in err
+    needs = float(err.split(" GiB per GPU")[0].rsplit("needs ", 1)[1])
+    assert needs > 40.0  # the least any layout needs is more than the GPU has
+
+
+QWEN3_30B_A3B = [
+    "--model.n_layers=48", "--model.dim=2048", "--model.n_heads=32", "--model.n_kv_heads=4",
+    "--model.head_dim=128", "--model.n_experts=128", "--model.top_k=8", "--model.moe_ffn_dim=768",
+    "--model.vocab_size=151936",
+]  # fmt: skip
+
+
+def test_the_screen_refuses_nothing_the_schedule_walk_fits():
+    """Interleaved pp=2, vpp=24: the screen's bound counts each of the 49 chunk micro-batches in flight
+    as the largest chunk (the head's, with its logits) and said 161 GiB of an 80 GiB H100 where the
+    schedule holds 47 GiB; the search then called the model one that "fits nowhere" with 46.8 GiB."""
+    cfg = config(QWEN3_30B_A3B, seq=4096, batch=256)
+    cluster = Cluster(accelerator("h100"), 16)
+    layout = parse_layout("pp=2,vpp=24,ep=8")
+    held = {**layout, "dp_shard": 8, "zero": 3, "micro_batch": 1, "recompute": "full"}
+    candidate = Layout(
+        pp=2, vpp=24, pp_schedule="interleaved", ep=8, dp_shard=8, zero=3, micro_batch=1, recompute="full"
+    ).apply(cfg)
+    assert not estimate(candidate, cluster, simulated=False).fits and estimate(candidate, cluster).fits
+    plan = search(cfg, cluster, held)
+    assert len(plan.ranked) == 1 and plan.least_memory is None
+    assert all(est.memory_bytes_per_gpu <= 80 * GiB for _, est in search(cfg, cluster, layout).ranked)
 
 
 def test_plan_json_contract(capsys):

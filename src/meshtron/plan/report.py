@@ -63,8 +63,9 @@ def plan_table(plan: Plan, memory_limit: float) -> str:
 
 def fits_nowhere(plan: Plan, memory_limit: float) -> str:
     """Why no layout was listed: the least memory any layout needs against what the GPU has."""
-    if plan.least_memory is None:
-        reasons = "; ".join(f"{reason} ({count})" for reason, count in plan.refused.most_common(3))
+    if plan.least_memory is None:  # some fit in memory: the rules that dropped them come first
+        ranked = sorted(plan.refused.most_common(), key=lambda rc: not rc[0].startswith("trainer rule"))
+        reasons = "; ".join(f"{reason} ({count})" for reason, count in ranked[:3])
         return f"no layout of the {plan.examined} examined is valid: {reasons}"
     layout, est = plan.least_memory
     parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in est.memory.items())

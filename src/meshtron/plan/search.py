@@ -5,7 +5,9 @@ or estimated (plan/estimate.py), ranked by step time.
   2. arithmetic rules, cheap, counted by reason: the degrees multiply to the GPU count, the batch splits
      into micro-batches, tp divides the heads, pp·vpp fits the layers, interleaving's micro-batches are
      a multiple of pp, ep divides the experts and folds into dp_shard·cp
-  3. estimate each survivor; one that does not fit in memory is refused ("memory")
+  3. estimate each survivor; one that does not fit in memory is refused ("memory"): the screen's
+     closed-form bound first, and where that says no, the schedule's own walk (the bound counts every
+     chunk in flight as the largest, the head's logits on it, so it can refuse what fits)
   4. rank by step time; walk down the ranking through the trainer's own rules (checks.validate and
      what this version cannot run yet) until `top` layouts pass: what is listed, meshtron runs
 
@@ -25,7 +27,7 @@ from typing import Any
 from meshtron.checks import not_yet_supported, validate
 from meshtron.config import Config
 from meshtron.layout import divisors
-from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory
+from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory, stage_memories
 from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
 
@@ -42,7 +44,7 @@ class Plan:
     ranked: list[tuple[Layout, Estimate]]
     refused: Counter = field(default_factory=Counter)  # reason -> candidates
     examined: int = 0
-    least_memory: tuple[Layout, Estimate] | None = None  # among those refused for memory only
+    least_memory: tuple[Layout, Estimate] | None = None  # when none fits in memory: the least needing
 
 
 def _options(fixed: dict[str, Any], key: str, default: Any) -> list[Any]:
@@ -145,6 +147,12 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
         yield dataclasses.replace(base, **chosen)
 
 
+def _walked_bytes(cfg: Config, cluster: Cluster) -> float:
+    """The most loaded stage's bytes with the activations its schedule holds at most, walked action by
+    action: what `estimate` reports, without the timing."""
+    return max(sum(stage.values()) for stage in stage_memories(cfg, cluster))
+
+
 def _trainer_problem(cfg: Config, gpus: int) -> str | None:
     """The first rule of the trainer's a layout breaks, with numbers masked so that reasons count."""
     problems = validate(cfg, gpus) or not_yet_supported(cfg, gpus)
@@ -205,21 +213,23 @@ def search(
         if bound > cluster.gpu.memory_bytes or any_micro_batch in too_big:
             too_big.add(any_micro_batch)
             plan.refused["memory: needs more than the GPU has"] += 1
-            if bound > 0 and (smallest is None or bound < smallest[0]):
-                smallest = (bound, item)
+            if bound > 0 and (smallest is None or bound < smallest[0]):  # a lower bound: walk it
+                walked = _walked_bytes(candidate, cluster)
+                smallest = (walked, item) if smallest is None or walked < smallest[0] else smallest
             continue
         result = estimate(candidate, cluster, simulated=False, imbalance=imbalance)
-        if not result.fits:
+        walked = result.memory_bytes_per_gpu if result.fits else _walked_bytes(candidate, cluster)
+        if walked > cluster.gpu.memory_bytes:
             too_big.add(any_micro_batch)
             plan.refused["memory: needs more than the GPU has"] += 1
-            if smallest is None or result.memory_bytes_per_gpu < smallest[0]:
-                smallest = (result.memory_bytes_per_gpu, item)
+            if smallest is None or walked < smallest[0]:
+                smallest = (walked, item)
             continue
         fits.add(any_recompute)
         fitting.append((result.step_time_s, item, result))
     fitting.sort(key=lambda x: (x[0], x[2].memory_bytes_per_gpu))
     screened = [(layout, result) for _, layout, result in fitting]
     plan.ranked = _simulated(cfg, cluster, screened, top, plan, imbalance)
-    if not plan.ranked and smallest is not None:
+    if not fitting and smallest is not None:  # memory is what is short (not a trainer rule)
         plan.least_memory = (smallest[1], estimate(smallest[1].apply(cfg), cluster, imbalance=imbalance))
     return plan
