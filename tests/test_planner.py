@@ -12,6 +12,7 @@ import json
 import pytest
 
 from meshtron.checks import load_config
+from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
 from meshtron.config import ConfigError
 from meshtron.pipeline.actions import Kind
@@ -300,6 +301,22 @@ def test_ranks_sharing_cores_lend_them_to_the_busiest_pipeline_stage():
     assert alone.pipeline_s / 2 <= lent.pipeline_s < alone.pipeline_s  # no faster than its critical path
     dense = Layout(dp_shard=4, zero=1, micro_batch=2).apply(config(LLAMA_1B, seq=1024, batch=8))
     assert estimate(dense, shared) == estimate(dense, own)
+    # The dry run's step by part shows the lent time too, so its percentages add up to the step.
+    rows = [line.split() for line in prediction_text(cfg, shared, "rank").splitlines()]
+    percents = {row[0]: float(row[3].rstrip("%")) for row in rows if len(row) >= 4 and row[2] == "s"}
+    assert percents["lent_cores"] < 0 and sum(percents.values()) == pytest.approx(100.0, abs=0.3)
+
+
+def test_no_gpu_stage_finishes_before_its_own_work():
+    """Chunk costs rounded to 1% of the largest chunk (the head's) made 48 one-layer chunks' makespan
+    3% shorter than their own work: the plan called the gap "lent_cores" on H100s, and its parts summed
+    to 102%. Every stage's parts now add up within the step, the rest its bubble."""
+    cfg = Layout(
+        pp=2, vpp=24, pp_schedule="interleaved", ep=8, dp_shard=8, zero=1, micro_batch=1, recompute="op"
+    ).apply(config(QWEN3_30B_A3B, seq=4096, batch=256))
+    est = estimate(cfg, Cluster(accelerator("h100"), 16))
+    assert "lent_cores" not in est.time and est.time["pp_bubble"] >= 0
+    assert sum(est.time.values()) == pytest.approx(est.step_time_s)
 
 
 def test_overlap_flag_describes_another_frameworks_run(capsys):

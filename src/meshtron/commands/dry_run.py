@@ -108,6 +108,10 @@ def _size(n: float) -> str:
     return f"{n / GiB:,.2f} GiB" if n >= GiB else f"{n / MiB:,.1f} MiB"
 
 
+# Negative: ranks share the cores, and a stage idle in the bubble leaves its cores to the busy one.
+LENT = "  (ranks share the cores: the other stages' idle time speeds this one up)"
+
+
 def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
     """The planner's step time, throughput, MFU, memory by part and step by part for `cfg` (dp_shard
     resolved) on `cluster`; `unit` names one rank's device ("GPU", "rank")."""
@@ -125,9 +129,10 @@ def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
     lines += [f"  {part:<12} {_size(n):>12}" for part, n in est.memory.items()]
     lines.append("step by part (the slowest stage; the parts add up to the step time):")
     order = [p for p in TIME_PARTS if p in est.time] + [p for p in est.time if p not in TIME_PARTS]
-    for part in (p for p in order if est.time[p] > 0):  # a zero part is a dim this layout does not use
+    for part in (p for p in order if est.time[p] != 0):  # a zero part is a dim this layout does not use
         s = est.time[part]
-        lines.append(f"  {part:<12} {s:>10.4f} s {100 * s / est.step_time_s:>6.1f}%")
+        why = LENT if part == "lent_cores" else ""
+        lines.append(f"  {part:<12} {s:>10.4f} s {100 * s / est.step_time_s:>6.1f}%{why}")
     if cfg.parallel.pp > 1:
         # Over every stage (as `meshtron schedule` prints it), so it differs from the pp_bubble part above.
         lines.append(f"pipeline bubble    {100 * est.bubble_fraction:.1f}% of ranks x time")
@@ -138,9 +143,12 @@ def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: Config, world_size: int, source: str) -> str:
-    """The whole report for a config already checked for `world_size` ranks; `source` says where the
+def dry_run(cfg: Config, world_size: int, source: str) -> tuple[str, str | None]:
+    """The whole report for a config already checked for `world_size` ranks, and why a real run would
+    be refused for memory (commands/memory_check.py; None: it would start); `source` says where the
     config came from (file and overrides)."""
+    from meshtron.commands.memory_check import too_big
+
     text = config_text(cfg, world_size)
     env = environment(cfg, world_size)
     cfg = resolved(cfg, world_size)
@@ -161,5 +169,7 @@ def dry_run(cfg: Config, world_size: int, source: str) -> str:
         parts.append(f"cluster: {cluster.describe()}")
         parts.append(prediction_text(cfg, cluster, hardware.unit))
     parts += ["", "# environment (as run.dir/environment.json will hold it)", environment_text(env)]
-    parts += ["", "dry run: the config is valid; nothing was started"]
-    return "\n".join(parts)
+    refusal = too_big(cfg, world_size, cluster)  # against the hardware printed above
+    verdict = "a real run would be refused (below)" if refusal else "the config is valid"
+    parts += ["", f"dry run: {verdict}; nothing was started"]
+    return "\n".join(parts), refusal

@@ -37,8 +37,8 @@ def _breakdown(est: Estimate) -> str:
     step = est.step_time_s
     parts = [
         f"{name} {100 * est.time[name] / step:.0f}%"
-        for name in TIME_PARTS
-        if est.time.get(name, 0) > 0.005 * step
+        for name in (*TIME_PARTS, "lent_cores")  # lent_cores: negative, shared cores (estimate.py)
+        if abs(est.time.get(name, 0)) > 0.005 * step
     ]
     return ", ".join(parts)
 
