@@ -117,3 +117,34 @@ def test_a_launched_run_records_the_choice(tmp_path):
         and int(described["dp_shard"]) == recorded.parallel.dp_shard
     )
     assert described["recompute"] == recorded.training.recompute
+
+
+def test_why_the_first_won_says_the_tie_break_it_took():
+    """Two layouts of one step time to 4 figures were "0.0% faster ... (ties go to less memory)" even
+    with equal memory: a tie says which key broke it (plan/search.py's rank_key), a gain its size."""
+    from meshtron.commands.auto_layout import why_first
+    from meshtron.plan.estimate import estimate
+    from meshtron.plan.hardware import GiB, accelerator
+    from meshtron.plan.layout import Layout
+
+    layout = Layout(dp_shard=2, zero=1, micro_batch=1)
+    est = estimate(layout.apply(load_config(DEMO, [])), Cluster(accelerator("h100"), 2))
+    step, memory = est.step_time_s, est.memory_bytes_per_gpu
+
+    def pair(step2: float, memory2: float) -> str:
+        other = dataclasses.replace(est, step_time_s=step2, memory_bytes_per_gpu=memory2)
+        return why_first([(layout, est), (layout, other)])
+
+    assert pair(step, memory + GiB) == (
+        f"as fast as 2. to 4 figures ({step:.4g} s), with less memory: {memory / GiB:.3f} GiB against "
+        f"{memory / GiB + 1:.3f} GiB per rank"
+    )
+    assert pair(step * (1 + 1e-5), memory) == (
+        f"as fast as 2. to 4 figures ({step:.4g} s) and the same memory; unrounded, {step:.6g} s against "
+        f"{step * (1 + 1e-5):.6g} s"
+    )
+    assert (
+        pair(step, memory)
+        == f"as fast as 2. to 4 figures ({step:.4g} s), the same memory: the first of the two the search tried"
+    )
+    assert pair(step * 1.0004, memory).startswith("0.04% faster than 2., mostly in ")

@@ -29,6 +29,7 @@ from meshtron.config import Config, ConfigError, load_toml, parse_override
 from meshtron.plan.estimate import Cluster, Estimate
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
+from meshtron.plan.search import rank_key
 from meshtron.train.records import AUTO_LAYOUT_ENV
 
 GiB = 2**30
@@ -87,18 +88,26 @@ class AutoChoice:
 
 
 def why_first(ranked: list[tuple[Layout, Estimate]]) -> str:
-    """Why the first layout won: the part of the step where it gains most on the second."""
+    """Why the first layout won (plan/search.py's rank_key): the part of the step where it gains most on
+    the second, or the tie-break that chose it."""
     if len(ranked) == 1:
         return "the only layout that fits and passes the trainer's rules"
     first, second = ranked[0][1], ranked[1][1]
+    if rank_key(ranked[0])[0] == rank_key(ranked[1])[0]:
+        tie = f"as fast as 2. to 4 figures ({first.step_time_s:.4g} s)"
+        if first.memory_bytes_per_gpu < second.memory_bytes_per_gpu:
+            return (
+                f"{tie}, with less memory: {first.memory_bytes_per_gpu / GiB:.3f} GiB against "
+                f"{second.memory_bytes_per_gpu / GiB:.3f} GiB per rank"
+            )
+        if first.step_time_s < second.step_time_s:
+            return f"{tie} and the same memory; unrounded, {first.step_time_s:.6g} s against {second.step_time_s:.6g} s"
+        return f"{tie}, the same memory: the first of the two the search tried"
     gain = second.step_time_s / first.step_time_s - 1
-    parts = [p for p in TIME_PARTS if p in first.time or p in second.time]
+    parts = [p for p in (*TIME_PARTS, "lent_cores") if p in first.time or p in second.time]
     part = max(parts, key=lambda p: second.time.get(p, 0.0) - first.time.get(p, 0.0))
-    saved = second.time.get(part, 0.0) - first.time.get(part, 0.0)
-    if saved <= 0:
-        return f"{100 * gain:.1f}% faster than 2. (ties go to less memory)"
     return (
-        f"{100 * gain:.1f}% faster than 2., mostly in {part}: {first.time.get(part, 0.0):.4g} s against "
+        f"{100 * gain:.3g}% faster than 2., mostly in {part}: {first.time.get(part, 0.0):.4g} s against "
         f"{second.time.get(part, 0.0):.4g} s"
     )
 
