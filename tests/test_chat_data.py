@@ -154,15 +154,48 @@ def test_chat_input_errors_say_what_to_fix(tmp_path, chat_data):
     plain.mkdir()
     (plain / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
     (tmp_path / "ok.jsonl").write_text(json.dumps(conversation(0)) + "\n")
-    with pytest.raises(DataError, match="tokenizer_config.json is missing"):
-        prepare_data(
-            [tmp_path / "ok.jsonl"], tmp_path / "out", tokenizer=str(plain / "tokenizer.json"), chat=True
-        )
-    (plain / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(DataError, match="no chat_template"):
-        prepare_data(
-            [tmp_path / "ok.jsonl"], tmp_path / "out", tokenizer=str(plain / "tokenizer.json"), chat=True
-        )
+    for config in (None, "{}"):  # no tokenizer_config.json, or one without a template: say where one goes
+        if config is not None:
+            (plain / "tokenizer_config.json").write_text(config)
+        with pytest.raises(DataError, match=f"no chat template.*write .* to {plain / 'chat_template.jinja'}"):
+            prepare_data(
+                [tmp_path / "ok.jsonl"], tmp_path / "out", tokenizer=str(plain / "tokenizer.json"), chat=True
+            )
+
+
+def test_every_form_transformers_saves_a_template_in_renders_the_same(tmp_path, chat_data):
+    """Issue 45.3: the template in chat_template.jinja (transformers 5's save_pretrained), in a
+    chat_template.json, or in tokenizer_config.json (older transformers) prepares the same tokens and
+    mask; the .jinja file wins over the others, as in transformers; the dataset keeps the files."""
+    transformers = pytest.importorskip("transformers")
+    from meshtron.data.tokenizer_files import chat_template, companion_files
+
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(conversation(i)) for i in range(8)) + "\n")
+    legacy = Path(chat_data[1]).parent
+    saved = tmp_path / "saved"
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(chat_data[1]), eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(saved)
+    assert (saved / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    processor = tmp_path / "processor"
+    processor.mkdir()
+    (processor / "tokenizer.json").write_bytes(Path(chat_data[1]).read_bytes())
+    (processor / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    prepared = {}
+    for folder in (legacy, saved, processor):
+        out = prepare_data([tmp_path / "chats.jsonl"], tmp_path / f"out-{folder.name}",
+                           tokenizer=str(folder / "tokenizer.json"), chat=True)  # fmt: skip
+        prepared[folder.name] = (np.asarray(out.tokens).tolist(), np.asarray(out.loss_mask).tolist())
+        assert companion_files(out.path) == companion_files(folder)  # carried on to checkpoints, exports
+    assert prepared[saved.name] == prepared[legacy.name] == prepared[processor.name]
+    assert sum(prepared[saved.name][1]) > 0
+    both = {"chat_template.jinja": "jinja", "chat_template.json": '{"chat_template": "json"}'}
+    assert chat_template({**both, "tokenizer_config.json": '{"chat_template": "config"}'}) == "jinja"
+    assert (
+        chat_template({"chat_template.json": both["chat_template.json"], "tokenizer_config.json": "{}"})
+        == "json"
+    )
 
 
 def test_validation_loss_counts_the_same_targets_in_every_layout(workers, chat_data):

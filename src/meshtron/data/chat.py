@@ -5,10 +5,11 @@ Each conversation becomes one document of the prepared dataset, followed by its 
 with a loss mask beside its tokens (`loss_mask.bin`, one byte per token: 1 where the token is a target
 that counts):
 
-  rendering         the `chat_template` of the tokenizer_config.json beside the tokenizer.json, a Jinja
-                    template rendered as transformers renders it (`messages`, `bos_token`, `eos_token`,
-                    `add_generation_prompt`, in a sandboxed environment), then tokenized with the template's
-                    special tokens recognised and no tokens added
+  rendering         the chat template beside the tokenizer.json (chat_template.jinja, chat_template.json
+                    or tokenizer_config.json's key: tokenizer_files.py), a Jinja template rendered as
+                    transformers renders it (`messages`, `bos_token`, `eos_token`, `add_generation_prompt`,
+                    in a sandboxed environment), then tokenized with the template's special tokens
+                    recognised and no tokens added
   what counts       assistant turn i covers the characters the template adds between the render of the
                     turns before it with the generation prompt and the render that ends with it (its
                     content and the template's end-of-turn marks); a token counts when it starts inside
@@ -29,8 +30,12 @@ from typing import Any
 import numpy as np
 
 from meshtron.data import DataError
-
-TOKENIZER_CONFIG = "tokenizer_config.json"
+from meshtron.data.tokenizer_files import (
+    chat_template,
+    companion_files,
+    missing_template_hint,
+    tokenizer_config,
+)
 
 
 def _special(config: dict[str, Any], key: str) -> str:
@@ -40,7 +45,7 @@ def _special(config: dict[str, Any], key: str) -> str:
 
 
 class ChatTemplate:
-    """A tokenizer.json with the chat template of the tokenizer_config.json beside it."""
+    """A tokenizer.json with the chat template beside it (tokenizer_files.py)."""
 
     def __init__(self, tokenizer_path: str | Path):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -48,18 +53,13 @@ class ChatTemplate:
 
         path = Path(tokenizer_path)
         folder = path if path.is_dir() else path.parent
-        config_path = folder / TOKENIZER_CONFIG
-        if not config_path.is_file():
-            raise DataError(
-                f"--chat needs the chat template of the tokenizer: {config_path} is missing (a Hugging Face "
-                "checkpoint's tokenizer_config.json sits beside its tokenizer.json)"
-            )
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if not isinstance(template, str) or not template:
-            raise DataError(f"{config_path} has no chat_template: this tokenizer cannot render chat data")
+        try:
+            files = companion_files(folder)
+            template, config = chat_template(files), tokenizer_config(files)
+        except ValueError as err:
+            raise DataError(f"--chat reads the chat template beside the tokenizer: {folder}/{err}") from None
+        if template is None:
+            raise DataError(missing_template_hint(folder))
         # As transformers renders templates: loop controls, `tojson`, `raise_exception`, `strftime_now`.
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

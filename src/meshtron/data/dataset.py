@@ -1,7 +1,8 @@
 """Prepared datasets: one flat token memmap on disk, written atomically, and the cached default corpus.
 
 A prepared dataset is a directory holding one flat ``tokens.bin`` (documents joined, each followed by the
-end-of-document token), a ``meta.json`` describing it and, for learned tokenizers, a ``tokenizer.json``.
+end-of-document token), a ``meta.json`` describing it and, for learned tokenizers, a ``tokenizer.json``
+(a given one with its special tokens and chat template files, data/tokenizer_files.py).
 ``meta.json`` is written last and atomically, so its presence marks a complete dataset.
 """
 
@@ -32,6 +33,7 @@ from meshtron.data.encode import Document, encoded, text_documents
 from meshtron.data.hf_datasets import is_dataset_input
 from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
+from meshtron.data.tokenizer_files import COMPANIONS, companion_files
 
 logger = logging.getLogger(__name__)
 
@@ -173,22 +175,35 @@ def _dataset_tokenizer(
     progress: Progress,
 ) -> tuple[Tokenizer, str]:
     """The tokenizer a dataset in `out_dir` is written with, and how meta.json names it: bytes, a BPE
-    trained on `files` (saved into out_dir), or a given tokenizer.json (copied into out_dir)."""
+    trained on `files` (saved into out_dir), or a given tokenizer.json (copied into out_dir, with the
+    special tokens and chat template files beside it: tokenizer_files.py)."""
     tok_path = out_dir / TOKENIZER_FILE
     if spec == "byte":
+        _copy_tokenizer_files(None, out_dir)
         tok_path.unlink(missing_ok=True)
         return ByteTokenizer(), "byte"
     if spec == "bpe":
+        _copy_tokenizer_files(None, out_dir)
         progress.note(f"training a BPE tokenizer of {vocab_size} tokens on {len(files)} files")
         return train_bpe(files, vocab_size, tok_path, max_bytes=bpe_train_bytes), TOKENIZER_FILE
     if not Path(spec).exists():
         raise DataError(f"unknown tokenizer {spec!r}: use 'byte', 'bpe' or a path to a tokenizer.json")
     src = HFTokenizer(spec, eos_token=eos_token)
     if src.path.resolve() != tok_path.resolve():
+        _copy_tokenizer_files(src.path.parent, out_dir)
         tmp_tok = out_dir / f".{TOKENIZER_FILE}.tmp-{os.getpid()}"
         shutil.copyfile(src.path, tmp_tok)
         os.replace(tmp_tok, tok_path)
     return HFTokenizer(tok_path, eos_token=src.eos_token), TOKENIZER_FILE
+
+
+def _copy_tokenizer_files(source: Path | None, out_dir: Path) -> None:
+    """Make out_dir's tokenizer companion files those of `source` (none when None): an earlier
+    preparation's must not describe another tokenizer."""
+    for name in COMPANIONS:
+        (out_dir / name).unlink(missing_ok=True)
+    for name, text in (companion_files(source) if source is not None else {}).items():
+        (out_dir / name).write_text(text, encoding="utf-8")
 
 
 def _flush(files: list[Any], parts: list[list[np.ndarray]]) -> int:
@@ -266,7 +281,7 @@ def prepare_data(
     """
     if chat and tokenizer in ("byte", "bpe"):
         raise DataError("--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
-                        "to a checkpoint's tokenizer.json (its tokenizer_config.json holds the template)")  # fmt: skip
+                        "to a checkpoint's tokenizer.json (the chat template sits beside it)")  # fmt: skip
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
