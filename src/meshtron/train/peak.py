@@ -6,9 +6,12 @@
   CPU   no datasheet figure fits a BLAS build, so the rate is measured: the best of several warm calls of
         a 1024 x 1024 matrix multiply in the training dtype with this process's threads. A rate measured
         while the machine was busy is too low and would put MFU above 100%, so the best figure ever
-        measured is cached per machine, thread count and dtype and reused by every later run (beside the
-        hardware probe's cache: `$MESHTRON_CACHE`, `$XDG_CACHE_HOME/meshtron` or `~/.cache/meshtron`,
-        file peak-flops.json). A measurement only ever raises it: `MESHTRON_REPROBE=1` measures again at
+        measured is cached per machine, thread count and dtype (with the load average it was taken at)
+        and reused by every later run (beside the hardware probe's cache: `$MESHTRON_CACHE`,
+        `$XDG_CACHE_HOME/meshtron` or `~/.cache/meshtron`, file peak-flops.json). A process of T threads
+        can do at least what one of fewer does, so its reference is the best figure of T threads *or
+        fewer*: a busy two-thread probe (issue 45: 31.9 GFLOP/s, where one thread had 82.6) is neither
+        believed nor written. A measurement only ever raises it: `MESHTRON_REPROBE=1` measures again at
         start-up, and a step that beats the reference (MFU above 100%) measures again on the spot.
 
 An MFU above 100% means the reference is wrong, not the model fast: it is never shown as a number (the
@@ -30,7 +33,7 @@ from meshtron.comm import Comm, CommGroup
 CACHE_FILE = "peak-flops.json"
 METHOD = "best of 5 x 3 warm 1024x1024 matmuls"  # part of the cache key: a new method measures again
 OVER_100 = ">100% (reference rate too low: machine busy at start-up? rerun with MESHTRON_REPROBE=1)"
-_MEMO: dict[str, float] = {}  # this process's figures: a test process builds hundreds of trainers
+_MEMO: dict[str, tuple[float, int]] = {}  # this process's figures: a test process builds hundreds of trainers
 
 
 def gpu_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -72,49 +75,80 @@ def _cache() -> tuple[Any, str]:
     return hardware_probe.cache_path().parent / CACHE_FILE, f"{machine}|torch {torch.__version__}"
 
 
-def _keep_best(path: Any, key: str, rate: float) -> float:
-    """The best of `rate` and the cached figure, written back (atomically, as the probe writes: another
-    process may be reading the file)."""
+def _cached_rate(data: dict[str, Any], key: str) -> float | None:
+    entry = data.get(key)
+    rate = entry.get("flops_per_s") if isinstance(entry, dict) else None
+    return rate if isinstance(rate, float) else None
+
+
+def _best_cached(path: Any, dtype: torch.dtype, threads: int) -> tuple[float, int] | None:
+    """(the best figure cached for `threads` threads or fewer, its thread count), or None."""
     from meshtron.plan import probe as hardware_probe
 
     data = hardware_probe._read_cache(path)
-    cached = data.get(key, {}).get("flops_per_s") if isinstance(data.get(key), dict) else None
-    if isinstance(cached, float) and cached >= rate:
-        return cached
+    found = [(rate, t) for t in range(1, threads + 1) if (rate := _cached_rate(data, _cpu_key(dtype, t)[1]))]
+    return max(found) if found else None
+
+
+def _keep_best(path: Any, dtype: torch.dtype, threads: int, rate: float) -> tuple[float, int]:
+    """(the best of `rate`, measured with `threads` threads, and the figures cached for that many or
+    fewer, its thread count); `rate` is written back (atomically, as the probe writes: another process
+    may be reading the file) only when it beats them all."""
+    from meshtron.plan import probe as hardware_probe
+
+    best = _best_cached(path, dtype, threads)
+    if best is not None and best[0] >= rate:
+        return best
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data[key] = {"flops_per_s": rate, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        data = hardware_probe._read_cache(path)
+        data[_cpu_key(dtype, threads)[1]] = {
+            "flops_per_s": rate,
+            "threads": threads,
+            "load_average": os.getloadavg()[0],  # what else ran: a figure taken under load is low
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except OSError:  # a read-only home: the figure still serves this run
         pass
-    return rate
+    return rate, threads
 
 
-def _cpu_key(dtype: torch.dtype) -> tuple[Any, str, str]:
-    threads, name = torch.get_num_threads(), str(dtype).removeprefix("torch.")
+def _cpu_key(dtype: torch.dtype, threads: int | None = None) -> tuple[Any, str, str]:
+    """(the cache file, the key of `threads`' figure (default: this process's), the source's words)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    name = str(dtype).removeprefix("torch.")
     path, machine = _cache()
     source = f"this CPU's measured {name} matmul rate with {threads} thread(s)"
     return path, f"{machine}|{threads} threads|{name}|{METHOD}", source
 
 
-def cpu_peak(dtype: torch.dtype, reprobe: bool | None = None) -> tuple[float, str]:
-    """This CPU's best matmul rate with this process's threads: cached, or measured now (`reprobe`, or
-    nothing cached) and kept if it is the best yet."""
-    from meshtron.plan import probe as hardware_probe
+def _figure(rate: float, threads: int) -> str:
+    """A reference's GFLOP/s, with the thread count it was measured at when fewer than this process's."""
+    fewer = (
+        f" (measured with {threads}: no faster figure with more yet)"
+        if threads < torch.get_num_threads()
+        else ""
+    )
+    return f"{rate / 1e9:,.1f} GFLOP/s{fewer}"
 
+
+def cpu_peak(dtype: torch.dtype, reprobe: bool | None = None) -> tuple[float, str]:
+    """This CPU's best matmul rate with this process's threads (or fewer): cached, or measured now
+    (`reprobe`, or nothing cached) and kept if it is the best yet."""
     if reprobe is None:
         reprobe = os.environ.get("MESHTRON_REPROBE", "") not in ("", "0")
     path, key, source = _cpu_key(dtype)
     if not reprobe and key in _MEMO:
-        return _MEMO[key], f"{source}, {_MEMO[key] / 1e9:,.1f} GFLOP/s (cached in {path})"
-    entry = {} if reprobe else hardware_probe._read_cache(path).get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), float):
-        _MEMO[key] = entry["flops_per_s"]
-        return _MEMO[key], f"{source}, {_MEMO[key] / 1e9:,.1f} GFLOP/s (cached in {path})"
-    rate = _MEMO[key] = _keep_best(path, key, measure_matmul_rate(dtype))
-    return rate, f"{source}, {rate / 1e9:,.1f} GFLOP/s (best measured, cached in {path})"
+        return _MEMO[key][0], f"{source}, {_figure(*_MEMO[key])} (cached in {path})"
+    cached = None if reprobe else _best_cached(path, dtype, torch.get_num_threads())
+    if cached is not None:
+        _MEMO[key] = cached
+        return cached[0], f"{source}, {_figure(*cached)} (cached in {path})"
+    best = _MEMO[key] = _keep_best(path, dtype, torch.get_num_threads(), measure_matmul_rate(dtype))
+    return best[0], f"{source}, {_figure(*best)} (best measured, cached in {path})"
 
 
 def cpu_peak_beaten(dtype: torch.dtype, reference: float) -> tuple[float, str]:
@@ -122,10 +156,14 @@ def cpu_peak_beaten(dtype: torch.dtype, reference: float) -> tuple[float, str]:
     keep the best of the two and the cache. The MFU shown stays honest either way: above 100% it is a
     note, not a number."""
     path, key, source = _cpu_key(dtype)
-    rate = _MEMO[key] = _keep_best(path, key, max(reference, measure_matmul_rate(dtype)))
+    threads = torch.get_num_threads()
+    best = _keep_best(path, dtype, threads, measure_matmul_rate(dtype))
+    if reference > best[0]:  # (the reference's own thread count is not known here: this process's)
+        best = (reference, threads)
+    _MEMO[key] = best
     return (
-        rate,
-        f"{source}, {rate / 1e9:,.1f} GFLOP/s (measured again when a step beat the reference; {path})",
+        best[0],
+        f"{source}, {_figure(*best)} (measured again when a step beat the reference; {path})",
     )
 
 
