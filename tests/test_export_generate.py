@@ -161,7 +161,9 @@ def test_commands_and_checkpoint_forms(tmp_path, capsys):
         resolve_checkpoint(newer)
 
     assert cli.main(["export", "--checkpoint", str(step), "--out", str(tmp_path / "hf")]) == 0
-    assert "llama, 158,016 parameters (float32)" in capsys.readouterr().out
+    assert "llama, 158,016 parameters (float32), max_position_embeddings 32" in capsys.readouterr().out
+    seq_len = load_config(None, TINY).training.seq_len  # from scratch: the context it was trained for
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == seq_len
     bf16 = ["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]
     assert cli.main(bf16) == 0
     capsys.readouterr()

@@ -2,7 +2,8 @@
 `meshtron generate` read checkpoints through here.
 
 A checkpoint directory (`step-NNNNNNNN/`) carries what rebuilding the model needs besides its state: the
-run's resolved `config.toml` (the model's shape) and its `tokenizer.json` (train/sample.py names both).
+run's resolved `config.toml` (the model's shape), its `tokenizer.json` (train/sample.py names both) and,
+when the run was given them, the Hugging Face files the export writes back (`hf_files.json`: hf/carry.py).
 Its parameters are stored as row and tensor-/expert-parallel blocks of the logical tensors, so
 `checkpoint_model` assembles each whole, in one process, whatever layout wrote them. A checkpoint from
 before they carried the config uses its run directory's config.toml, or `--config`.
@@ -22,6 +23,7 @@ from meshtron import hf
 from meshtron.config import Config, ConfigError, build_config, load_toml
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
+from meshtron.hf.carry import CARRIED_FILE, write_carried
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES
 from meshtron.hf.weights import save_streamed_model
 from meshtron.models.llama import Transformer
@@ -140,7 +142,7 @@ def save_hf_tokenizer(tok: Tokenizer, out: Path) -> None:
         )
         fast.save_pretrained(str(out))
     config = json.loads((out / "config.json").read_text())
-    config["eos_token_id"] = tok.eos_id
+    config["eos_token_id"] = tok.eos_id  # a carried config.json's own eos_token_id wins (hf/carry.py)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -173,10 +175,16 @@ def export(
     tok = checkpoint_tokenizer(step_dir, cfg)
     if tok is not None:
         save_hf_tokenizer(tok, out)
-    model_type = json.loads((out / "config.json").read_text())["model_type"]
+    carried = step_dir / CARRIED_FILE
+    kept = write_carried(
+        json.loads(carried.read_text()) if carried.is_file() else {}, out, cfg.training.seq_len
+    )
+    config = json.loads((out / "config.json").read_text())
     return (
-        f"wrote {out}: {model_type}, {sum(math.prod(s) for s in shapes.values()):,} parameters ({str(dtype).removeprefix('torch.')}) "
+        f"wrote {out}: {config['model_type']}, {sum(math.prod(s) for s in shapes.values()):,} parameters "
+        f"({str(dtype).removeprefix('torch.')}), max_position_embeddings {config['max_position_embeddings']}, "
         f"from {step_dir}; tokenizer: {'yes' if tok is not None else 'unknown, none written'}"
+        + (f"; carried from what the run was given: {', '.join(kept)}" if kept else "")
     )
 
 

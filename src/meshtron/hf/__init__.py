@@ -6,6 +6,7 @@
   weights.py     weight names, strict whole-model `load` and `save`
   checkpoint.py  a checkpoint read tensor by tensor and region by region
   init_from.py   each rank reads its own slices of a checkpoint into its parallel layout
+  carry.py       what an export keeps of the Hugging Face files a run was given (config fields, tokenizer)
 
 `load` and `save` import torch when called, so that the torch-free modules above can be imported alone.
 """

@@ -1,16 +1,19 @@
 """What a run leaves for use outside training: the files each checkpoint carries so that it can be
-exported or decoded alone (the resolved config, the tokenizer), and the sample printed at the end of a
-run, so that a new user sees what the model learned."""
+exported or decoded alone (the resolved config, the tokenizer, what the export keeps of the Hugging Face
+files the run was given), and the sample printed at the end of a run, so that a new user sees what the
+model learned."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from meshtron.config import Config
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
-from meshtron.data.tokenizer import TOKENIZER_FILE, tokenizer_json
+from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, tokenizer_json
+from meshtron.hf.carry import CARRIED_FILE, carried_files
 from meshtron.models.generate import generate
 from meshtron.models.llama import Transformer
 from meshtron.train import CheckpointError
@@ -22,11 +25,17 @@ PROMPT_TOKENS = 16  # the prompt: the first tokens of the validation data (or of
 
 def checkpoint_files(cfg: Config, world_size: int, dataset: PreparedData) -> dict[str, bytes]:
     """config.toml (the config as run, as records.py writes it into run.dir; inside the checkpoint too, as
-    run.dir's is rewritten by every start and checkpoint.dir may be elsewhere) and tokenizer.json."""
-    return {
+    run.dir's is rewritten by every start and checkpoint.dir may be elsewhere), tokenizer.json, and the
+    Hugging Face files an export writes back (hf/carry.py), when there are any."""
+    tok = dataset.load_tokenizer()
+    files = {
         CONFIG_FILE: (config_text(cfg, world_size) + "\n").encode(),
-        TOKENIZER_FILE: tokenizer_json(dataset.load_tokenizer()).encode(),
+        TOKENIZER_FILE: tokenizer_json(tok).encode(),
     }
+    carried = carried_files(cfg.model.init_from, tok.path if isinstance(tok, HFTokenizer) else None)
+    if carried:
+        files[CARRIED_FILE] = json.dumps(carried, indent=1, sort_keys=True).encode()
+    return files
 
 
 def sample_model(cfg: Config, world_size: int, model: Transformer, root: Path) -> Transformer | None:
