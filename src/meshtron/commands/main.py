@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--chat",
         action="store_true",
-        help='.jsonl rows of {"messages": [{"role", "content"}, ...]}, rendered with the chat template of the '
-        "tokenizer_config.json beside --tokenizer; only assistant turns count in the loss",
+        help='.jsonl rows of {"messages": [{"role", "content"}, ...]}, rendered with the chat template beside '
+        "--tokenizer (chat_template.jinja, chat_template.json or tokenizer_config.json); only assistant turns "
+        "count in the loss",
     )
     return parser
 
