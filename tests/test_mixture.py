@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 
 from meshtron.checks import check, load_config
+from meshtron.commands.export import checkpoint_tokenizer
 from meshtron.config import ConfigError
 from meshtron.data import DataError
-from meshtron.data.dataset import prepare_data
+from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.mixture import Mixture, MixtureSampler
+from meshtron.data.tokenizer import TOKENIZER_FILE
 from meshtron.testing.parity import assert_losses_match, train_rows, trainer_for
 from meshtron.testing.tiny import TINY
+from meshtron.train.sample import PROMPT_TOKENS
+from meshtron.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -107,10 +111,72 @@ def test_mixture_input_errors_say_what_to_fix(sources, tmp_path):
         return str(err.value)
 
     assert "must be positive" in problems(mixture_overrides(sources, (1, 0, 1)))
-    assert "set only one" in problems([*mixture_overrides(sources), f"--data.path={sources[0]}"])
+    assert "keep one: remove data.path (--data.path= on the command line unsets it)" in problems(
+        [*mixture_overrides(sources), f"--data.path={sources[0]}"]
+    )
     assert "names a path twice" in problems(mixture_overrides([sources[0], sources[0], sources[1]]))
     other = tmp_path / "other"
     prepare_data([ROOT / "src" / "meshtron" / "data"], other, tokenizer="bpe", vocab_size=300)
     with pytest.raises(DataError, match="another tokenizer"):
         Mixture.open([str(sources[0]), str(other)], [1, 1])
     assert json.loads((other / "meta.json").read_text())["tokenizer"] == "tokenizer.json"
+
+
+def test_a_mixture_runs_to_its_end_with_the_defaults(sources, tmp_path, capsys):
+    """The end of a run reads its data too: the closing sample (its prompt the first source's first
+    tokens), the pictures, the summary; an export finds the tokenizer of a checkpoint without one."""
+    run = [
+        *TINY,
+        *mixture_overrides(sources),
+        "--training.steps=2",
+        "--run.plot=true",
+        f"--run.dir={tmp_path}",
+    ]
+    cfg = load_config(None, [*run, "--checkpoint.every=2"])
+    assert cfg.run.sample_tokens > 0  # the default: a sample at the end
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    first = PreparedData.open(sources[0])
+    prompt = first.load_tokenizer().decode([int(t) for t in first.tokens[:PROMPT_TOKENS]])
+    assert f"tokens after the data's first {PROMPT_TOKENS}): {prompt!r} -> " in capsys.readouterr().out
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert (tmp_path / "loss.png").is_file()
+    step_dir = tmp_path / "checkpoints" / "step-00000002"
+    (step_dir / TOKENIZER_FILE).unlink()  # as an older checkpoint: the run's data names the tokenizer
+    assert checkpoint_tokenizer(step_dir, cfg).vocab_size == first.vocab_size
+
+
+def test_the_command_line_chooses_the_data_over_the_config_file(sources, tmp_path):
+    """docs/data.md's `--data.sources=[...]` replaces a config file's data.path (and the file's
+    validation data likewise); an empty data.path is no path; both in one place are refused."""
+    paths = [str(p) for p in sources]
+    with_path = tmp_path / "path.toml"
+    with_path.write_text(f'[data]\npath = "{paths[0]}"\nval_fraction = 0.1\n')
+    cfg = check(load_config(with_path, [*TINY, *mixture_overrides(sources)]), 1)
+    assert (cfg.data.path, [s.path for s in cfg.data.sources], cfg.data.val_fraction) == (
+        "default",
+        paths,
+        0.1,
+    )
+    for unset in ("--data.path=", "--data.path=default"):
+        assert load_config(with_path, [*TINY, *mixture_overrides(sources), unset]).data == cfg.data
+    assert load_config(None, ["--data.path="]).data.path == "default"  # no path: the default corpus
+    with_sources = tmp_path / "sources.toml"
+    with_sources.write_text(
+        f'[data]\nval_fraction = 0.1\n[[data.sources]]\npath = "{paths[0]}"\nweight = 1\n'
+    )
+    cfg = check(
+        load_config(with_sources, [*TINY, f"--data.path={paths[1]}", f"--data.val_path={paths[2]}"]), 1
+    )
+    assert (cfg.data.path, cfg.data.sources, cfg.data.val_path, cfg.data.val_fraction) == (
+        paths[1], [], paths[2], 0.0,
+    )  # fmt: skip
+    assert load_config(with_sources, ["--data.val_fraction=0", "--data.path="]).data.sources  # nothing chosen
+    both = tmp_path / "both.toml"
+    both.write_text(f'[data]\npath = "{paths[1]}"\n' + with_sources.read_text().split("\n", 1)[1])
+    with pytest.raises(ConfigError, match="--data.path= on the command line unsets it"):
+        check(load_config(both, TINY), 1)
+    assert check(load_config(both, [*TINY, "--data.path="]), 1).data.sources  # the advice works

@@ -58,7 +58,8 @@ def test_validation_rules_and_a_too_small_split_are_refused(small_data):
 
     assert "data.val_fraction=1.0 must be in [0, 1)" in problems("--data.val_fraction=1.0")
     assert "data.val_fraction=-0.1 must be in [0, 1)" in problems("--data.val_fraction=-0.1")
-    assert "set only one of them" in problems("--data.val_fraction=0.1", "--data.val_path=x")
+    both = problems("--data.val_fraction=0.1", "--data.val_path=x")
+    assert "keep one (--data.val_fraction=0 or --data.val_path= on the command line unsets one)" in both
     assert "training.eval_every=5 needs validation data" in problems("--training.eval_every=5")
     assert "training.eval_batches=0 must be positive" in problems("--training.eval_batches=0")
     assert problems(*VAL) == ""

@@ -43,6 +43,24 @@ def test_shrunk_model_keeps_architecture_and_layout(config, overrides, world):
     assert load_config(None, to_overrides(small)) == small  # what the worker processes rebuild
 
 
+def test_shrunk_model_trains_on_the_default_corpus_whatever_the_runs_data():
+    """A mixture, validation data and evaluation are the run's own (another tokenizer, other files): the
+    shrunk copy compares steps on the default corpus in bytes, and its workers rebuild it from overrides."""
+    tables = '[{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]'
+    for data in ([f"--data.sources={tables}", "--data.val_fraction=0.01"], ["--data.val_path=data/val"]):
+        cfg = load_config("configs/tiny-moe.toml", [*data, "--training.eval_every=5"])
+        small = check(shrink(cfg, 2), 2)
+        d = small.data
+        assert (d.path, d.sources, d.val_path, d.val_fraction, d.tokenizer) == (
+            "default",
+            [],
+            "",
+            0.0,
+            "byte",
+        )
+        assert load_config(None, to_overrides(small)) == small
+
+
 def verify_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "meshtron", "verify", *args], capture_output=True, text=True, timeout=600

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from meshtron.config import Config, read_config, refuse, suggest
+from meshtron.config import Config, build_config, load_toml, refuse, suggest
 from meshtron.data.rules import (
     batch_problems,
+    command_line_first,
     mixture_problems,
     validation_problems,
 )
@@ -54,8 +55,10 @@ from meshtron.train.rules import (
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """A config from a TOML file (or none) and `--section.key=value` overrides, its model from a preset,
-    or from the checkpoint model.init_from names; unchecked (see `check`)."""
-    return read_config(path, overrides, resolve_model_keys)
+    or from the checkpoint model.init_from names; unchecked (see `check`). An override that chooses the
+    training (or validation) data replaces the file's other way of naming it (data/rules.py)."""
+    raw = load_toml(path) if path is not None else {}
+    return build_config(command_line_first(raw, overrides), overrides, resolve_model_keys)
 
 
 def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -> list[str]:

@@ -273,6 +273,10 @@ class DataConfig:
     val_fraction: float = _ranged(0.0, lambda v: 0.0 <= v < 1.0, "must be in [0, 1): the share held out")
     val_path: str = ""
 
+    def __post_init__(self) -> None:
+        if self.path == "":  # no path (`--data.path=` unsets one): the default
+            self.path = "default"
+
 
 @dataclass
 class CheckpointConfig:
@@ -486,11 +490,3 @@ def build_config(
     if problems:
         raise ConfigError(problems)
     return Config(**built)
-
-
-def read_config(
-    path: str | Path | None = None, overrides: Sequence[str] = (), model_source: ModelSource | None = None
-) -> Config:
-    """A TOML file (or nothing) with `--section.key=value` overrides as a typed Config, unchecked."""
-    raw = load_toml(path) if path is not None else {}
-    return build_config(raw, overrides, model_source)

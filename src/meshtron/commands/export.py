@@ -101,12 +101,13 @@ def checkpoint_tokenizer(step_dir: Path, cfg: Config) -> Tokenizer | None:
     run's prepared data when it is still there; None when unknown."""
     if (step_dir / TOKENIZER_FILE).is_file():
         return HFTokenizer(step_dir / TOKENIZER_FILE)
-    if cfg.data.path == "default":
+    path = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path  # a mixture's: one tokenizer
+    if path == "default":
         return None  # rebuilding the default corpus to find its tokenizer is not worth minutes here
     try:
         from meshtron.data.dataset import PreparedData
 
-        return PreparedData.open(cfg.data.path).load_tokenizer()
+        return PreparedData.open(path).load_tokenizer()
     except DataError:
         return None
 

@@ -58,10 +58,14 @@ def shrink(cfg: Config, world: int) -> Config:
     seq_len = 16 * p.cp * p.tp
     training = dataclasses.replace(
         t, steps=5, micro_batch=1, global_batch=dp * micro_batches, seq_len=seq_len, dtype="fp32",
-        warmup_steps=1, lr=3e-3,
+        warmup_steps=1, lr=3e-3, eval_every=0,
     )  # fmt: skip
     parallel = dataclasses.replace(p, pp_layers=[])
-    data = dataclasses.replace(cfg.data, path="default", tokenizer="byte")
+    # The default corpus in bytes, in place of the run's data (a mixture, validation data of its tokenizer):
+    # the steps compared do not evaluate.
+    data = dataclasses.replace(
+        cfg.data, path="default", sources=[], val_path="", val_fraction=0.0, tokenizer="byte"
+    )
     checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume=False)
     # A check, not a run to keep: no plots, and nothing logged to the job's W&B project.
     run = dataclasses.replace(

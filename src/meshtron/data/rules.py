@@ -4,7 +4,15 @@ validation options fit together. Torch-free (checks.py gathers every package's r
 
 from __future__ import annotations
 
-from meshtron.config import Config
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtron.config import Config, ConfigError, parse_override
+
+# [data] keys that name one thing two ways (the rules below refuse both): the command line's choice of
+# one replaces the config file's other, as an override replaces the file's value of its own key.
+ALTERNATIVES = (("path", "sources"), ("val_path", "val_fraction"))
+NOTHING = ("", "default", 0, [])  # a value that chooses nothing (the field's default), so replaces nothing
 
 
 def batch_split_problem(global_batch: int, micro_batch: int, dp_size: int) -> str | None:
@@ -40,7 +48,7 @@ def validation_problems(cfg: Config) -> list[str]:
     if d.val_fraction > 0 and d.val_path:
         problems.append(
             f"data.val_fraction={d.val_fraction} and data.val_path={d.val_path!r} both name validation "
-            "data; set only one of them"
+            "data; keep one (--data.val_fraction=0 or --data.val_path= on the command line unsets one)"
         )
     if t.eval_every > 0 and not (d.val_fraction > 0 or d.val_path):
         problems.append(
@@ -50,6 +58,29 @@ def validation_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def command_line_first(raw: Mapping[str, Any], overrides: Sequence[str]) -> Mapping[str, Any]:
+    """The config file's mapping `raw` without the [data] keys whose alternative an override chooses
+    (e.g. `--data.sources=[...]` over the file's data.path: the command line wins)."""
+    given = {}
+    for text in overrides:
+        try:
+            section, key, value = parse_override(text)
+        except ConfigError:
+            continue  # reported, with its fix, when the config is built
+        if section == "data":
+            given[key] = value
+    data = raw.get("data")
+    if not isinstance(data, Mapping):
+        return raw
+    replaced = {
+        other
+        for pair in ALTERNATIVES
+        for key, other in (pair, pair[::-1])
+        if key in given and other not in given and given[key] not in NOTHING
+    }
+    return {**raw, "data": {k: v for k, v in data.items() if k not in replaced}}
+
+
 def mixture_problems(cfg: Config) -> list[str]:
     """How `[[data.sources]]` fits with the other data options (its tokenizers are checked on opening)."""
     d = cfg.data
@@ -57,7 +88,10 @@ def mixture_problems(cfg: Config) -> list[str]:
         return []
     problems = []
     if d.path != "default":
-        problems.append(f"data.path={d.path!r} and data.sources both name the training data; set only one")
+        problems.append(
+            f"data.path={d.path!r} and data.sources both name the training data; keep one: remove data.path "
+            "(--data.path= on the command line unsets it)"
+        )
     if d.val_path:
         problems.append("data.val_path with data.sources: hold out each source's tail with data.val_fraction")
     for i, source in enumerate(d.sources):

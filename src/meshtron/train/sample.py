@@ -12,6 +12,7 @@ from pathlib import Path
 from meshtron.config import Config
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
+from meshtron.data.mixture import Mixture
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, carried_files
 from meshtron.models.generate import generate
@@ -23,7 +24,7 @@ from meshtron.train.records import CONFIG_FILE, config_text
 PROMPT_TOKENS = 16  # the prompt: the first tokens of the validation data (or of the training data)
 
 
-def checkpoint_files(cfg: Config, world_size: int, dataset: PreparedData) -> dict[str, bytes]:
+def checkpoint_files(cfg: Config, world_size: int, dataset: PreparedData | Mixture) -> dict[str, bytes]:
     """config.toml (the config as run, as records.py writes it into run.dir; inside the checkpoint too, as
     run.dir's is rewritten by every start and checkpoint.dir may be elsewhere), tokenizer.json, and the
     Hugging Face files an export writes back (hf/carry.py), when there are any."""
@@ -48,7 +49,9 @@ def sample_model(cfg: Config, world_size: int, model: Transformer, root: Path) -
     return checkpoint_model(found[-1].path, cfg.model) if found else None
 
 
-def print_sample(cfg: Config, world_size: int, model: Transformer, root: Path, data: PreparedData) -> None:
+def print_sample(
+    cfg: Config, world_size: int, model: Transformer, root: Path, data: PreparedData | Mixture
+) -> None:
     """Rank 0, after training: run.sample_tokens greedy tokens after the first tokens of `data` (the
     validation data when there is some: text the model has not trained on)."""
     try:
@@ -62,7 +65,8 @@ def print_sample(cfg: Config, world_size: int, model: Transformer, root: Path, d
             "meshtron: no sample: a multi-rank run samples from its final checkpoint (set checkpoint.every)"
         )
         return
-    prompt = [int(t) for t in data.tokens[:PROMPT_TOKENS]]
+    first = data.sources[0] if isinstance(data, Mixture) else data  # a mixture's prompt: its first source's
+    prompt = [int(t) for t in first.tokens[:PROMPT_TOKENS]]
     new = generate(single, prompt, cfg.run.sample_tokens, eos_id=tok.eos_id)[0].tolist()
     print(
         f"meshtron: sample (greedy, {len(new)} tokens after the data's first {len(prompt)}): "
