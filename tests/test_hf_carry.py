@@ -133,3 +133,24 @@ def test_a_run_from_scratch_declares_the_context_it_trained() -> None:
     assert exported_config(plain, None, seq_len=128)["max_position_embeddings"] == 128
     scaled = ModelConfig(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_position=512)
     assert exported_config(config_to_hf(scaled), None, seq_len=128)["max_position_embeddings"] == 8 * 512
+
+
+def test_data_prepared_without_the_files_takes_init_froms_when_its_tokenizer_is_the_same(
+    source: Path, tmp_path: Path
+) -> None:
+    """Data prepared before prepare-data copied the tokenizer's files: model.init_from's are carried
+    when its tokenizer.json is the data's, byte for byte, and never for another tokenizer."""
+    from meshtron.hf.carry import carried_files
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    for folder in (same, other):
+        folder.mkdir()
+    (same / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    (other / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes() + b"\n")
+    names = {"config.json", "generation_config.json", CHAT_TEMPLATE_JINJA, TOKENIZER_CONFIG}
+    assert carried_files(str(source), same / "tokenizer.json").keys() == names
+    assert carried_files(str(source), other / "tokenizer.json").keys() == {
+        "config.json",
+        "generation_config.json",
+    }
+    assert carried_files("", same / "tokenizer.json") == {}  # from scratch, a tokenizer with no files
