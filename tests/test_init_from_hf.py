@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from meshtron import hf
 from meshtron.checks import load_config, validate
 from meshtron.config import ConfigError
+from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.sampler import BatchSampler
 from meshtron.hf.checkpoint import HFCheckpoint, parameter_sources
@@ -24,6 +25,7 @@ from meshtron.hf.config import checkpoint_config
 from meshtron.models.llama import build_model
 from meshtron.testing.parity import relative, trainer_for
 from meshtron.testing.tiny import perturb
+from meshtron.train.setup import check_data
 from meshtron.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -209,6 +211,39 @@ def test_finetune_example_config_validates(checkpoints: dict[str, Any]) -> None:
     example = Path(__file__).resolve().parents[1] / "configs" / "finetune-example.toml"
     cfg = load_config(example, [f"--model.init_from={checkpoints['llama']}"])
     assert cfg.model.dim == 64 and cfg.checkpoint.resume and validate(cfg, 2) == []
+
+
+def test_data_of_another_vocabulary_is_told_to_take_the_checkpoints_tokenizer(
+    checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """model.init_from fixes model.vocab_size, so the advice is about the data (set the model's
+    vocab_size would be refused, as a key contradicting config.json); a fp8 size likewise."""
+    text = checkpoints["data"].parent / "text.txt"
+    prepare_data([text], tmp_path / "wide", tokenizer="bpe", vocab_size=VOCAB + 40)
+    path = tmp_path / "hf"
+    shutil.copytree(checkpoints["llama"], path)
+    run = [f"--model.init_from={path}", f"--data.path={tmp_path / 'wide'}"]
+    with pytest.raises(DataError) as err:
+        check_data(load_config(None, run))
+    assert (
+        f"--tokenizer TOKENIZER.json (the checkpoint's own tokenizer; {path} has no tokenizer.json)"
+        in str(err.value)
+    )
+    prepare_data([text], tmp_path / "own", tokenizer="bpe", vocab_size=VOCAB)  # the checkpoint's tokenizer
+    shutil.copy(tmp_path / "own" / "tokenizer.json", path / "tokenizer.json")
+    with pytest.raises(DataError) as err:
+        check_data(load_config(None, run))
+    message = str(err.value)
+    assert "vocab_size=" not in message.split(";", 1)[1]  # nothing said of the model's size
+    command = message.split("meshtron prepare-data ", 1)[1]
+    assert command.startswith(
+        f"YOUR_TEXTS --out DIR --tokenizer {path / 'tokenizer.json'}, and set data.path=DIR"
+    )
+    # The advice followed: the data tokenized with the checkpoint's tokenizer.
+    prepare_data([text], tmp_path / "retokenized", tokenizer=str(path / "tokenizer.json"))
+    check_data(load_config(None, [run[0], f"--data.path={tmp_path / 'retokenized'}"]))
+    fp8 = load_config(None, [run[0], "--training.dtype=fp8", "--parallel.tp=4"])  # ffn_dim 96 / 4 = 24
+    assert any("model.init_from fixes those" in p for p in validate(fp8, 4, "cuda"))
 
 
 def test_checkpoint_that_does_not_fit_is_named(checkpoints: dict[str, Any], tmp_path: Path) -> None:

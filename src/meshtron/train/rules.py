@@ -79,9 +79,11 @@ def float8_problems(cfg: Config, device_type: str | None) -> list[str]:
     odd = [f"{name} = {value}" for name, value in widths.items() if value % 16]
     if not odd:
         return []
+    # Under model.init_from the checkpoint's sizes cannot change (hf/resolve.py refuses other [model] keys).
+    fixed = " where they are not the model's (model.init_from fixes those)" if m.init_from else ""
     return [
         f"training.dtype='fp8' on CUDA needs float8 matmul sizes that are multiples of 16, not {', '.join(odd)}: "
-        "change them, or use training.dtype='bf16'"
+        f"change them{fixed}, or use training.dtype='bf16'"
     ]
 
 

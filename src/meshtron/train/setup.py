@@ -41,6 +41,7 @@ from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.mixture import Mixture, MixtureSampler
 from meshtron.data.sampler import BatchSampler
+from meshtron.data.tokenizer import TOKENIZER_FILE
 from meshtron.data.validation import split_validation
 from meshtron.hf.init_from import LoadReport, load_hf_weights
 from meshtron.layout import ParallelDims
@@ -173,11 +174,26 @@ def _open_mixture(cfg: Config) -> Mixture:
 
 
 def _check_vocab(cfg: Config, dataset: PreparedData | Mixture) -> None:
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"the dataset's vocabulary has {dataset.vocab_size} tokens but model.vocab_size="
-            f"{cfg.model.vocab_size}; set --model.vocab_size={dataset.vocab_size} or larger"
-        )
+    have, model = dataset.vocab_size, cfg.model
+    if have <= model.vocab_size:
+        return
+    says = f"the dataset's vocabulary has {have} tokens but model.vocab_size={model.vocab_size}"
+    if not model.init_from:
+        raise DataError(f"{says}; set --model.vocab_size={have} or larger")
+    # The checkpoint fixes the vocabulary (its embedding's rows): the data must change, not the model.
+    init_from = Path(model.init_from)
+    tokenizer = init_from / TOKENIZER_FILE
+    given = (
+        str(tokenizer)
+        if tokenizer.is_file()
+        else f"TOKENIZER.json (the checkpoint's own tokenizer; {init_from} has no {TOKENIZER_FILE})"
+    )
+    raise DataError(
+        f"{says}, from model.init_from={str(init_from)!r}: the data was tokenized with another tokenizer "
+        f"than the checkpoint's; tokenize it with the checkpoint's: meshtron prepare-data YOUR_TEXTS "
+        f"--out DIR --tokenizer {given}, and set data.path=DIR"
+        + (" (each of data.sources so prepared)" if cfg.data.sources else "")
+    )
 
 
 def check_data(cfg: Config) -> None:
