@@ -273,7 +273,7 @@ PRIVATE_TORCH = {
     "models/float8.py": {"torch._scaled_mm"},
     # foreach kernels have no public alias; torch's own optimizers and clipping use them
     "parallel/engine.py": {"torch._foreach_norm", "torch._foreach_mul_"},
-    "plan/probe_ranks.py": {"torch._foreach_norm", "torch._foreach_mul_", "torch._foreach_zero_"},
+    "plan/probe_ranks.py": {"torch._foreach_mul_", "torch._foreach_zero_"},
     # the traceable (functional) collectives torch.compile puts in its graphs have no public module
     "comm.py": {"torch.distributed._functional_collectives"},
     # inductor's collective bucketing / reordering passes are switched on through its config

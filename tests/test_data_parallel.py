@@ -157,8 +157,8 @@ def test_memory_matches_zero_table(workers, name):
 
 
 # Besides the gradients and parameters, every step all-reduces the loss (one fp32 number) over dp, and a
-# sharded engine the clipping norm's two partial sums (fp32) over dp_shard.
-LOSS_BYTES, NORM_BYTES = 4, 8
+# sharded engine the clipping norm's two partial sums (float64) over dp_shard.
+LOSS_BYTES, NORM_BYTES = 4, 16
 
 
 @pytest.mark.parametrize("world", [2, 4])

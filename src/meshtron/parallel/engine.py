@@ -25,6 +25,28 @@ from torch import nn
 
 from meshtron.comm import Comm, CommGroup
 
+# Elements per float64 partial sum: the float64 copy of a piece (2 MiB) stays in cache, so the exact
+# norm costs about 1.9x fp32's (4M elements: 7.2 against 3.9 ms here) and never a float64 copy of a
+# whole gradient.
+NORM_PIECE = 1 << 18
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The sum of every element's square, in float64 (a 0-d tensor).
+
+    A float32 reduction over millions of elements is off by about 1e-5 relative (measured: 1.8e-4 for 4M
+    elements in one tensor), and by a different amount for each way the elements are split over ranks, so
+    the clipping norm depended on the layout. Squares of float32 (or bf16) values are exact in float64 and
+    their float64 sum is off by ~1e-14, whatever the order: every layout gets the same norm once it is
+    rounded to float32. Tensors are cut into NORM_PIECE-element pieces (views) so that no float64 copy of
+    a large gradient exists."""
+    pieces = [
+        p for t in tensors for p in (t.reshape(-1).split(NORM_PIECE) if t.numel() > NORM_PIECE else (t,))
+    ]
+    if not pieces:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(pieces, dtype=torch.float64)).square().sum()
+
 
 @dataclass(frozen=True)
 class OwnedRows:
@@ -101,12 +123,8 @@ class DataParallelEngine:
                 continue
             local = grad.to_local() if hasattr(grad, "to_local") else grad[: entry.rows]
             parts[entry.name in whole_on_every_tp_rank].append(local)
-        return torch.stack(
-            [
-                torch.stack(torch._foreach_norm(g)).float().pow(2).sum() if g else torch.zeros(())
-                for g in parts
-            ]
-        )
+        device = next((g.device for part in parts for g in part), None)
+        return torch.stack([sum_of_squares(part, device) for part in parts])
 
     def scale_grads_(self, coef: torch.Tensor) -> None:
         grads = [p.grad for p in self.optimizer_params() if p.grad is not None]

@@ -10,7 +10,7 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                     ZeRO-3   per micro-batch an all-gather in forward, another in backward (when units
                              reshard after forward) and a reduce-scatter
                   replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
-                  and clipping's norm add an all-reduce of one and of two numbers
+                  and clipping's norm add an all-reduce of one fp32 and of two float64 numbers
   tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation (6 with full
                   recompute), 2 more around the embedding and head; sp turns each into an all-gather
                   and a reduce-scatter of the same volume, and gathers each region's input again in
@@ -18,12 +18,13 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   the vocab-parallel loss all-reduces 3 numbers per token
   expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
                   and micro-batch under balanced routing, plus the count table's all-gather
-  pipeline        per micro-batch and chunk boundary: the activation forward, its gradient backward
+  pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
+                  backward (one sent, the other received), plus the loss and clipping's all-reduces
 
-Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups are exact (tests/test_plan.py
-checks them against the counted bytes of every engine); tp, ep and pp are leading terms (ep at balanced
-routing); context parallel's ring, all-gather and all-to-all exchanges are exact for dense models
-(hybrid is not modelled yet).
+Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
+(tests/test_plan.py checks them against the counted bytes of every engine and schedule); tp and ep are
+leading terms (ep at balanced routing); context parallel's ring, all-gather and all-to-all exchanges are
+exact for dense models (hybrid is not modelled yet). `exact_groups` names the exact ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ import math
 from meshtron.config import Config
 from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
 from meshtron.plan.state import rank_parameters
+
+
+DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends"})
+
+
+def exact_groups(cfg: Config) -> frozenset[str]:
+    """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms."""
+    p = cfg.parallel
+    dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
+    return DATA_GROUPS | {"pp"} | dense_cp
 
 
 def _ring(n: int) -> float:
@@ -99,13 +110,13 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     dense = [x.shape for x in params if not x.expert or p.ep == 1]
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
     if shard > 1:
-        add(f"dp_shard{cp}", on_shard + 2 * 8 * _ring(shard))  # + clipping's two partial sums
+        add(f"dp_shard{cp}", on_shard + 2 * 16 * _ring(shard))  # + clipping's two float64 partial sums
         add("dp_replicate", on_replicas)
     else:
         add(f"dp{cp}", on_replicas)
     add(f"dp{cp}", 2 * 4 * _ring(dp * p.cp))  # the loss
     if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
-        add("pp", 2 * 4 * _ring(p.pp) + 2 * 8 * _ring(p.pp))
+        add("pp", 2 * 4 * _ring(p.pp) + 2 * 16 * _ring(p.pp))
     first, last = _holds_ends(cfg, pp_rank)
     if m.tie_embeddings and p.pp > 1 and first != last:  # the two stages' copies' gradients summed
         rows = math.ceil(m.vocab_size / p.tp)
@@ -150,7 +161,9 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         seq_shards = p.tp if p.sp else 1
         message = t.micro_batch * t.seq_len // p.cp // seq_shards * m.dim * 4
         boundaries = _remote_edges(cfg, pp_rank)
-        add("pp", micro * 2 * 2 * boundaries * message)  # forward and backward; sends and receives counted
+        # Per micro-batch and remote boundary one message each way: the forward's activation, then its
+        # gradient back; on this rank one is a send and the other a receive.
+        add("pp", micro * 2 * boundaries * message)
     return out  # fmt: skip
 
 

@@ -132,6 +132,8 @@ def _optimizer_call(sizes: ProbeSizes) -> Work:
     32 bytes per element the planner counts for it (plan/estimate.py)."""
     import torch
 
+    from meshtron.parallel.engine import sum_of_squares
+
     shapes = [(n, k) for k, n in _linear_shapes(sizes)] + [(sizes.dim,)] * 2
     shapes = shapes * sizes.layers + [(sizes.vocab, sizes.dim)] * 2 + [(sizes.dim,)]
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
@@ -144,7 +146,7 @@ def _optimizer_call(sizes: ProbeSizes) -> Work:
     adamw = torch.optim.AdamW(groups, lr=1e-4, foreach=True)
 
     def run() -> None:
-        norm = torch.stack(torch._foreach_norm(grads)).square().sum().sqrt()
+        norm = sum_of_squares(grads).sqrt().float()
         torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
         adamw.step()
         torch._foreach_zero_(grads)

@@ -1,7 +1,8 @@
 """The optimizer side of a step: AdamW, the learning-rate schedule, and exact gradient clipping.
 
-Clipping computes the norm of the whole model's gradient however it is split: each gradient element is
-owned by exactly one rank of the data-parallel shard group, parameters split over tensor parallel are
+Clipping computes the norm of the whole model's gradient however it is split, its sums of squares in
+float64 so that every layout gets the same float32 norm: each gradient element is owned by exactly one rank
+of the data-parallel shard group, parameters split over tensor parallel are
 summed over tp while those every tp rank holds whole are counted once, and pipeline stages hold
 disjoint parameters (a tied embedding's second copy is left out on the last stage).
 """
@@ -49,7 +50,7 @@ def clip_grad_norm_(
         comm.all_reduce_(parts[:1], tp_plan.tp)
     if pp is not None:  # pipeline stages hold disjoint parameters
         comm.all_reduce_(parts, pp)
-    norm = parts.sum().sqrt()
+    norm = parts.sum().sqrt().float()  # float64 sums (engine.sum_of_squares): the same in every layout
     if (
         max_norm > 0
     ):  # without reading the norm on the host: a non-finite one scales by 1 (the step is skipped)
