@@ -303,6 +303,7 @@ class RunConfig:
     comm_timeout_s: float = positive(300.0)
     device: Device = "auto"
     plot: bool = True
+    memory_check: bool = True  # refuse a layout predicted to need >1.25x the memory (memory_check.py)
     sample_tokens: int = non_negative(40)  # greedy tokens printed at the end of a run (rank 0); 0: none
     wandb_project: str = ""  # Weights & Biases (the wandb extra): rank 0 logs the scalars here; "": off
     wandb_name: str = ""  # the W&B run's name; "": run.dir's last part

@@ -1,4 +1,4 @@
-"""This process's resident peak, measured so that it is this process's own.
+"""This process's resident peak, measured so that it is this process's own; the host's memory.
 
 `getrusage`'s ru_maxrss survives exec: in a process started by spawn (a test worker, a launched rank) it
 is at least the parent's resident size at the fork (an 800 MB test runner makes every worker's peak
@@ -8,8 +8,11 @@ address space.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import sys
+from pathlib import Path
 
 
 def resident_peak_bytes() -> int:
@@ -20,3 +23,12 @@ def resident_peak_bytes() -> int:
     except (OSError, StopIteration):  # not Linux
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, others KiB
+
+
+def host_memory_bytes() -> int:
+    """Physical memory, or the cgroup's limit when lower (a container sees the host's RAM)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            total = min(total, int(Path(limit).read_text().strip()))
+    return int(total)

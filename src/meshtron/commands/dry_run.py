@@ -13,9 +13,9 @@ cannot disagree with them:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
+from meshtron.commands.memory_check import ranks_per_node, too_big
 from meshtron.config import Config
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
@@ -54,11 +54,6 @@ def layout_of(cfg: Config) -> Layout:
     )
 
 
-def _ranks_per_node(world_size: int) -> int:
-    # meshtron's own launcher starts every rank on this machine; under torchrun, LOCAL_WORLD_SIZE says.
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
 class Hardware(NamedTuple):
     """What a run would train on: the planner's Cluster for it (None: no prediction), and in words."""
 
@@ -81,7 +76,7 @@ def _cuda_hardware(cfg: Config, world_size: int) -> Hardware:
             f"{props.name} is the planner's {name}, whose table has no fp32 matmul rate; "
             "add --training.dtype=bf16 for a prediction",
         )
-    per_node = _ranks_per_node(world_size)
+    per_node = ranks_per_node(world_size)
     # What this device reports, not the table's nominal size: the driver keeps some for itself.
     gpu = dataclasses.replace(accelerator(name), memory_bytes=props.total_memory, gpus_per_node=per_node)
     peak = "fp8" if cfg.training.dtype == "fp8" else "bf16"  # (the planner's fp8 rate on every matmul)
@@ -147,14 +142,12 @@ def dry_run(cfg: Config, world_size: int, source: str) -> tuple[str, str | None]
     """The whole report for a config already checked for `world_size` ranks, and why a real run would
     be refused for memory (commands/memory_check.py; None: it would start); `source` says where the
     config came from (file and overrides)."""
-    from meshtron.commands.memory_check import too_big
-
     text = config_text(cfg, world_size)
     env = environment(cfg, world_size)
     cfg = resolved(cfg, world_size)
     hardware = detect_hardware(cfg, world_size)
     cluster = hardware.cluster
-    per_node = cluster.gpu.gpus_per_node if cluster else _ranks_per_node(world_size)
+    per_node = cluster.gpu.gpus_per_node if cluster else ranks_per_node(world_size)
     parts = [
         f"# resolved config: {source}",
         text,

@@ -8,12 +8,17 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from meshtron.checks import check, load_config
+from meshtron.commands.dry_run import resolved
+from meshtron.commands.memory_check import too_big
+from meshtron.config import Config, refuse
+from meshtron.train import CheckpointError, TrainingInterrupted
 
 
 def _under_launcher() -> bool:
@@ -23,12 +28,15 @@ def _under_launcher() -> bool:
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
 
 
-def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[str] = ()) -> int:
+def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[str], cfg: Config) -> int:
     """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
     when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
     newest complete checkpoint (Trainer.resume_if_asked). `extra`: overrides for the ranks only (what
-    parallel.auto chose)."""
+    parallel.auto chose); `cfg`: theirs, for the line an interrupt ends with (commands/interrupt.py)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
+
+    from meshtron.commands import interrupt
 
     # Drop the launcher's own flags (as "--flag=N" or "--flag N") so the ranks do not launch again.
     cleaned: list[str] = []
@@ -62,8 +70,13 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[
         os.environ[ERROR_DIR] = errors  # each failing rank leaves its message there (main.py)
         # The launcher's own report of a failure (a table of exit codes) says less than the rank's message.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_NoDeathSignal())
         try:
             run(launcher_args)
+        except (SignalException, KeyboardInterrupt) as err:  # Ctrl-C: the ranks are gone (or never began)
+            if isinstance(err, SignalException) and err.sigval != signal.SIGINT:
+                raise
+            return interrupt.end_launch(cfg, nproc, Path(errors))
         except Exception as err:  # the launcher raises ChildFailedError with each rank's exit status
             print(f"meshtron: training failed: {first_rank_error(Path(errors), err)}", file=sys.stderr)
             return 1
@@ -71,6 +84,14 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[
 
 
 ERROR_DIR = "MESHTRON_ERROR_DIR"
+
+
+class _NoDeathSignal(logging.Filter):
+    """Drops the launcher's own warning of a Ctrl-C ("Received 2 death signal, shutting down workers"):
+    the line the interrupt ends with says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in str(record.msg)
 
 
 def first_rank_error(errors: Path, err: Exception) -> str:
@@ -100,14 +121,45 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     if args.dry_run:  # after check: a layout a real run refuses is refused here the same way
         from meshtron.commands.dry_run import dry_run
 
-        print(dry_run(cfg, world_size, " ".join([args.config, *overrides])))
+        report, refusal = dry_run(cfg, world_size, " ".join([args.config, *overrides]))
+        print(report, flush=True)
+        refuse([refusal] if refusal else [])  # after the report it is about
         return 0
+    refusal = too_big(resolved(cfg, world_size), world_size)  # before any rank allocates
+    refuse([refusal] if refusal else [])
+    if not (cfg.checkpoint.resume or _under_launcher()):  # (launched ranks ask it too: setup.py)
+        from meshtron.train.setup import earlier_run
+
+        if problem := earlier_run(cfg):  # before any rank starts, as the checks above
+            raise CheckpointError(problem)
     if args.nproc and args.nproc > 1 and not _under_launcher():
-        return _launch(args.nproc, args.max_restarts, argv, rank_flags)
+        return _launch(args.nproc, args.max_restarts, argv, rank_flags, cfg)
+    return _train_here(cfg, world_size)
+
+
+def _train_here(cfg: Config, world_size: int) -> int:
+    """Train in this process (one rank of a job, or a job of one); Ctrl-C ends it with one line."""
+    from meshtron.commands import interrupt
+    from meshtron.train.threads import choose_one_rank_threads
     from meshtron.train.trainer import train
 
-    train(cfg)
-    return 0
+    if world_size == 1 and (line := choose_one_rank_threads(cfg.run.device)):  # (train/threads.py)
+        print(line, flush=True)
+    interrupt.catch_sigint()
+    try:
+        train(cfg)
+    except TrainingInterrupted as stop:
+        completed = stop.completed
+    except BaseException:  # set-up cut short, or a collective whose peer an interrupt ended
+        if not interrupt.interrupted():
+            raise
+        completed = None
+    else:
+        return 0
+    if _under_launcher():
+        return interrupt.end_rank(cfg, completed, os.environ.get(ERROR_DIR))
+    interrupt.say(interrupt.resume_line(cfg, completed, "meshtron train"))
+    return interrupt.EXIT_CODE
 
 
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -75,6 +75,7 @@ from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.probe_ranks import DEMO, ProbeSizes, rank_probe
 from meshtron.plan.probe_ranks import QUICK as QUICK  # re-exported: the probe for tests, a second or two
+from meshtron.resident import host_memory_bytes
 
 CACHE_FILE = "hardware-probe.json"
 PROBE_VERSION = 5  # bump when the method changes, so old cache entries are measured again
@@ -114,15 +115,6 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def _host_memory_bytes() -> int:
-    """Physical memory, or the cgroup's limit when lower (a container sees the host's RAM)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        with contextlib.suppress(OSError, ValueError):
-            total = min(total, int(Path(limit).read_text().strip()))
-    return int(total)
 
 
 def _alpha_beta(small: tuple, large: tuple, hops: int, share: float) -> tuple[float, float]:
@@ -189,7 +181,7 @@ def measure(ranks: int, threads: int, sizes: ProbeSizes = DEMO) -> Measurement:
         p2p_latency_s=p2p[0],
         p2p_bytes_per_s=p2p[1],
         context_bytes=slowest("context"),
-        host_memory_bytes=_host_memory_bytes(),
+        host_memory_bytes=host_memory_bytes(),
         cpu=f"{cpu_model()} ({os.cpu_count()} logical CPUs)",
         measured_at=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         probe_seconds=time.perf_counter() - start,

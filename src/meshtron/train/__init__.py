@@ -9,3 +9,11 @@ class CheckpointError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row; the message says which steps and what was non-finite."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended training after `completed` steps (None: before the steps began)."""
+
+    def __init__(self, completed: int | None):
+        super().__init__(f"interrupted after {completed} complete step(s)")
+        self.completed = completed

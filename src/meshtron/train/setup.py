@@ -288,6 +288,30 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     return job
 
 
+def earlier_run(cfg: Config, metrics: bool = True) -> str | None:
+    """Why a new run (not checkpoint.resume) must not start over run.dir: an earlier run's checkpoints,
+    which it would overwrite, or (`metrics`) its metrics.jsonl rows with no checkpoint, which it would
+    replace; None when there is neither. `meshtron train` asks before any rank starts (commands/train.py);
+    a launched job's ranks ask again after a restart is ruled out."""
+    root = checkpoint_root(cfg)
+    if existing := complete_checkpoints(root):
+        return (
+            f"{root} already holds checkpoints (newest: step {existing[-1].step}); set "
+            "--checkpoint.resume=true to continue from it, or use another run.dir / checkpoint.dir"
+        )
+    path = Path(cfg.run.dir) / "metrics.jsonl"
+    rows = (
+        sum(1 for line in path.read_text().splitlines() if line.strip()) if metrics and path.is_file() else 0
+    )
+    if not rows:
+        return None
+    return (
+        f"{path} already holds {rows} rows of an earlier run, and no checkpoint to continue from; a new run "
+        "would replace them: use another run.dir, delete the file to start afresh here, or set "
+        "--checkpoint.resume=true to start again from step 1 over them"
+    )
+
+
 def resume_if_asked(job: Job) -> None:
     """Set the step to start from: the newest intact checkpoint's with checkpoint.resume or after the
     launcher restarted the ranks (a rank died), else 0. Starting afresh over existing checkpoints is
@@ -299,11 +323,10 @@ def resume_if_asked(job: Job) -> None:
         restarts = torch.tensor([int(os.environ["TORCHELASTIC_RESTART_COUNT"])])
         restarted = int(place.comm.all_reduce_(restarts, place.world, op="max")) > 0
     if not (job.cfg.checkpoint.resume or restarted):
-        if existing:
-            raise CheckpointError(
-                f"{root} already holds checkpoints (newest: step {existing[-1].step}); set "
-                "--checkpoint.resume=true to continue from it, or use another run.dir / checkpoint.dir"
-            )
+        # Under a launcher (torchrun's ranks are the first to see run.dir) an earlier run's metrics too.
+        problem = earlier_run(job.cfg, metrics="TORCHELASTIC_RUN_ID" in os.environ)
+        if problem:
+            raise CheckpointError(problem)
         return
     if not existing:
         return

@@ -30,7 +30,7 @@ from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.timing import TIMES
-from meshtron.train import TrainingDiverged
+from meshtron.train import TrainingDiverged, TrainingInterrupted
 from meshtron.train.checkpoint import SaveRequest, save_checkpoint
 from meshtron.train.checkpoint_async import AsyncCheckpointer
 from meshtron.train.evaluate import Evaluator
@@ -75,6 +75,7 @@ class Trainer:
             self.checkpointer = AsyncCheckpointer(place.mesh.checkpoint_group(), cfg.run.comm_timeout_s)
         self.checkpoint_stalls: list[float] = []  # seconds each save held training up
         self.interval_start = job.start_step  # the straggler report's interval: steps after this one
+        self.completed = job.start_step  # steps done (and logged), what an interrupt reports
 
     # What a test or a benchmark reaches for most, by name.
     cfg = property(lambda self: self.job.cfg)
@@ -235,6 +236,7 @@ class Trainer:
         TIMES.take()  # the straggler report's first interval starts here (not at an earlier job's steps)
         for step in range(job.start_step, cfg.training.steps):
             self.run_step(step, logger)
+            self.completed = step + 1
         self.engine.finish_params()  # e.g. ZeRO-1/2's last gathers: the model is whole when the run ends
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last save is published before the run ends
@@ -353,6 +355,8 @@ def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()
         raise
+    except KeyboardInterrupt as stop:  # Ctrl-C: what was complete, for the line that says how to go on
+        raise TrainingInterrupted(trainer.completed) from stop
     finally:
         if owns_world and finished:  # no rank closes a connection a peer still uses
             trainer.comm.barrier(trainer.job.place.world)
