@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshtron.checks import check, load_config
-from meshtron.commands.verify import report, shrink, to_overrides, verify
+from meshtron.commands.verify import communication_lines, report, shrink, to_overrides, verify
 
 
 @pytest.mark.parametrize(
@@ -99,3 +99,15 @@ def test_report_fails_beyond_tolerance_naming_the_worst_parameter():
     assert report(off, ref, tolerance=1e-2)[1]
     lossy = {**ref, "rows": [{"step": 1, "loss": 2.001}]}
     assert not report(lossy, ref, tolerance=1e-5)[1]
+
+
+def test_a_pipelines_counted_bytes_equal_its_exact_formula(workers, capsys):
+    """A pipeline's formula counted a send and a receive per message each way: verify printed
+    `pp ... 0.500` and OK. Its groups are exact now; a count off an exact formula is a MISMATCH."""
+    assert verify(load_config("configs/demo.toml", ["--parallel.pp=2"]), 2, steps=2, pools=workers) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  pp "))
+    assert row[1] == row[2] and row[3:] == ["1.000", "="]
+    step = {"step": 2, "comm_bytes_by_group": {"pp": 100.0, "tp": 90.0}}
+    lines, off = communication_lines(step, {"pp": 200.0, "tp": 100.0}, frozenset({"pp"}))
+    assert off == ["pp"] and lines[-2].endswith("0.500  MISMATCH: the formula is exact for this group")
+    assert lines[-1].endswith("0.900")  # a leading term (tp) is not held to its count

@@ -35,7 +35,6 @@ from meshtron.config import Config
 from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
 from meshtron.plan.state import rank_parameters
 
-
 DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends"})
 
 
