@@ -3,6 +3,8 @@ with a message and a non-zero exit."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshtron.comm import CollectiveTimeout, Comm, CommGroup
@@ -110,6 +113,34 @@ def test_a_corrupt_checkpoint_is_named_and_resume_falls_back(workers, tmp_path):
     resumed = workers(1).run(train_rows, [*saving, "--training.steps=6", "--checkpoint.resume=true"])[0]
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2: the corrupt step 4 was skipped
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
+
+
+def resume_said(overrides: list[str]) -> str:
+    """What a resume prints, and the error it stops with."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            train_rows(overrides)
+        except CheckpointError as err:
+            print(f"error: {err}")
+    return out.getvalue()
+
+
+def test_the_only_checkpoint_corrupt_says_no_older_one_is_left(workers, tmp_path):
+    """It said "falling back to the previous complete checkpoint", then "every checkpoint is corrupt"."""
+    from meshtron.commands.export import resolve_checkpoint
+
+    saving = [*TINY, "--training.micro_batch=8", "--checkpoint.every=2", f"--run.dir={tmp_path}"]
+    workers(1).run(train_rows, [*saving, "--training.steps=2"])
+    only = tmp_path / "checkpoints" / "step-00000002"
+    victim = next(p for p in only.iterdir() if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:-1])
+    said = workers(1).run(resume_said, [*saving, "--training.steps=4", "--checkpoint.resume=true"])[0]
+    assert f"checkpoint {only} is corrupt (" in said and "); no older one is left" in said
+    assert "falling back" not in said
+    assert f"error: the only checkpoint in {only.parent} is corrupt; start a new run.dir" in said
+    with pytest.raises(CheckpointError, match=f"^the only checkpoint in {only.parent} is corrupt$"):
+        resolve_checkpoint(tmp_path)
 
 
 def test_an_unwritable_run_directory_is_reported_before_training(tmp_path):

@@ -67,7 +67,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"meshtron: warning: skipping corrupt checkpoint {info.path}: {'; '.join(problems)}",
             file=sys.stderr,
         )
-    raise CheckpointError(f"every checkpoint in {root} is corrupt")
+    which = (
+        f"the only checkpoint in {root} is"
+        if len(found) == 1
+        else f"all {len(found)} checkpoints in {root} are"
+    )
+    raise CheckpointError(f"{which} corrupt")
 
 
 def checkpoint_config(step_dir: Path, config: str | Path | None = None) -> Config:

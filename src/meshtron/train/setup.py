@@ -343,15 +343,19 @@ def resume_if_asked(job: Job) -> None:
 def intact_checkpoint(existing: list[CheckpointInfo], place: RankPlace) -> CheckpointInfo:
     """The newest of `existing` whose files match their manifest; each corrupt one skipped with a warning
     that names its files."""
-    for info in reversed(existing):
+    for i in range(len(existing) - 1, -1, -1):
+        info = existing[i]
         problems = corrupt_files(info.path, place.comm, place.world)
         if not problems:
             return info
-        say(
-            place.rank,
-            f"warning: checkpoint {info.path} is corrupt ({'; '.join(problems)}); falling back to the "
-            "previous complete checkpoint",
+        then = (
+            f"falling back to the previous one, {existing[i - 1].path.name}" if i else "no older one is left"
         )
-    raise CheckpointError(
-        f"every checkpoint in {existing[-1].path.parent} is corrupt; start a new run.dir, or restore one"
+        say(place.rank, f"warning: checkpoint {info.path} is corrupt ({'; '.join(problems)}); {then}")
+    where = existing[-1].path.parent
+    which = (
+        f"the only checkpoint in {where} is"
+        if len(existing) == 1
+        else f"all {len(existing)} checkpoints in {where} are"
     )
+    raise CheckpointError(f"{which} corrupt; start a new run.dir, or restore one")
