@@ -371,3 +371,35 @@ def test_a_world_size_that_does_not_fit_is_one_problem_with_fixes_that_work():
         "the dims multiply to dp_shard=3 but the world size is 4; launch --nproc 3, or set parallel.dp_shard=4 "
         "(or -1, which takes the rest)"
     ]
+
+
+def test_a_preset_named_on_the_command_line_wins_over_the_files_model(tmp_path):
+    """`--model.name=llama3-8b` on configs/demo.toml gave a 4-layer "llama3-8b" without a word. A preset
+    named on the command line replaces the file's keys it sets (the file's others stay), the command
+    line's --model.KEY override it, and a note says which keys won over it."""
+    from meshtron.checks import config_notes
+    from meshtron.presets import PRESETS
+
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\ndim = 256\nn_layers = 4\nqk_norm = true\n")
+    overrides = ["--model.name=llama3-8b", "--model.n_layers=2"]
+    m = load_config(path, overrides).model
+    assert (m.dim, m.n_layers, m.qk_norm) == (PRESETS["llama3-8b"]["dim"], 2, True)
+    assert config_notes(path, overrides) == [
+        "note: model.name='llama3-8b' (a preset, named on the command line): n_layers=2 (command line) in "
+        f"place of its 32; the preset's values replace {path}'s dim=256"
+    ]
+
+
+def test_a_preset_named_in_the_file_is_overridden_by_the_keys_beside_it(tmp_path):
+    from meshtron.checks import config_notes
+
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "tiny"\nn_layers = 3\ndim = 64\n')  # dim: the preset's own value
+    assert load_config(path, []).model.n_layers == 3
+    assert load_config(path, ["--model.n_layers=5"]).model.n_layers == 5
+    assert config_notes(path, []) == [
+        f"note: model.name='tiny' (a preset, named in {path}): n_layers=3 ({path}) in place of its 2"
+    ]
+    assert config_notes(path, ["--model.n_layers=2"]) == []  # the preset's own value: nothing to say
+    assert config_notes(None, ["--model.name=tiny"]) == []

@@ -2,7 +2,7 @@
 starts (and once more inside the job, where the world size and the device are known).
 
   load_config        TOML + overrides (config.py); with model.init_from, the checkpoint's architecture
-                     (hf/resolve.py)
+                     (hf/resolve.py); config_notes: the keys that win over a preset
   validate           every problem: the fields' own ranges and options, then each package's rules
   not_yet_supported  valid layouts this version cannot run yet, each named by the code that will run it
   check              raise ConfigError listing the problems (or else the unsupported parts); else the config
@@ -35,7 +35,7 @@ from meshtron.data.rules import (
 )
 from meshtron.hf.resolve import resolve_model_keys
 from meshtron.layout import layout_problems
-from meshtron.models.rules import model_problems, moe_problems
+from meshtron.models.rules import model_problems, moe_problems, preset_first, preset_notes
 from meshtron.parallel.rules import (
     context_parallel_problems,
     data_parallel_unsupported,
@@ -58,7 +58,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     or from the checkpoint model.init_from names; unchecked (see `check`). An override that chooses the
     training (or validation) data replaces the file's other way of naming it (data/rules.py)."""
     raw = load_toml(path) if path is not None else {}
-    return build_config(command_line_first(raw, overrides), overrides, resolve_model_keys)
+    return build_config(
+        preset_first(command_line_first(raw, overrides), overrides), overrides, resolve_model_keys
+    )
+
+
+def config_notes(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
+    """What a user should know about how `load_config` merged the file and the overrides: the keys that
+    win over a preset (models/rules.py)."""
+    raw = load_toml(path) if path is not None else {}
+    return preset_notes(raw, overrides, None if path is None else str(path))
 
 
 def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -> list[str]:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshtron.checks import check, load_config
+from meshtron.checks import check, config_notes, load_config
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.memory_check import too_big
 from meshtron.config import Config, refuse
@@ -106,6 +106,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
     if args.profile_steps:  # "3,4" or "3-4": profile.steps = [3, 4]
         overrides = [*overrides, f"--profile.steps=[{args.profile_steps.replace('-', ',')}]"]
     cfg = load_config(args.config, overrides)
+    say_notes(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
     rank_flags: list[str] = []
     if cfg.parallel.auto:  # the planner picks the keys left open, before any rank starts
@@ -162,8 +163,16 @@ def _train_here(cfg: Config, world_size: int) -> int:
     return interrupt.EXIT_CODE
 
 
+def say_notes(path: str | None, overrides: Sequence[str]) -> None:
+    """How the file and the overrides merged (checks.config_notes), once per job: here, or on rank 0."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in config_notes(path, overrides):
+            print(f"meshtron: {line}", flush=True)
+
+
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
+    say_notes(args.config, overrides)
     check(cfg, args.nproc)  # the layout as given must be valid before it is shrunk
     from meshtron.commands.verify import verify
 

@@ -1,4 +1,5 @@
-"""What the model's own code needs of its options: attention and rotary sizes (llama.py), routing (moe.py).
+"""What the model's own code needs of its options: attention and rotary sizes (llama.py), routing (moe.py);
+and which keys win over a preset `model.name` names.
 
 Torch-free, like every package's rules.py, so that a config can be checked (and `meshtron plan` can
 search layouts) without importing torch; checks.py gathers the rules of every package.
@@ -6,8 +7,12 @@ search layouts) without importing torch; checks.py gathers the rules of every pa
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtron.config import ConfigError, ModelConfig, parse_override
 from meshtron.layout import divisors
+from meshtron.presets import PRESETS
 
 
 def model_problems(cfg: ModelConfig) -> list[str]:
@@ -58,3 +63,68 @@ def moe_problems(cfg: ModelConfig) -> list[str]:
             f"least top_k={cfg.top_k} experts to choose from ({cfg.n_experts // groups} per group)"
         )
     return problems
+
+
+def _model_keys(raw: Mapping[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The [model] keys of the config file's mapping `raw`, and those the overrides set."""
+    table = raw.get("model")
+    file_keys = dict(table) if isinstance(table, Mapping) else {}
+    given = {}
+    for text in overrides:
+        try:
+            section, key, value = parse_override(text)
+        except ConfigError:
+            continue  # reported, with its fix, when the config is built
+        if section == "model":
+            given[key] = value
+    return file_keys, given
+
+
+def _preset_of(file_keys: dict[str, Any], given: dict[str, Any]) -> tuple[str, str] | None:
+    """(the preset's name, where it was named: "file" or "command line"), unless there is none to apply
+    (no name, an unknown one: reported when the config is built, or model.init_from's architecture)."""
+    if given.get("init_from") or (file_keys.get("init_from") and "init_from" not in given):
+        return None
+    name, where = (given["name"], "command line") if "name" in given else (file_keys.get("name"), "file")
+    return (name, where) if isinstance(name, str) and name in PRESETS else None
+
+
+def preset_first(raw: Mapping[str, Any], overrides: Sequence[str]) -> Mapping[str, Any]:
+    """The config file's mapping `raw` without the [model] keys a preset named on the command line sets:
+    `--model.name=NAME` asks for that model, not the file's with its name (docs/training.md#presets).
+    A preset named in the file is overridden by the file's keys beside it; the command line's
+    `--model.KEY` override either."""
+    file_keys, given = _model_keys(raw, overrides)
+    preset = _preset_of(file_keys, given)
+    if preset is None or preset[1] == "file":
+        return raw
+    return {**raw, "model": {k: v for k, v in file_keys.items() if k not in PRESETS[preset[0]]}}
+
+
+def preset_notes(raw: Mapping[str, Any], overrides: Sequence[str], path: str | None) -> list[str]:
+    """One line saying which keys win over the preset `model.name` names (and, for a preset named on the
+    command line, which of the file's [model] keys it replaced); none when nothing changes it."""
+    file_keys, given = _model_keys(raw, overrides)
+    preset = _preset_of(file_keys, given)
+    if preset is None:
+        return []
+    name, where = preset
+    values, origin = PRESETS[name], path or "the config file"
+    winners = {k: (v, "command line") for k, v in given.items() if k in values and v != values[k]}
+    replaced = []
+    for k, v in file_keys.items():
+        if k in given or k not in values or v == values[k]:
+            continue
+        if where == "file":
+            winners[k] = (v, origin)
+        else:
+            replaced.append(f"{k}={v!r}")
+    parts = [
+        f"{k}={v!r} ({source}) in place of its {values[k]!r}" for k, (v, source) in sorted(winners.items())
+    ]
+    if replaced:
+        parts.append(f"the preset's values replace {origin}'s {', '.join(replaced)}")
+    if not parts:
+        return []
+    named = "on the command line" if where == "command line" else f"in {origin}"
+    return [f"note: model.name={name!r} (a preset, named {named}): " + "; ".join(parts)]
