@@ -360,3 +360,66 @@ def test_a_failing_rank_ends_the_launch_with_its_own_message(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("meshtron: training failed: rank 0: ") and "is not writable" in last
     assert "ChildFailedError" not in out.stderr and "Root Cause" not in out.stderr
+
+
+def test_help_describes_the_commands_and_usage_names_the_overrides(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "meshtron trains Llama-family models" in out and "This module" not in out
+    for command in ("train", "verify", "plan", "mesh", "schedule", "context", "prepare-data", "export"):
+        assert f"meshtron {command}" in out
+    for command, overrides in (
+        ("train", "--section.key"),
+        ("verify", "--section.key"),
+        ("plan", "--model.key"),
+    ):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        usage = capsys.readouterr().out.split("\n\n")[0]
+        assert usage.startswith(f"usage: meshtron {command} ") and usage.endswith(f"[{overrides}=value ...]")
+    with pytest.raises(SystemExit):
+        main(["mesh", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in (
+        "--pp PP pipeline stages",
+        "--dp-shard DP_SHARD data-parallel ranks",
+        "--tp TP tensor parallel",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    "given, dtype",
+    [("fp32", "float32"), ("bf16", "bfloat16"), ("float32", "float32"), ("bfloat16", "bfloat16")],
+)
+def test_export_dtype_takes_the_configs_spelling_and_torchs(given, dtype):
+    from meshtron.commands.main import build_parser
+
+    args = build_parser().parse_args(["export", "--checkpoint", "c", "--out", "o", "--dtype", given])
+    assert args.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "argv, typo, nearest",
+    [
+        (["train", "--config", "configs/demo.toml"], "--nprocs", "--nproc"),
+        (["verify", "--config", "configs/demo.toml", "--nproc", "2"], "--tolerence=1e-3", "--tolerance"),
+        (
+            ["plan", "--gpus", "8", "--gpu", "h100", "--seq-len", "64", "--global-batch", "8"],
+            "--layuot",
+            "--layout",
+        ),
+        (["mesh"], "--tpp", "--tp"),
+        (["schedule", "--pp", "2", "--microbatches", "4"], "--scheduel", "--schedule"),
+        (["context", "--ring", "2"], "--documets", "--documents"),
+        (["export", "--checkpoint", "c", "--out", "o"], "--max-shard-gib", "--max-shard-gb"),
+        (["generate", "--checkpoint", "c", "--prompt", "x"], "--temprature", "--temperature"),
+        (["prepare-data", "x", "--out", "o"], "--tokeniser", "--tokenizer"),
+    ],
+)
+def test_an_unknown_flag_gets_the_nearest_of_its_command(capsys, argv, typo, nearest):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, typo, "2"])
+    assert stop.value.code == 2
+    assert f"unknown flag {typo.split('=')[0]} (did you mean {nearest}?)" in capsys.readouterr().err

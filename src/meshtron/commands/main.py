@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import sys
 import typing
 from collections.abc import Sequence
@@ -17,6 +19,40 @@ from pathlib import Path
 from meshtron.config import ConfigError, PipelineSchedule
 from meshtron.data import DataError
 from meshtron.train import CheckpointError, TrainingDiverged
+
+DESCRIPTION = """\
+meshtron trains Llama-family models (dense and mixture-of-experts) with every parallelism, on CPUs (gloo)
+or GPUs, and checks a layout before a long job.
+
+  the demo:        meshtron train --config configs/demo.toml
+  before a job:    meshtron train ... --dry-run, meshtron verify, meshtron plan
+  pictures:        meshtron mesh, meshtron schedule, meshtron context
+  data and models: meshtron prepare-data, meshtron export, meshtron generate
+
+`meshtron COMMAND --help` lists a command's flags."""
+
+
+class _WithOverrides(argparse.HelpFormatter):
+    """The usage line ends with the --section.key=value overrides a command takes besides its flags."""
+
+    overrides = "[--section.key=value ...]"
+
+    def _format_usage(self, usage, actions, groups, prefix) -> str:  # noqa: ANN001 - argparse's own
+        return super()._format_usage(usage, actions, groups, prefix).rstrip() + f" {self.overrides}\n\n"
+
+
+class _WithModelOverrides(_WithOverrides):
+    overrides = "[--model.key=value ...]"
+
+
+# `export --dtype`: the configs' spellings (training.dtype) and torch's both name the two dtypes.
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _export_dtype(text: str) -> str:
+    if text not in EXPORT_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not fp32 or bf16 (float32, bfloat16 work too)")
+    return EXPORT_DTYPES[text]
 
 
 def _add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +67,13 @@ def _add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--out", required=True, help="directory for config.json, model.safetensors, tokenizer"
     )
-    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        type=_export_dtype,
+        metavar="{fp32,bf16}",
+        help="the weights' dtype in the safetensors (default fp32; float32 and bfloat16 work too)",
+    )
     export.add_argument(
         "--max-shard-gb",
         type=float,
@@ -57,13 +99,17 @@ def _add_checkpoint_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshtron", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="meshtron", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
         "train",
         help="train a model; extra --section.key=value flags override the config",
-        epilog="example: meshtron train --config configs/demo.toml --training.steps=50",
+        epilog="example: meshtron train --config configs/demo.toml --training.steps=50; any key of the "
+        "config (src/meshtron/config.py) may be overridden as --section.key=value",
+        formatter_class=_WithOverrides,
     )
     train.add_argument("--config", required=True, help="TOML config file (see configs/)")
     train.add_argument(
@@ -73,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="before a big job: run its layout and one device on a shrunk copy of the model and compare",
         epilog="example: meshtron verify --config configs/mixtral-8x7b.toml --nproc 8 --parallel.tp=2 "
-        "--parallel.dp_shard=4 --parallel.ep=4",
+        "--parallel.dp_shard=4 --parallel.ep=4; --section.key=value flags override the config",
+        formatter_class=_WithOverrides,
     )
     verify.add_argument("--config", required=True, help="TOML config file (see configs/)")
     verify.add_argument("--nproc", type=int, required=True, help="local ranks to run the layout on")
@@ -127,18 +174,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MESH_DEGREES = {
+    "pp": "pipeline stages",
+    "dp-replicate": "data-parallel replicas (DDP, or HSDP's replicate dim)",
+    "dp-shard": "data-parallel ranks sharding the state (ZeRO / FSDP)",
+    "cp": "context parallel: ranks splitting each sequence",
+    "tp": "tensor parallel: ranks splitting each layer",
+    "ep": "expert parallel: ranks splitting the experts (folded into dp-shard x cp)",
+}
+
+
 def _add_picture_parsers(sub: argparse._SubParsersAction) -> None:
     """`mesh`, `schedule` and `context`: print and draw a layout, a pipeline schedule, a ring."""
     mesh = sub.add_parser("mesh", help="print and draw the rank layout of a parallel configuration")
-    for dim in ("pp", "dp-replicate", "dp-shard", "cp", "tp", "ep"):
-        mesh.add_argument(f"--{dim}", type=int, default=1)
+    for dim, what in MESH_DEGREES.items():
+        mesh.add_argument(
+            f"--{dim}", type=int, default=1, help=f"{what} (parallel.{dim.replace('-', '_')}, default 1)"
+        )
     mesh.add_argument(
         "--cp-ulysses",
         type=int,
         default=1,
         help="hybrid context parallel: all-to-all ranks in each ring rank",
     )
-    mesh.add_argument("--gpus-per-node", type=int, default=8)
+    mesh.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
     mesh.add_argument("--json", action="store_true", help="print dims and groups as JSON")
     mesh.add_argument("--out", help="write a PNG picture of the mesh here")
 
@@ -171,6 +230,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="choose the layout for a model on a cluster: step time, MFU and memory per GPU",
         epilog="example: meshtron plan --model.name=llama3-70b --gpus 64 --gpu h100 --seq-len 8192 "
         "--global-batch 256; extra --model.key=value flags override the model",
+        formatter_class=_WithModelOverrides,
     )
     plan.add_argument("--config", help="TOML config whose model is planned (default: --model.* flags)")
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in all")
@@ -203,6 +263,7 @@ def _run(
 ) -> int:
     """The command's own module does the work, imported only when its command runs (so `meshtron plan`,
     `mesh` and `schedule` never import torch)."""
+    _refuse_unknown_flags(parser, args.command, unknown)
     if args.command in ("train", "verify"):
         from meshtron.commands.train import cmd_train, cmd_verify
 
@@ -224,6 +285,24 @@ def _run(
     from meshtron.commands.data import cmd_prepare_data
 
     return cmd_prepare_data(args)
+
+
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """A flag the command does not have (not a --section.key=value override), with the nearest it has:
+    `--nprocs` is not an abbreviation of `--nproc`, so argparse alone passes it on as an override."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+    named = [t.split("=", 1)[0] for t in unknown if re.match(r"--?[A-Za-z]", t)]
+    bad = [flag for flag in named if "." not in flag]
+    if not bad:
+        return
+    said = []
+    for flag in bad:
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+        said.append(f"{flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+    sub.error(
+        f"unknown flag{'s' if len(bad) > 1 else ''} {', '.join(said)}; `meshtron {command} --help` lists them"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
