@@ -307,7 +307,9 @@ class ZeroShardedOptimizer(BucketedEngine):
         unit.pending = self.comm.all_gather_async(unit.gathered, unit.segment, self.shard, booked=True)
         self.staging.hold(unit.finish)
 
-    @torch.compiler.disable  # a forward pre-hook: inside a compiled block it would be traced
+    # A forward pre-hook: inside a compiled block it would be traced. (torch's lazy form of
+    # torch.compiler.disable, which imports torch._dynamo when this module loads: models/moe.py.)
+    @torch._disable_dynamo
     def _wait_for_unit(self, index: int) -> None:
         """Forward reached unit `index`: its gather (and every earlier one) finished, the next launched."""
         if self.units[index].pending is None and index < self.launched:
