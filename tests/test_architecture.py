@@ -48,7 +48,7 @@ COLLECTIVES = {
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # data and pure arithmetic: the config dataclasses, presets, degrees and groups, pictures' helpers
     ("foundation", ("meshtron.config", "meshtron.presets", "meshtron.layout", "meshtron.figures", "meshtron.cache",
-                    "meshtron.resident")),
+                    "meshtron.resident", "meshtron.words")),
     # what decides whether a config can run, torch-free: each package's rules, the schedules as data,
     # the layer split, a Hugging Face config.json, and checks.py, which gathers them
     ("rules", ("meshtron.models.rules", "meshtron.data.rules", "meshtron.parallel.rules",

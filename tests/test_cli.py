@@ -125,6 +125,8 @@ def test_prepare_data(tmp_path):
     assert "2 documents from 2 files)" in out.stdout and " tokens/s)" in out.stdout
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["n_tokens"] == len(b"hello world\n") + len("héllo".encode()) + 2
+    one = meshtron("prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "one"))
+    assert "1 document from 1 file)" in one.stdout  # not "1 documents from 1 files"
     bad = meshtron("prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "e"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
@@ -145,7 +147,7 @@ def test_train_reports_every_config_problem_without_traceback():
     assert "n_heads=7 is not divisible by parallel.tp=2" in out.stderr
     assert "training.dtype='fp16'" in out.stderr
     assert "model.dim=256 is not divisible by model.n_heads=7" in out.stderr
-    assert "4 problem(s)" in out.stderr
+    assert "4 problems" in out.stderr
     typo = meshtron("train", "--config", "configs/demo.toml", "--training.stepz=3")
     assert typo.returncode == 2 and "did you mean 'steps'?" in typo.stderr
 
@@ -271,6 +273,7 @@ def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_star
     config, rest = out.split("# mesh")
     assert build_config(tomllib.loads(config)) == cfg  # every section and key, loadable as it is printed
     assert "world size 4: pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2" in rest
+    assert "; 4 ranks per node, 1 node\n" in rest  # a CPU's ranks, not "4 GPUs per node, 1 node(s)"
     assert "tp groups (size 2): [0, 1] [2, 3]" in rest and "dp_shard groups (size 2): [0, 2] [1, 3]" in rest
     assert "# prediction for layout tp=2,pp=1,dp_shard=2,zero=3,micro_batch=4,recompute=none" in rest
     est = estimate(resolved(cfg, 4), fixed_cpu.cpu_cluster(4))
@@ -278,7 +281,7 @@ def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_star
     assert f"tokens/s per rank  {est.tokens_per_sec_per_gpu:,.0f}" in rest
     assert f"MFU                {100 * est.mfu:.1f}%" in rest
     assert "of 8.00 GiB" in rest and ": fits" in rest and "  optimizer " in rest and "  compute " in rest
-    assert "4 gloo rank(s) on this CPU (" in rest and "fp32 matmul 50.0 GFLOP/s per rank" in rest
+    assert "4 gloo ranks on this CPU (" in rest and "fp32 matmul 50.0 GFLOP/s per rank" in rest
     assert "8.0 GiB of host memory per rank" in rest and "loopback 5.00 GB/s" in rest and "NVLink" not in rest
     environment = rest.split("# environment")[1]  # what the run would write to environment.json
     assert "\nworld_size: 4\n" in environment and "\ntorch: " in environment and "\ngit: " in environment
@@ -289,7 +292,7 @@ def test_train_dry_run_prints_config_mesh_and_prediction(fixed_cpu, nothing_star
 def test_train_dry_run_resolves_dp_shard_and_keeps_it_in_the_config(fixed_cpu, nothing_starts, capsys):
     assert main(["train", "--config", DEMO, "--nproc", "4", "--parallel.tp=2", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "dp_shard = -1  # 2 on 4 rank(s)" in out and "dp_shard=2" in out
+    assert "dp_shard = -1  # 2 on 4 ranks" in out and "dp_shard=2" in out
 
 
 def test_train_dry_run_refuses_an_invalid_layout_as_train_does(fixed_cpu, nothing_starts, capsys):

@@ -38,7 +38,7 @@ def test_one_rank_threads_follow_the_load_unless_omp_num_threads_is_set(monkeypa
     line = threads.choose_one_rank_threads("cpu")
     assert chosen == [1]
     assert line == (
-        "meshtron: 1 torch thread(s) (the load average 9.6 leaves 0 of 2 core(s) free; "
+        "meshtron: 1 torch thread (the load average 9.6 leaves 0 of 2 cores free; "
         "OMP_NUM_THREADS=N sets it)"
     )
 
@@ -58,7 +58,7 @@ def test_a_busy_probe_of_more_threads_never_lowers_the_reference_below_fewer_thr
     current["threads"] = 2
     peak._MEMO.clear()  # a new process of two threads: the one-thread figure serves, nothing measured
     rate, source = peak.cpu_peak(torch.float32)
-    assert rate == 82.6e9 and "with 2 thread(s), 82.6 GFLOP/s (measured with 1" in source
+    assert rate == 82.6e9 and "with 2 threads, 82.6 GFLOP/s (measured with 1" in source
     rate, _ = peak.cpu_peak(torch.float32, reprobe=True)  # a loaded two-thread probe: 31.9
     assert rate == 82.6e9
     cache = json.loads((tmp_path / peak.CACHE_FILE).read_text())

@@ -140,7 +140,7 @@ def test_metrics_rows_summary_and_plot(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "; MFU relative to this CPU's measured float32 matmul rate with " in out
-    assert f"val loss {val[0]['val_loss']:.4f}" in out and "meshtron: summary: 3 step(s)" in out
+    assert f"val loss {val[0]['val_loss']:.4f}" in out and "meshtron: summary: 3 steps" in out
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 

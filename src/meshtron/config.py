@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from meshtron.layout import ParallelDims, absorbed_dp_shard
 from meshtron.presets import PRESETS
+from meshtron.words import plural
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +36,7 @@ class ConfigError(ValueError):
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+        super().__init__(f"invalid config ({plural(len(self.problems), 'problem')}):\n{lines}")
 
 
 def refuse(problems: Sequence[str]) -> None:

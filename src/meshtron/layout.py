@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshtron.figures import pyplot, save_figure
+from meshtron.words import plural
 
 if TYPE_CHECKING:  # config imports this module
     from meshtron.config import Config
@@ -204,12 +205,13 @@ class ParallelDims:
             f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else ""
         )
 
-    def describe(self, gpus_per_node: int) -> str:
-        """Human-readable layout: dims, each rank's coordinates and node, every group of every dim."""
+    def describe(self, gpus_per_node: int, unit: str = "GPU") -> str:
+        """Human-readable layout: dims, each rank's coordinates and node, every group of every dim;
+        `unit` names what a rank runs on ("GPU", or "rank" for CPU processes)."""
         sizes = ", ".join(f"{d}={self.size(d)}" for d in DENSE_DIMS + ("ep", "edp"))
         lines = [
-            f"world size {self.world_size}: {sizes}; {gpus_per_node} GPUs per node, "
-            f"{-(-self.world_size // gpus_per_node)} node(s)"
+            f"world size {self.world_size}: {sizes}; {plural(gpus_per_node, unit)} per node, "
+            f"{plural(-(-self.world_size // gpus_per_node), 'node')}"
         ]
         lines.append("rank  node  " + "  ".join(f"{d:>12}" for d in DENSE_DIMS + ("edp", "ep")))
         for rank in range(self.world_size):

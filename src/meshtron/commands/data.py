@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshtron.words import plural
+
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     import time
@@ -20,7 +22,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     print(
         f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "
-        f"{data.n_documents} documents from {len(data.sources)} files) to {Path(args.out)} in "
+        f"{plural(data.n_documents, 'document')} from {plural(len(data.sources), 'file')}) to {Path(args.out)} in "
         f"{seconds:.1f} s ({data.n_tokens / max(seconds, 1e-9):,.0f} tokens/s)"
     )
     if data.loss_mask is not None:

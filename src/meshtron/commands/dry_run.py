@@ -153,7 +153,7 @@ def dry_run(cfg: Config, world_size: int, source: str) -> tuple[str, str | None]
         text,
         "",
         "# mesh",
-        cfg.parallel.dims(world_size).describe(per_node),
+        cfg.parallel.dims(world_size).describe(per_node, hardware.unit),
         "",
         f"# prediction for layout {layout_of(cfg).describe()}",
         f"hardware: {hardware.says}",

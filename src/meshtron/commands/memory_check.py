@@ -137,12 +137,13 @@ def _what_fits(cfg: Config, cluster: Cluster) -> str:
             ratio = est.memory_bytes_per_gpu / where.gpu.memory_bytes
             if nearest is None or ratio < nearest[0]:
                 nearest = (ratio, layout, where)
-    tried = ", ".join(map(str, rank_counts(cluster)))
+    counts = rank_counts(cluster)
+    tried = ", ".join(map(str, counts)) + (" rank" if counts == [1] else " ranks")
     closest = ""
     if nearest is not None:
         ratio, layout, where = nearest
         closest = f" (the nearest, {layout.describe()} on {where.gpus}, needs {ratio:.1f}x what a rank has)"
     return (
-        f"No layout fits on {tried} rank(s){closest}; use a smaller model, a shorter training.seq_len, or "
+        f"No layout fits on {tried}{closest}; use a smaller model, a shorter training.seq_len, or "
         "hardware with more memory"
     )

@@ -34,6 +34,7 @@ from meshtron.data.hf_datasets import is_dataset_input
 from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
 from meshtron.data.tokenizer_files import COMPANIONS, companion_files
+from meshtron.words import plural
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def _dataset_tokenizer(
         return ByteTokenizer(), "byte"
     if spec == "bpe":
         _copy_tokenizer_files(None, out_dir)
-        progress.note(f"training a BPE tokenizer of {vocab_size} tokens on {len(files)} files")
+        progress.note(f"training a BPE tokenizer of {vocab_size} tokens on {plural(len(files), 'file')}")
         return train_bpe(files, vocab_size, tok_path, max_bytes=bpe_train_bytes), TOKENIZER_FILE
     if not Path(spec).exists():
         raise DataError(f"unknown tokenizer {spec!r}: use 'byte', 'bpe' or a path to a tokenizer.json")

@@ -37,6 +37,7 @@ from meshtron.plan.gpu_memory import (
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import layer_split, model_key, stage_signature
+from meshtron.words import plural
 
 OPTIMIZER_BYTES_PER_ELEMENT = 32
 
@@ -64,7 +65,7 @@ class Cluster:
         g = self.gpu
         if g.name == "cpu":  # a measured machine (plan/probe.py): said in a CPU's terms
             return (
-                f"{self.gpus} gloo rank(s) on this CPU ({os.cpu_count()} cores; measured fp32 matmul "
+                f"{plural(self.gpus, 'gloo rank')} on this CPU ({os.cpu_count()} cores; measured fp32 matmul "
                 f"{(g.fp32_flops_per_s or self.peak) / 1e9:,.1f} GFLOP/s per rank, "
                 f"{g.memory_bytes / 2**30:.1f} GiB of host memory per rank, collectives over loopback "
                 f"{g.intra_node_bytes_per_s / 1e9:.2f} GB/s)"

@@ -76,6 +76,7 @@ from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.probe_ranks import DEMO, ProbeSizes, rank_probe
 from meshtron.plan.probe_ranks import QUICK as QUICK  # re-exported: the probe for tests, a second or two
 from meshtron.resident import host_memory_bytes
+from meshtron.words import plural
 
 CACHE_FILE = "hardware-probe.json"
 PROBE_VERSION = 5  # bump when the method changes, so old cache entries are measured again
@@ -292,7 +293,10 @@ def probe(ranks: int, sizes: ProbeSizes = DEMO, reprobe: bool | None = None) -> 
     if not reprobe and (cached := load_cached(key)) is not None:
         return cached
     # stderr: `meshtron plan --json` prints its answer on stdout
-    print(f"meshtron: measuring this machine with {ranks} rank(s) x {threads} thread(s)...", file=sys.stderr)
+    print(
+        f"meshtron: measuring this machine with {plural(ranks, 'rank')} x {plural(threads, 'thread')}...",
+        file=sys.stderr,
+    )
     m = measure(ranks, threads, sizes)
     save_cached(key, m)
     return m

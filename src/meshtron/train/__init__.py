@@ -2,6 +2,8 @@
 evaluation, faults). The errors a run reports to its user are defined here, free of torch, so that the
 command line can name them without importing the training code."""
 
+from meshtron.words import plural
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not fit this model; the message says what to do."""
@@ -15,5 +17,5 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) ended training after `completed` steps (None: before the steps began)."""
 
     def __init__(self, completed: int | None):
-        super().__init__(f"interrupted after {completed} complete step(s)")
+        super().__init__(f"interrupted after {plural(completed, 'complete step')}")
         self.completed = completed

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from meshtron.comm import Comm, CommGroup
+from meshtron.words import plural
 
 CACHE_FILE = "peak-flops.json"
 METHOD = "best of 5 x 3 warm 1024x1024 matmuls"  # part of the cache key: a new method measures again
@@ -121,7 +122,7 @@ def _cpu_key(dtype: torch.dtype, threads: int | None = None) -> tuple[Any, str, 
     threads = torch.get_num_threads() if threads is None else threads
     name = str(dtype).removeprefix("torch.")
     path, machine = _cache()
-    source = f"this CPU's measured {name} matmul rate with {threads} thread(s)"
+    source = f"this CPU's measured {name} matmul rate with {plural(threads, 'thread')}"
     return path, f"{machine}|{threads} threads|{name}|{METHOD}", source
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import meshtron
 from meshtron.config import Config
+from meshtron.words import plural
 
 CONFIG_FILE = "config.toml"
 ENVIRONMENT_FILE = "environment.json"
@@ -60,7 +61,7 @@ def config_text(cfg: Config, world_size: int) -> str:
         for key, value in values.items():
             line = f"{key} = {_toml_value(value)}"
             if (section, key, value) == ("parallel", "dp_shard", -1):
-                line += f"  # {cfg.parallel.dp_shard_for(world_size)} on {world_size} rank(s)"
+                line += f"  # {cfg.parallel.dp_shard_for(world_size)} on {plural(world_size, 'rank')}"
             lines.append(line)
         lines.append("")
     return "\n".join(lines).rstrip()

@@ -60,6 +60,7 @@ from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
 from meshtron.train.optim import build_optimizer
 from meshtron.train.records import write_run_records
 from meshtron.train.rules import float8_device_problems
+from meshtron.words import plural
 
 
 @dataclass
@@ -222,7 +223,7 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
     # First, so that any report of a problem says which torch and backend ran it.
     say(
         rank,
-        f"torch {torch.__version__}, {dist.get_backend()} backend, {world_size} rank(s) on {device.type}",
+        f"torch {torch.__version__}, {dist.get_backend()} backend, {plural(world_size, 'rank')} on {device.type}",
     )
     check(cfg, world_size, device.type)
     if cfg.training.dtype == "fp8" and device.type == "cuda":

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.train.peak import format_mfu, shown_mfu
+from meshtron.words import plural
 
 SUMMARY_FILE = "summary.json"
 
@@ -57,7 +58,7 @@ def run_summary(
 def summary_text(summary: dict[str, Any]) -> str:
     """The summary as the console's last line."""
     minutes, seconds = divmod(summary["wall_time_s"], 60)
-    parts = [f"meshtron: summary: {summary['steps']} step(s) in {int(minutes)} min {seconds:.0f} s"]
+    parts = [f"meshtron: summary: {plural(summary['steps'], 'step')} in {int(minutes)} min {seconds:.0f} s"]
     if summary["steps"]:
         parts += [
             f"median {summary['median_tokens_per_sec']:,.0f} tok/s",

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from meshtron.words import plural
+
 
 def free_core_threads(cores: int, load_average: float, default: int) -> int:
     """Threads for a run that starts now: the cores the other processes leave free (the load average
@@ -42,5 +44,5 @@ def choose_one_rank_threads(run_device: str) -> str | None:
     default, cores, load = torch.get_num_threads(), _cores(), os.getloadavg()[0]
     threads = free_core_threads(cores, load, default)
     torch.set_num_threads(threads)
-    why = f"the load average {load:.1f} leaves {max(0, cores - int(load + 0.5))} of {cores} core(s) free"
-    return f"meshtron: {threads} torch thread(s) ({why}; OMP_NUM_THREADS=N sets it)"
+    why = f"the load average {load:.1f} leaves {max(0, cores - int(load + 0.5))} of {plural(cores, 'core')} free"
+    return f"meshtron: {plural(threads, 'torch thread')} ({why}; OMP_NUM_THREADS=N sets it)"
