@@ -120,3 +120,17 @@ def test_wandb_offline_with_the_real_package(tmp_path, monkeypatch):
     logger.close()
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     assert list(run.glob("run-*.wandb")) and (tmp_path / RUN_ID_FILE).is_file()
+
+
+def test_a_resumed_runs_pictures_show_its_earlier_steps_too(tmp_path):
+    """loss.png after a resume showed only the resumed steps, though metrics.jsonl held them all: the
+    logger keeps the file's earlier rows (history), apart from this attempt's (its summary's)."""
+    earlier = [{"step": s, "loss": 5.0 - s} for s in (1, 2, 3)] + [{"step": 2, "val_loss": 4.5}]
+    lost = [{"step": 4, "loss": 0.5}]  # after the checkpoint at step 3: computed again by the resumed run
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier + lost))
+    logger = MetricsLogger(tmp_path, enabled=True, append=True, tensorboard=False, last_step=3)
+    logger.log({"step": 4, "loss": 1.0})
+    logger.close()
+    rows, eval_rows = logger.history()
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
+    assert eval_rows == [{"step": 2, "val_loss": 4.5}] and logger.rows == [{"step": 4, "loss": 1.0}]

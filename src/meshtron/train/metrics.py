@@ -116,8 +116,9 @@ class MetricsLogger:
         lost since the checkpoint, which the resumed run computes and logs again)."""
         self.run_dir = run_dir
         self.enabled = enabled
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = []  # this attempt's steps (its summary's)
         self.eval_rows: list[dict[str, Any]] = []  # validation rows (train/evaluate.py), same file
+        self.earlier: list[dict[str, Any]] = []  # a resumed run's rows before it (the pictures show all)
         self._file = None
         self._tb = None
         self._wandb = None
@@ -128,6 +129,7 @@ class MetricsLogger:
         if append and path.is_file():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
             path.write_text("".join(line + "\n" for line in kept))
+            self.earlier = [json.loads(line) for line in kept]
         self._file = path.open("a" if append else "w")
         if tensorboard:
             try:
@@ -150,6 +152,12 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, row["step"])
         if self._wandb is not None:
             self._wandb.log(scalars(row), step=row["step"])
+
+    def history(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(training rows, validation rows) of the whole run as metrics.jsonl holds it: a resumed run's
+        earlier steps, then this attempt's."""
+        earlier_eval = [r for r in self.earlier if "val_loss" in r]
+        return [r for r in self.earlier if "val_loss" not in r] + self.rows, earlier_eval + self.eval_rows
 
     @staticmethod
     def console_line(row: dict[str, Any]) -> str:

@@ -294,8 +294,9 @@ class Trainer:
         rank, run_dir, ran = job.place.rank, Path(cfg.run.dir), cfg.training.steps > job.start_step
         if rank == 0 and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {job.n_params:,} parameters, {job.dims.summary()}"
-            plot_loss(logger.rows, run_dir / "loss.png", title, logger.eval_rows)
-            draw_expert_load(logger.rows, run_dir / "expert-load.png", f"expert load per MoE layer: {title}")
+            rows, eval_rows = logger.history()  # a resumed run's earlier steps too
+            plot_loss(rows, run_dir / "loss.png", title, eval_rows)
+            draw_expert_load(rows, run_dir / "expert-load.png", f"expert load per MoE layer: {title}")
         if cfg.run.plot and self.parallel.pipeline is not None and ran:
             self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
         if rank == 0 and cfg.run.sample_tokens and ran:
