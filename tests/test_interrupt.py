@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def interrupted_run(run_dir: Path, *launch: str) -> tuple[subprocess.CompletedPr
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
+        start_new_session=True,  # its own process group, as a terminal's foreground job, and
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C not ignored
     )
     deadline = time.monotonic() + 300
     while len(rows(run_dir)) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -110,3 +112,23 @@ def test_the_line_without_a_checkpoint_says_what_rerunning_does(tmp_path, every)
     assert resume_line(cfg, cfg.training.steps, "x").startswith(
         f"interrupted after the last step ({cfg.training.steps})"
     )
+
+
+def test_ctrl_c_is_found_however_it_surfaced():
+    """A checkpoint save wraps each rank's KeyboardInterrupt (torch.distributed.checkpoint catches every
+    exception); one raised while handling it chains it."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from meshtron.train.trainer import by_ctrl_c
+
+    wrapped = CheckpointException("save failed", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+    assert by_ctrl_c(wrapped) and by_ctrl_c(KeyboardInterrupt())
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Connection closed by peer") from None
+    except RuntimeError as err:
+        assert by_ctrl_c(err)  # its __context__, though `from None` hides it from the traceback
+    assert not by_ctrl_c(RuntimeError("a real failure"))
+    assert not by_ctrl_c(CheckpointException("save failed", {0: (OSError(), traceback.StackSummary())}))

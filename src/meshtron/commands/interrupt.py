@@ -32,7 +32,10 @@ _received: list[int] = []  # the SIGINTs this process has taken (at most one rai
 def catch_sigint() -> None:
     """From now on the first SIGINT raises KeyboardInterrupt, as Python's own handler does, and later ones
     are ignored: torch's launcher forwards the terminal's Ctrl-C to the ranks again, and a second one in
-    the middle of the first's clean-up would end it with a traceback."""
+    the middle of the first's clean-up would end it with a traceback. A process started with SIGINT
+    ignored (a script's background job) keeps ignoring it, as Python itself does."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
 
     def first_only(signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -306,7 +306,8 @@ def _refuse_unknown_flags(parser: argparse.ArgumentParser, command: str, unknown
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse `argv` and run its command; the exit status (2: a user error, 3: training diverged)."""
+    """Parse `argv` and run its command; the exit status (2: a user error, 3: training diverged, 130:
+    interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -319,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingDiverged as err:
         _report(err)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C outside training's steps (which say more: commands/interrupt.py)
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # a launched rank leaves the saying to its launcher
+            print("meshtron: interrupted", file=sys.stderr)
+        return 130
 
 
 def _report(err: Exception) -> None:

@@ -14,8 +14,8 @@ class TrainingDiverged(RuntimeError):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) ended training after `completed` steps (None: before the steps began)."""
+    """Ctrl-C (SIGINT) ended training after `completed` steps."""
 
-    def __init__(self, completed: int | None):
+    def __init__(self, completed: int):
         super().__init__(f"interrupted after {plural(completed, 'complete step')}")
         self.completed = completed

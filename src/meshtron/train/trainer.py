@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from meshtron.config import Config
 from meshtron.data.mixture import MixtureSampler
@@ -343,6 +344,23 @@ def kill_if_asked(rank: int, step: int) -> None:
         os._exit(17)
 
 
+def by_ctrl_c(err: BaseException) -> bool:
+    """Whether `err` is Ctrl-C's KeyboardInterrupt or carries one: chained (raised while handling it), or
+    among the ranks' failures a checkpoint save wraps (torch.distributed.checkpoint catches them all)."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        pending += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            pending += [failure for failure, _ in e.failures.values()]
+    return False
+
+
 def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]:
     """Run cfg.training.steps optimizer steps; returns the metric rows (on rank 0; [] elsewhere)."""
     owns_world = not dist.is_initialized()  # this call starts the process group, so it ends it
@@ -356,8 +374,10 @@ def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()
         raise
-    except KeyboardInterrupt as stop:  # Ctrl-C: what was complete, for the line that says how to go on
-        raise TrainingInterrupted(trainer.completed) from stop
+    except BaseException as stop:
+        if by_ctrl_c(stop):  # what was complete, for the line that says how to go on (commands/interrupt.py)
+            raise TrainingInterrupted(trainer.completed) from stop
+        raise
     finally:
         if owns_world and finished:  # no rank closes a connection a peer still uses
             trainer.comm.barrier(trainer.job.place.world)
