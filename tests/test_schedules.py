@@ -153,3 +153,31 @@ def test_measured_timeline_is_simulated_from_its_own_action_times(tmp_path, name
     assert simulated == pytest.approx(truth.bubble_fraction, abs=1e-12)
     uniform = simulate(build_schedule(pp, vpp, m, name), vpp=vpp)
     assert truth.bubble_fraction > uniform.bubble_fraction  # the slow last stage makes the others wait
+
+
+@pytest.mark.parametrize(
+    "pp, m, name, vpp", [(2, 2, "1f1b", 1), (4, 4, "interleaved", 2), (8, 16, "1f1b", 1)]
+)
+def test_timeline_pictures_keep_titles_and_blocks_inside(monkeypatch, tmp_path, pp, m, name, vpp):
+    """The measured picture's second title was cut at a narrow figure's edges, and rank 0's last block
+    (or a wait after it) ended on or past the frame: every title lies inside the figure, every bar and
+    wait inside the time axis."""
+    from meshtron.pipeline import picture
+
+    figures = []
+    monkeypatch.setattr(picture, "save_figure", lambda fig, out: figures.append(fig) or fig.tight_layout())
+    sim = simulate(build_schedule(pp, vpp, m, name), vpp=vpp)
+    as_seconds = [[(a, start / 1e3, end / 1e3) for a, start, end in rank] for rank in sim.timeline]
+    last = [rank[-1][2] / 1e3 for rank in sim.timeline]
+    waits = [[("send", "pp", "main", end, end + 0.5e-3)] for end in last]  # past the last action
+    picture.draw_measured_timeline(as_seconds, name, vpp, m, tmp_path / "t.png", waits)
+    picture.draw_timeline(sim.timeline, tmp_path / "s.png", "a title " * 12, vpp)
+    for fig, latest in zip(
+        figures, (1e3 * max(last) + 0.5, max(r[-1][2] for r in sim.timeline)), strict=True
+    ):
+        fig.canvas.draw()
+        frame = fig.bbox
+        for ax in fig.axes:
+            box = ax.title.get_window_extent()
+            assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1, ax.get_title()
+            assert ax.get_xlim()[1] > latest

@@ -6,6 +6,7 @@ rank's communication waits, drawn as thin bars on the half of the thread that wa
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +53,22 @@ def draw_timelines(
     plt = pyplot()
 
     pp = len(panels[0][0])
-    makespan = max((end for timeline, _ in panels for rank in timeline for _, _, end in rank), default=1.0)
+    ends = [end for timeline, _ in panels for rank in timeline for _, _, end in rank]
+    ends += [w[4] for rank in waits or [] for w in rank]  # a wait can outlast the rank's last action
+    makespan = max(ends, default=1.0)
     mean_block = sum(end - start for _, start, end in panels[0][0][0]) / max(1, len(panels[0][0][0]))
     width = max(6.0, min(24.0, 0.35 * makespan / max(mean_block, 1e-12)))
+    # Titles wrap to the figure's width (a 9-point character is about 0.075 inch), not cut at its edges.
+    titles = [textwrap.fill(title, int(width / 0.075)) for _, title in panels]
+    extra = sum(0.16 * title.count("\n") for title in titles)
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5), sharex=True, squeeze=False
-    )
+        len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5 + extra), sharex=True,
+        squeeze=False,
+    )  # fmt: skip
     split = any(a.kind == Kind.W for timeline, _ in panels for rank in timeline for a, _, _ in rank)
     # A bar carries its micro-batch number where the number fits (about a fifth of an inch).
     label_width = max(0.3 * mean_block, 0.2 * makespan / (0.8 * width))
-    for p, (ax, (timeline, title)) in enumerate(zip(axes[:, 0], panels, strict=True)):
+    for p, (ax, (timeline, _), title) in enumerate(zip(axes[:, 0], panels, titles, strict=True)):
         for r, rank in enumerate(timeline):
             if waits is not None and p == 0:
                 _draw_waits(ax, r, waits[r])
@@ -91,7 +98,7 @@ def draw_timelines(
         ax.set_ylim(pp - 0.5, -0.5)  # rank 0 on top, no margin rows (64 ranks kept 3 empty at each end)
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel(xlabel)
-    axes[-1, 0].set_xlim(0, makespan)
+    axes[-1, 0].set_xlim(0, 1.01 * makespan)  # the last action's right edge inside the frame
     labels = {
         Kind.F: "forward",
         Kind.B: "backward (input grad)" if split else "backward",
