@@ -362,3 +362,12 @@ def test_estimating_each_kind_of_stage_once_gives_every_stages_own_memory(model,
     cfg = Layout(**parse_layout(layout)).apply(config(model, batch=32))
     want = max(sum(stage_memory(cfg, 16, r, None, cluster.memory).values()) for r in range(cfg.parallel.pp))
     assert estimate(cfg, cluster).memory_bytes_per_gpu == want
+
+
+def test_plan_says_which_keys_win_over_the_preset(capsys):
+    args = ["plan", "--model.name=llama3-1b", "--model.n_layers=8", "--gpus", "8", "--gpu", "h100"]
+    assert main([*args, "--seq-len", "4096", "--global-batch", "32", "--top", "1"]) == 0
+    assert (
+        "note: model.name='llama3-1b' (a preset, named on the command line): n_layers=8 (command line) "
+        "in place of its 16" in capsys.readouterr().err
+    )

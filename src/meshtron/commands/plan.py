@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshtron.checks import load_config
+from meshtron.checks import config_notes, load_config
 from meshtron.config import ConfigError, refuse
 
 
@@ -62,6 +62,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from meshtron.plan.search import search
 
     cfg, cluster, fixed = _plan_inputs(args, overrides)
+    for line in config_notes(args.config, overrides):  # which keys won over a preset
+        print(f"meshtron: {line}", file=sys.stderr)
     plan = search(cfg, cluster, fixed, args.top, args.moe_imbalance)
     if args.json:
         print(plan_json(plan, cluster.overlap.names()))
