@@ -38,8 +38,7 @@ def test_one_rank_threads_follow_the_load_unless_omp_num_threads_is_set(monkeypa
     line = threads.choose_one_rank_threads("cpu")
     assert chosen == [1]
     assert line == (
-        "meshtron: 1 torch thread (the load average 9.6 leaves 0 of 2 cores free; "
-        "OMP_NUM_THREADS=N sets it)"
+        "meshtron: 1 torch thread (the load average 9.6 leaves 0 of 2 cores free; OMP_NUM_THREADS=N sets it)"
     )
 
 
