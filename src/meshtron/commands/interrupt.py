@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -26,29 +25,6 @@ from meshtron.config import Config
 
 EXIT_CODE = 130
 STEPS_FILE = "interrupted.json"  # rank 0's complete steps, in the launcher's error directory
-_received: list[int] = []  # the SIGINTs this process has taken (at most one raises)
-
-
-def catch_sigint() -> None:
-    """From now on the first SIGINT raises KeyboardInterrupt, as Python's own handler does, and later ones
-    are ignored: torch's launcher forwards the terminal's Ctrl-C to the ranks again, and a second one in
-    the middle of the first's clean-up would end it with a traceback. A process started with SIGINT
-    ignored (a script's background job) keeps ignoring it, as Python itself does."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        return
-
-    def first_only(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _received.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, first_only)
-
-
-def interrupted() -> bool:
-    """Whether this process took a SIGINT: whatever ends a rank after it (a peer gone from a collective
-    raises in the others) is the interrupt's doing."""
-    return bool(_received)
 
 
 def resume_line(cfg: Config, completed: int | None, command: str) -> str:

@@ -18,7 +18,7 @@ from meshtron.checks import check, config_notes, load_config
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.memory_check import too_big
 from meshtron.config import Config, refuse
-from meshtron.train import CheckpointError, TrainingInterrupted
+from meshtron.train import CheckpointError, TrainingInterrupted, catch_sigint, sigint_received
 
 
 def _under_launcher() -> bool:
@@ -146,13 +146,13 @@ def _train_here(cfg: Config, world_size: int) -> int:
 
     if world_size == 1 and (line := choose_one_rank_threads(cfg.run.device)):  # (train/threads.py)
         print(line, flush=True)
-    interrupt.catch_sigint()
+    catch_sigint()
     try:
         train(cfg)
     except TrainingInterrupted as stop:
         completed = stop.completed
-    except BaseException:  # set-up cut short, or a collective whose peer an interrupt ended
-        if not interrupt.interrupted():
+    except BaseException:  # set-up cut short
+        if not sigint_received():
             raise
         completed = None
     else:

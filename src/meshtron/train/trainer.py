@@ -31,7 +31,7 @@ from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
 from meshtron.pipeline.picture import draw_measured_timeline
 from meshtron.timing import TIMES
-from meshtron.train import TrainingDiverged, TrainingInterrupted
+from meshtron.train import TrainingDiverged, TrainingInterrupted, sigint_received
 from meshtron.train.checkpoint import SaveRequest, save_checkpoint
 from meshtron.train.checkpoint_async import AsyncCheckpointer
 from meshtron.train.evaluate import Evaluator
@@ -375,7 +375,7 @@ def train(cfg: Config, mesh: ParallelMesh | None = None) -> list[dict[str, Any]]
             trainer.checkpointer.wait()
         raise
     except BaseException as stop:
-        if by_ctrl_c(stop):  # what was complete, for the line that says how to go on (commands/interrupt.py)
+        if by_ctrl_c(stop) or sigint_received():  # what was complete, for the line (commands/interrupt.py)
             raise TrainingInterrupted(trainer.completed) from stop
         raise
     finally:
