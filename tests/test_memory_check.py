@@ -108,6 +108,11 @@ def test_the_check_measures_nothing_and_shares_the_host_among_its_ranks(monkeypa
     assert too_big(resolved(cfg, 4), 4) is None  # the demo fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 of the 4 ranks on this host
     assert memory_cluster(cfg, 4).gpu.memory_bytes == host_memory_bytes() // 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    big = resolved(load_config(None, LLAMA_8B), 1)
+    if estimate(big, memory_cluster(big, 1)).memory_bytes_per_gpu <= MARGIN * host_memory_bytes():
+        pytest.skip("this host holds Llama 3 8B's training state")
+    assert f"and this host has {host_memory_bytes() / GiB:,.1f} GiB (" in too_big(big, 1)
 
 
 def test_the_worlds_searched():

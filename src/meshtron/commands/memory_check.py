@@ -94,9 +94,10 @@ def too_big(cfg: Config, world_size: int, cluster: Cluster | None = None) -> str
         return None
     gpu = cluster.gpu
     if gpu.name == "cpu":  # the ranks on a host share its RAM
-        has = f"this host's {gpu.memory_bytes * gpu.gpus_per_node / GiB:,.1f} GiB"
+        host = gpu.memory_bytes * gpu.gpus_per_node / GiB
+        has = f"this host has {host:,.1f} GiB"
         if gpu.gpus_per_node > 1:
-            has += f" over its {gpu.gpus_per_node} ranks is {limit / GiB:,.1f} GiB each"
+            has = f"this host's {host:,.1f} GiB over its {gpu.gpus_per_node} ranks is {limit / GiB:,.1f} GiB each"
         per = "rank"
     else:
         has, per = f"one GPU has {limit / GiB:,.1f} GiB", "GPU"
