@@ -274,6 +274,10 @@ PRIVATE_TORCH = {
     # foreach kernels have no public alias; torch's own optimizers and clipping use them
     "parallel/engine.py": {"torch._foreach_norm", "torch._foreach_mul_"},
     "plan/probe_ranks.py": {"torch._foreach_mul_", "torch._foreach_zero_"},
+    # torch.compiler.disable imports the compiler where it decorates (seconds of every run's start-up);
+    # torch's own lazy form of it, which its optimizers use, imports it at the first call
+    "models/moe.py": {"torch._disable_dynamo"},
+    "parallel/zero.py": {"torch._disable_dynamo"},
     # the traceable (functional) collectives torch.compile puts in its graphs have no public module
     "comm.py": {"torch.distributed._functional_collectives"},
     # inductor's collective bucketing / reordering passes are switched on through its config

@@ -189,8 +189,8 @@ def combine(y_ND: torch.Tensor, order: torch.Tensor, weights_Tk: torch.Tensor, n
 
 # Eager even inside compiled blocks: the compiler has no fp32 grouped_mm (torch 2.13's meta kernel
 # takes bf16 only), and the loop reads the counts on the host. torch's own lazy form of
-# torch.compiler.disable: that one imports torch._dynamo when this module loads, a second or more of
-# every run's start-up (issue 45.13); this one at the first call.
+# torch.compiler.disable: that one imports the compiler (dynamo, sympy, FSDP, DTensor) when this module
+# loads, a second or more of every run's start-up (issue 45.13); this one at the first call.
 @torch._disable_dynamo
 def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] W_e^T for the expert e of row n (rows sorted by expert, counts_E of each): one grouped

@@ -308,7 +308,7 @@ class ZeroShardedOptimizer(BucketedEngine):
         self.staging.hold(unit.finish)
 
     # A forward pre-hook: inside a compiled block it would be traced. (torch's lazy form of
-    # torch.compiler.disable, which imports torch._dynamo when this module loads: models/moe.py.)
+    # torch.compiler.disable, which imports the compiler when this module loads: models/moe.py.)
     @torch._disable_dynamo
     def _wait_for_unit(self, index: int) -> None:
         """Forward reached unit `index`: its gather (and every earlier one) finished, the next launched."""
