@@ -426,3 +426,13 @@ def test_an_unknown_flag_gets_the_nearest_of_its_command(capsys, argv, typo, nea
         main([*argv, typo, "2"])
     assert stop.value.code == 2
     assert f"unknown flag {typo.split('=')[0]} (did you mean {nearest}?)" in capsys.readouterr().err
+
+
+def test_a_launched_run_notes_the_keys_over_its_preset_once(tmp_path):
+    """The launcher says which keys won over the preset; the ranks it starts do not say it again."""
+    preset = ["--model.name=tiny", "--model.n_layers=3", "--model.vocab_size=4096"]  # the demo's data
+    out = meshtron("train", *NPROC_COMMON, *preset, "--parallel.dp_shard=2", "--run.plot=false",
+                   f"--run.dir={tmp_path}", "--nproc=2")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("meshtron: note: model.name='tiny' (a preset, named on the command line): ") == 1
+    assert "n_layers=3 (command line) in place of its 2" in out.stdout

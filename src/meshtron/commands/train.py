@@ -164,8 +164,9 @@ def _train_here(cfg: Config, world_size: int) -> int:
 
 
 def say_notes(path: str | None, overrides: Sequence[str]) -> None:
-    """How the file and the overrides merged (checks.config_notes), once per job: here, or on rank 0."""
-    if os.environ.get("RANK", "0") == "0":
+    """How the file and the overrides merged (checks.config_notes), once per job: here, or on rank 0
+    of a torchrun job (the ranks `--nproc` starts leave it to the launcher, which said it)."""
+    if os.environ.get("RANK", "0") == "0" and ERROR_DIR not in os.environ:
         for line in config_notes(path, overrides):
             print(f"meshtron: {line}", flush=True)
 
