@@ -183,9 +183,7 @@ def narayanan_runs() -> list[Run]:
 def other_runs() -> list[Run]:
     bloom = gpt(14336, 112, 70, 250880)
     llama = {n: dict(name=f"llama3-{n}") for n in ("8b", "70b", "405b")}
-    titan = (
-        "torchtitan's llama3_h100_202412_torchtitan.md, H100 96 GB HBM2e 2.4 TB/s at 500 W, seq 8192"
-    )
+    titan = "torchtitan's llama3_h100_202412_torchtitan.md, H100 96 GB HBM2e 2.4 TB/s at 500 W, seq 8192"
     # DeepSeek-V3's shape with multi-head latent attention stood in for by 128 query heads of 128 and one
     # key/value head (meshtron has no MLA): 236M projection weights per layer against MLA's ~187M, the
     # attention core's size about unchanged; routed experts as published (256 of width 2048, top 8, one

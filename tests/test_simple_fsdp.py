@@ -35,7 +35,8 @@ LAYOUTS = {
     "pp2_1f1b_dp_shard2": (4, [*SIMPLE, "--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch=2"]),
     "tied_cp2_dp_shard2": (4, [*SIMPLE, "--model.tie_embeddings=true", "--parallel.cp=2", "--training.micro_batch=4"]),
 }  # fmt: skip
-LOSS_BYTES, NORM_BYTES = 4, 16  # the loss all-reduce (one fp32) and the clipping norm's two float64 partial sums
+# the loss all-reduce (one fp32) and the clipping norm's two float64 partial sums
+LOSS_BYTES, NORM_BYTES = 4, 16
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
