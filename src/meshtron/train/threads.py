@@ -2,10 +2,9 @@
 
 torch's default is one thread per physical core. On a machine other processes keep busy that is the
 worst choice there is: every one of a step's thousands of parallel regions waits at its barrier for the
-thread that the scheduler took its core from. The one-rank demo on a shared 2-core machine (load
-average 12-30) made 259 tokens/s with one thread and 34 with two, alternating step by step in one
-process; on the same machine idle, two threads make it faster (docs/performance.md has the figures).
-So a one-rank CPU run takes as many threads as the load average leaves cores free, at least one and at
+thread that the scheduler took its core from. The one-rank demo on a shared 2-core machine made
+7.3-7.5 times the tokens/s with one thread as with two (load average 3 and 12-32, alternating step by
+step in one process: docs/performance.md). So a one-rank CPU run takes as many threads as the load average leaves cores free, at least one and at
 most torch's default; `OMP_NUM_THREADS` (or `torch.set_num_threads` in a program that calls `train`
 itself) is the user's choice and is kept as it is. `--nproc N` ranks get cores // N threads each from
 the launcher (commands/train.py) instead.
