@@ -11,6 +11,7 @@ Nothing here imports a feature.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import sys
@@ -399,15 +400,20 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def section_overrides(section: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """key -> value of the well-formed `--section.key=value` overrides of `section` (the others: refused later)."""
+    parsed = []
+    for text in overrides:
+        with contextlib.suppress(ConfigError):
+            parsed.append(parse_override(text))
+    return {key: value for where, key, value in parsed if where == section}
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            [
-                f"config file {str(path)!r} does not exist; pass an existing .toml file "
-                f"(presets live in configs/)"
-            ]
-        )
+        problem = f"config file {str(path)!r} does not exist; pass an existing .toml file (presets live in configs/)"
+        raise ConfigError([problem])
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:

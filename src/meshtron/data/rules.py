@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshtron.config import Config, ConfigError, parse_override
+from meshtron.config import Config, section_overrides
 
 # [data] keys that name one thing two ways (the rules below refuse both): the command line's choice of
 # one replaces the config file's other, as an override replaces the file's value of its own key.
@@ -61,14 +61,7 @@ def validation_problems(cfg: Config) -> list[str]:
 def command_line_first(raw: Mapping[str, Any], overrides: Sequence[str]) -> Mapping[str, Any]:
     """The config file's mapping `raw` without the [data] keys whose alternative an override chooses
     (e.g. `--data.sources=[...]` over the file's data.path: the command line wins)."""
-    given = {}
-    for text in overrides:
-        try:
-            section, key, value = parse_override(text)
-        except ConfigError:
-            continue  # reported, with its fix, when the config is built
-        if section == "data":
-            given[key] = value
+    given = section_overrides("data", overrides)
     data = raw.get("data")
     if not isinstance(data, Mapping):
         return raw

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshtron.config import ConfigError, ModelConfig, parse_override
+from meshtron.config import ModelConfig, section_overrides
 from meshtron.layout import divisors
 from meshtron.presets import PRESETS
 
@@ -69,14 +69,7 @@ def _model_keys(raw: Mapping[str, Any], overrides: Sequence[str]) -> tuple[dict[
     """The [model] keys of the config file's mapping `raw`, and those the overrides set."""
     table = raw.get("model")
     file_keys = dict(table) if isinstance(table, Mapping) else {}
-    given = {}
-    for text in overrides:
-        try:
-            section, key, value = parse_override(text)
-        except ConfigError:
-            continue  # reported, with its fix, when the config is built
-        if section == "model":
-            given[key] = value
+    given = section_overrides("model", overrides)
     return file_keys, given
 
 
