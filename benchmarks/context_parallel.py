@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from harness import Clock, Pair, Runner
 from reporting import mib, ms, table
 
-from meshtron.checks import load_config
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.mesh import ParallelMesh
 from meshtron.parallel.context import RingPass
 from meshtron.plan.memory import layer_activation_bytes
+from meshtron.rules.checks import load_config
 from meshtron.train.trainer import Trainer
 
 TITLE = "## Context parallel: ring vs all-gather vs all-to-all vs hybrid (gloo, CPU)"

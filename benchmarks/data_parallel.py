@@ -31,18 +31,18 @@ from reporting import mib, ms, table
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from meshtron.comm import Comm
-from meshtron.config import ModelConfig
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import ModelConfig
+from meshtron.engines.ddp import DistributedDataParallel
+from meshtron.engines.engine import DataParallelEngine
+from meshtron.engines.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.engines.simple_fsdp import SimpleFSDP
+from meshtron.engines.zero import ZeroShardedOptimizer
 from meshtron.models.llama import build_model
+from meshtron.observe.metrics import model_state_bytes, state_bytes
 from meshtron.parallel.compile import compile_blocks
-from meshtron.parallel.ddp import DistributedDataParallel
-from meshtron.parallel.engine import DataParallelEngine
-from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
-from meshtron.parallel.simple_fsdp import SimpleFSDP
-from meshtron.parallel.zero import ZeroShardedOptimizer
-from meshtron.train.metrics import model_state_bytes, state_bytes
 from meshtron.train.optim import build_optimizer, clip_grad_norm_
 
 TITLE = "## Data parallel: meshtron vs PyTorch DDP and FSDP2 (4 gloo ranks, CPU)"

@@ -32,7 +32,7 @@ from reporting import ms, table
 from meshtron.models.blockwise_attention import block_backward, block_forward
 from meshtron.models.documents import document_layout
 from meshtron.models.llama import document_causal_mask
-from meshtron.parallel.documents_picture import skipped_steps
+from meshtron.pictures.documents import skipped_steps
 
 TITLE = "## Per-document attention: what the mask costs and saves (CPU, fp32)"
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64

@@ -41,13 +41,15 @@ import torch.distributed as dist
 from harness import Clock, Pair, Runner
 from reporting import mib, ms, table
 
-from meshtron.checks import load_config
-from meshtron.comm import Comm, CommGroup, CommStats
-from meshtron.config import Config
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.record import CommStats
+from meshtron.config.schema import Config
 from meshtron.models.moe import MoE, Router
+from meshtron.observe.metrics import model_state_bytes
 from meshtron.parallel.expert import AllGatherDispatch, AllToAllDispatch, expert_parameter_names
-from meshtron.train.metrics import model_state_bytes
+from meshtron.rules.checks import load_config
 from meshtron.train.trainer import Trainer
 
 TITLE = "## Expert parallel: all-to-all vs all-gather dispatch vs replicated experts (4 gloo ranks, CPU)"

@@ -47,14 +47,14 @@ import torch.nn.functional as F
 from reporting import RESULTS, table, write_section
 from torch import nn
 
-from meshtron.checks import load_config
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.hf import load, save
 from meshtron.models.blockwise_attention import attend_blockwise
 from meshtron.models.llama import Attention, KVCache, build_model, document_causal_mask
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory
+from meshtron.rules.checks import load_config
 
 TITLE = "## One GPU: acceptance checks (correctness against the CPU, memory against the planner)"
 SMALL = ModelConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=8192)
@@ -200,7 +200,7 @@ def float8_row(s: Setting, recipe: str) -> list:
     model's float8 arithmetic emulated on the CPU, both under bf16 autocast: the casts and scales agree,
     so what differs is the accumulation order and bf16 rounding (tolerances: loss 1e-2, all gradients
     5e-2, the worst parameter 1e-1)."""
-    from meshtron.comm import Comm
+    from meshtron.comm.collectives import Comm
     from meshtron.parallel.float8 import apply_float8
 
     reference = build_model(s.dense, seed=0)
@@ -219,7 +219,7 @@ def pair_lane_row(s: Setting) -> list:
     (on CUDA on its own stream, its saved tensors marked for the main stream) while another model's
     backward runs here, then the first one's backward: the losses and gradients of both equal the same
     work done one after the other. What needs two GPUs (NCCL across ranks) is not checked here."""
-    from meshtron.comm import Comm
+    from meshtron.comm.collectives import Comm
     from meshtron.pipeline.pairs import run_pair
 
     tokens, _ = batch_of(s, s.dense, False)
@@ -337,7 +337,7 @@ def operations(s: Setting, run_dir: str) -> tuple[list[str], bool]:
     background: what it left, and whether the checkpoint reproduces the run's last weights."""
     import json
 
-    from meshtron.train.checkpoint import complete_checkpoints, load_model_weights
+    from meshtron.checkpoint.save_load import complete_checkpoints, load_model_weights
     from meshtron.train.trainer import Trainer
 
     shape = [f"--model.{k}={getattr(TINY, k)}" for k in SHAPE_KEYS]

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from reporting import RESULTS, table, write_section
 from torch import nn
 
-from meshtron.comm import Comm
-from meshtron.config import ModelConfig
+from meshtron.comm.collectives import Comm
+from meshtron.config.presets import PRESETS
+from meshtron.config.schema import ModelConfig
 from meshtron.hf import save
 from meshtron.hf.weights import hf_state_dict
 from meshtron.models.llama import build_model
@@ -44,8 +45,7 @@ from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.plan.flops import training_flops_per_token
-from meshtron.presets import PRESETS
-from meshtron.train.peak import peak_flops
+from meshtron.probe.peak import peak_flops
 
 TITLE = "## One GPU: meshtron vs transformers (bf16)"
 LLAMA_1B = ModelConfig(**PRESETS["llama3-1b"])

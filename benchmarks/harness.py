@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.comm import Comm
-from meshtron.resident import resident_peak_bytes
-from meshtron.testing.workers import WorkerPool
+from meshtron.comm.collectives import Comm
+from meshtron.comm.workers import WorkerPool
+from meshtron.utils.resident import resident_peak_bytes
 
 RTOL = 1e-5  # relative tolerance of every parity check
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import meshtron.hf
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.parallel.compile import compile_blocks
 

@@ -36,16 +36,17 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import SPLIT_BACKWARD, ModelConfig
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import SPLIT_BACKWARD, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
-from meshtron.pipeline.actions import chunks_of_rank
 from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
-from meshtron.pipeline.schedules import Simulation, build_schedule, simulate, with_p2p
-from meshtron.pipeline.split import split_layers
+from meshtron.schedules.actions import chunks_of_rank
+from meshtron.schedules.build import Simulation, build_schedule, simulate, with_p2p
+from meshtron.schedules.split import split_layers
 
 TITLE = "## Pipeline parallel: meshtron vs torch.distributed.pipelining (2 gloo ranks, CPU)"
 PP = 2  # one rank per core of this 2-core machine

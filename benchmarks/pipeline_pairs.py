@@ -33,10 +33,10 @@ import torch.distributed as dist
 from harness import Clock, Pair, Runner
 from reporting import ms, table
 
-from meshtron.checks import load_config
-from meshtron.config import Config
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.schema import Config
 from meshtron.pipeline.pairs import hidden_exchanges
+from meshtron.rules.checks import load_config
 from meshtron.train.trainer import Trainer
 
 TITLE = "## DualPipeV pairs overlapped: MoE all-to-alls behind the other micro-batch (pp 2 x ep 2, 4 gloo ranks, CPU)"

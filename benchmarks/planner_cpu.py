@@ -28,11 +28,11 @@ from pathlib import Path
 
 from reporting import RESULTS, cpu_model, quantile, table, write_section
 
-from meshtron.checks import check, load_config
-from meshtron.config import Config
+from meshtron.config.schema import Config
 from meshtron.plan.estimate import Estimate, estimate
 from meshtron.plan.layout import Layout
-from meshtron.plan.probe import Measurement, cluster_from, launcher_threads, probe
+from meshtron.probe.hardware import Measurement, cluster_from, launcher_threads, probe
+from meshtron.rules.checks import check, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4

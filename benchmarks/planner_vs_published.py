@@ -37,8 +37,7 @@ from typing import Any
 
 from reporting import RESULTS, write_section
 
-from meshtron.checks import load_config
-from meshtron.config import Config, ModelConfig
+from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.compute_time import MATMUL_EFFICIENCY, ComputeEfficiency
 from meshtron.plan.estimate import Cluster, Estimate, estimate, stage_memories
@@ -47,6 +46,7 @@ from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.search import search
+from meshtron.rules.checks import load_config
 
 # Each framework's overlap in `meshtron plan --overlap`'s terms (docs/planner.md).
 MEGATRON = Overlap.parse("dp_reduce,dp_gather,fsdp_prefetch,tp,cp,pp")

@@ -26,8 +26,8 @@ import harness
 import torch
 from harness import RTOL, Check, Pair, RankResult, StepRecord
 
-from meshtron.config import ModelConfig
-from meshtron.plan.probe import cpu_model
+from meshtron.config.schema import ModelConfig
+from meshtron.probe.hardware import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

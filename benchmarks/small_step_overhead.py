@@ -210,7 +210,7 @@ def load_meshtron_weights(loop: MinimalLoop, state: dict[str, torch.Tensor]) -> 
 
 def in_process(data: Path, tmp: Path, args: argparse.Namespace) -> tuple[list, list, dict[str, list[float]]]:
     """Check steps, then warm-up and timed rounds, both in this process, alternating step by step."""
-    from meshtron.checks import load_config
+    from meshtron.rules.checks import load_config
     from meshtron.train.trainer import Trainer
 
     total = args.check_steps + args.warmup + args.steps
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     flags.add_argument("--rounds", type=int, default=3, help="whole-process runs of each, alternating")
     args = flags.parse_args(argv)
     rep = reporting.Report(__file__, TITLE)
-    from meshtron.cache import cache_dir
+    from meshtron.utils.cache import cache_dir
 
     data = corpus(cache_dir())
     import tempfile

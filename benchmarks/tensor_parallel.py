@@ -37,13 +37,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshtron.comm import Comm
-from meshtron.config import ModelConfig
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import ModelConfig
 from meshtron.models.llama import Transformer, build_model
+from meshtron.observe.metrics import state_bytes
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from meshtron.train.metrics import state_bytes
 
 TITLE = "## Tensor parallel: meshtron vs PyTorch DTensor TP (gloo, CPU)"
 # kv_heads=4 is divisible by tp=4, so both sides split the key/value heads.

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
+from meshtron.comm.workers import WorkerPool, close_pools
 from meshtron.plan.estimate import Cluster
 from meshtron.plan.hardware import Accelerator, GiB
-from meshtron.testing.workers import WorkerPool, close_pools
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every gloo process group a rank has made keeps threads that wake to poll, even after it is destroyed
@@ -54,9 +54,9 @@ def workers():
 def fixed_cpu(monkeypatch):
     """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
     cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
-    probe = types.ModuleType("meshtron.plan.probe")
+    probe = types.ModuleType("meshtron.probe.hardware")
     probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
-    monkeypatch.setitem(sys.modules, "meshtron.plan.probe", probe)
+    monkeypatch.setitem(sys.modules, "meshtron.probe.hardware", probe)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return probe
 

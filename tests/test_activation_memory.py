@@ -13,17 +13,16 @@ from functools import partial
 import pytest
 import torch
 
-from meshtron.checks import load_config
-from meshtron.comm import Comm
-from meshtron.config import ModelConfig
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.saved_gathers import recording_saves
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
-from meshtron.parallel.saved_gathers import recording_saves
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.plan.memory import (
     balanced_assignments,
@@ -35,6 +34,7 @@ from meshtron.plan.memory import (
     moe_layer_activation_elements,
     rotary_table_elements,
 )
+from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import MOE
 
 BATCH, SEQ = 2, 64

@@ -1,8 +1,9 @@
-"""The layers of the code base stay where the design puts them, checked over the source's imports (at
-module level and inside functions alike) and calls: every module imports only from its own layer or the
-ones below (LAYERS), with no import circle; comm.py is the only caller of torch.distributed collectives;
-models/ never import parallel/, pipeline/ or train/; the config checks, plan/ and the pipeline schedules
-stay pure (no torch: `meshtron plan` starts without it); and no function or file grows past what a
+"""The layers of the code base are its packages, checked over the source's imports (at module level and
+inside functions alike) and calls: every module imports only from its own package's layer or the ones
+below (LAYERS, one package per line), with no import circle, typing-only imports included; comm/ is the
+only caller of torch.distributed collectives; models/ never import what parallelises or trains them;
+the configuration, the rules, the schedules and the planner stay pure (no torch: `meshtron plan`
+starts without it); only pictures/ imports matplotlib; and no function or file grows past what a
 reader can hold."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshtron"
 # torch.distributed functions that move data between ranks (or wait on all of them).
-COMM_FILES = ("comm.py", "comm_pairwise.py")
+COMM_PACKAGE = "comm/"
 COLLECTIVES = {
     "all_reduce",
     "all_gather",
@@ -43,29 +44,37 @@ COLLECTIVES = {
 }
 
 
-# The layers, lowest first: a module may import from its own layer and the ones below it. A module is in
-# the layer of the longest name here that is it or its package.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # data and pure arithmetic: the config dataclasses, presets, degrees and groups, pictures' helpers
-    ("foundation", ("meshtron.config", "meshtron.presets", "meshtron.layout", "meshtron.figures", "meshtron.cache",
-                    "meshtron.resident", "meshtron.words")),
-    # what decides whether a config can run, torch-free: each package's rules, the schedules as data,
-    # the layer split, a Hugging Face config.json, and checks.py, which gathers them
-    ("rules", ("meshtron.models.rules", "meshtron.data.rules", "meshtron.parallel.rules",
-               "meshtron.pipeline.rules", "meshtron.train.rules", "meshtron.pipeline.actions",
-               "meshtron.pipeline.schedules", "meshtron.pipeline.v_schedules", "meshtron.pipeline.split",
-               "meshtron.pipeline.balance", "meshtron.hf.config", "meshtron.hf.resolve", "meshtron.checks")),
-    ("planner", ("meshtron.plan",)),  # the planner's models, pure
-    ("comm", ("meshtron.comm", "meshtron.comm_autograd", "meshtron.comm_pending", "meshtron.comm_pairwise",
-              "meshtron.comm_record", "meshtron.mesh", "meshtron.timing",
-              "meshtron.testing.workers")),  # fmt: skip
-    ("models", ("meshtron.models", "meshtron.data", "meshtron.pipeline.picture")),
-    ("parallelisms", ("meshtron.parallel", "meshtron.pipeline")),
-    ("hf", ("meshtron.hf",)),
-    ("training", ("meshtron.train", "meshtron.plan.probe", "meshtron.plan.probe_ranks")),
-    ("testing", ("meshtron.testing",)),
-    ("commands", ("meshtron.commands", "meshtron.__main__")),
-)  # fmt: skip
+# The layers, lowest first, one package each: a module may import from its own package and the packages
+# above it in this list. The package root holds the version (below everything) and `python -m meshtron`
+# (__main__, above everything).
+LAYERS: tuple[tuple[str, str], ...] = (
+    ("meshtron.utils", "words for counts, the cache folder, a process's peak resident size, memos"),
+    ("meshtron.config", "the config dataclasses, presets, the layout's degrees, Hugging Face config.json"),
+    ("meshtron.schedules", "pipeline schedules and stage splits as data, and their simulator"),
+    ("meshtron.rules", "whether a config can run: each subject's checks, and load_config"),
+    ("meshtron.plan", "the planner: memory, FLOPs, communication and time of a layout, and its search"),
+    ("meshtron.data", "tokenizers, corpora, prepared datasets, mixtures and the batch sampler"),
+    ("meshtron.models", "the Llama-family transformer, MoE, attention kernels, loss, generation"),
+    ("meshtron.comm", "collectives and their autograd rules, the mesh, the flight recorder, the phase clock"),
+    ("meshtron.engines", "the data-parallel engines: DDP, ZeRO-1/2/3, FSDP, SimpleFSDP, expert DP"),
+    (
+        "meshtron.pipeline",
+        "the pipeline runtime: a schedule's actions executed, zero-bubble's split backward",
+    ),
+    (
+        "meshtron.parallel",
+        "parallelize: tensor, context, expert parallel, float8, recompute, compile, regions",
+    ),
+    ("meshtron.hf", "Hugging Face checkpoints in and out"),
+    ("meshtron.pictures", "every picture (matplotlib): mesh, schedules, context splits, loss, expert load"),
+    ("meshtron.probe", "this machine measured: matmul, memory and gloo rates, the MFU reference"),
+    ("meshtron.checkpoint", "distributed checkpoints: save, load on any layout, async, integrity"),
+    ("meshtron.observe", "metrics, traces, memory by phase, stragglers, run records, summaries"),
+    ("meshtron.train", "the training loop: set-up, the step, optimizer, evaluation, samples"),
+    ("meshtron.testing", "parity harnesses, fuzzing and tiny models the tests and `verify` share"),
+    ("meshtron.commands", "the command line"),
+)
+PURE = ("meshtron.utils", "meshtron.config", "meshtron.schedules", "meshtron.rules", "meshtron.plan")
 
 
 def module_name(path: Path) -> str:
@@ -73,27 +82,25 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-# Package inits that hold no code but what their package's users import everywhere (the errors data/ and
-# train/ raise): the foundation layer, whatever their package's.
-PACKAGE_INITS = ("meshtron", "meshtron.data", "meshtron.train", "meshtron.models", "meshtron.parallel",
-                 "meshtron.pipeline", "meshtron.plan", "meshtron.testing", "meshtron.commands")  # fmt: skip
-
-
 def layer_of(module: str) -> int:
-    """Index in LAYERS of the longest listed name that is `module` or one of its packages."""
-    if module in PACKAGE_INITS:
-        return 0
-    best = (-1, -1)
-    for index, (_, names) in enumerate(LAYERS):
-        for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best[0]:
-                best = (len(name), index)
-    assert best[1] >= 0, f"{module} is in no layer: add it to LAYERS"
-    return best[1]
+    """Index in LAYERS of `module`'s package (-1 for the root's version, len(LAYERS) for __main__)."""
+    if module == "meshtron":
+        return -1
+    if module == "meshtron.__main__":
+        return len(LAYERS)
+    package = ".".join(module.split(".")[:2])
+    index = next((i for i, (name, _) in enumerate(LAYERS) if name == package), None)
+    assert index is not None, f"{module} is in no layer: add its package to LAYERS"
+    return index
 
 
-def meshtron_imports(path: Path) -> set[str]:
-    """The meshtron modules `path` imports anywhere in its body, except under `if TYPE_CHECKING:`."""
+def layer_name(index: int) -> str:
+    return LAYERS[index][0] if 0 <= index < len(LAYERS) else "root"
+
+
+def meshtron_imports(path: Path, typing_too: bool = False) -> set[str]:
+    """The meshtron modules `path` imports anywhere in its body (under `if TYPE_CHECKING:` too when
+    `typing_too`)."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(n)
@@ -104,7 +111,7 @@ def meshtron_imports(path: Path) -> set[str]:
     known = {module_name(p) for p in SRC.rglob("*.py")}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing_too:
             continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("meshtron"))
@@ -115,14 +122,20 @@ def meshtron_imports(path: Path) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {module_name(p): meshtron_imports(p) for p in sorted(SRC.rglob("*.py"))}
+def import_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    return {module_name(p): meshtron_imports(p, typing_too) for p in sorted(SRC.rglob("*.py"))}
+
+
+def test_every_package_is_a_layer_and_the_top_holds_three_modules_at_most():
+    packages = {p.parent.name for p in SRC.glob("*/__init__.py")}
+    assert sorted(packages) == sorted(name.split(".")[1] for name, _ in LAYERS)
+    assert len(list(SRC.glob("*.py"))) <= 3, sorted(p.name for p in SRC.glob("*.py"))
 
 
 def test_no_module_imports_from_a_layer_above_it():
     upward = [
-        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
-        for module, targets in import_graph().items()
+        f"{module} ({layer_name(layer_of(module))}) imports {target} ({layer_name(layer_of(target))})"
+        for module, targets in import_graph(typing_too=True).items()
         for target in sorted(targets)
         if layer_of(target) > layer_of(module)
     ]
@@ -130,8 +143,8 @@ def test_no_module_imports_from_a_layer_above_it():
 
 
 def test_no_import_circles():
-    """Depth-first search for a cycle over every import (typing-only imports aside)."""
-    graph, state, circles = import_graph(), {}, []
+    """Depth-first search for a cycle over every import, typing-only ones included."""
+    graph, state, circles = import_graph(typing_too=True), {}, []
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = "open"
@@ -171,33 +184,43 @@ def test_only_comm_calls_collectives():
                 callers += [f"{name}: imports {a.name}" for a in node.names if a.name in COLLECTIVES]
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 owner = ast.unparse(node.func.value)
-                # comm_pairwise.py: comm.py's collectives as point-to-point batches on gloo, called only by it
-                if owner in aliases and node.func.attr in COLLECTIVES and name not in COMM_FILES:
+                # comm/pairwise.py: comm.py's collectives as point-to-point batches on gloo, called only by it
+                if owner in aliases and node.func.attr in COLLECTIVES and not name.startswith(COMM_PACKAGE):
                     callers.append(f"{name}:{node.lineno}: {owner}.{node.func.attr}")
     assert callers == []
 
 
 def test_models_never_import_the_parallelisms_or_the_training():
+    above = ("comm", "engines", "pipeline", "parallel", "checkpoint", "observe", "train")
     wrong = [
         f"{name} imports {module}"
         for name, tree in modules()
         if name.startswith("models/")
         for module in imported(tree)
-        if module.split(".")[:2]
-        in (["meshtron", d] for d in ("parallel", "pipeline", "train", "comm", "mesh"))
+        if module.split(".")[:2] in (["meshtron", d] for d in above)
     ]
     assert wrong == []
 
 
 def test_pure_layers_import_no_torch():
-    """The foundation, the rules and the planner never import torch (nor numpy's heavier neighbours)."""
-    pure = {name for name, _ in LAYERS[:3] for name in _}  # noqa: F841 - documents which layers
+    """The utilities, the configuration, the schedules, the rules and the planner never import torch."""
     wrong = [
         f"{module_name(path)} imports {module}"
         for path in sorted(SRC.rglob("*.py"))
-        if layer_of(module_name(path)) <= 2
+        if module_name(path).startswith(tuple(f"{p}." for p in PURE)) or module_name(path) in PURE
         for module in imported(ast.parse(path.read_text()))
         if module == "torch" or module.startswith("torch.")
+    ]
+    assert wrong == []
+
+
+def test_only_pictures_import_matplotlib():
+    wrong = [
+        f"{name} imports {module}"
+        for name, tree in modules()
+        if not name.startswith("pictures/")
+        for module in imported(tree)
+        if module.split(".")[0] == "matplotlib"
     ]
     assert wrong == []
 
@@ -224,7 +247,7 @@ def test_meshtron_plan_imports_no_torch():
         "import sys, time; start = time.perf_counter(); from meshtron.commands.main import main; "
         f"code = main({PLAN!r}); assert code == 0, code; "
         "print('TORCH' if 'torch' in sys.modules else 'NO TORCH'); "
-        "import meshtron.checks, meshtron.plan.search, meshtron.commands.pictures; "
+        "import meshtron.rules.checks, meshtron.plan.search, meshtron.commands.pictures; "
         "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -272,21 +295,24 @@ PRIVATE_TORCH = {
     # float8 matmuls on tensor cores: scaled_mm has no public API yet (torchao calls the same operator)
     "models/float8.py": {"torch._scaled_mm"},
     # foreach kernels have no public alias; torch's own optimizers and clipping use them
-    "parallel/engine.py": {"torch._foreach_norm", "torch._foreach_mul_"},
-    "plan/probe_ranks.py": {"torch._foreach_mul_", "torch._foreach_zero_"},
+    "engines/engine.py": {"torch._foreach_norm", "torch._foreach_mul_"},
+    "probe/ranks.py": {"torch._foreach_mul_", "torch._foreach_zero_"},
     # torch.compiler.disable imports the compiler where it decorates (seconds of every run's start-up);
     # torch's own lazy form of it, which its optimizers use, imports it at the first call
     "models/moe.py": {"torch._disable_dynamo"},
-    "parallel/zero.py": {"torch._disable_dynamo"},
+    "engines/zero.py": {"torch._disable_dynamo"},
     # the traceable (functional) collectives torch.compile puts in its graphs have no public module
-    "comm.py": {"torch.distributed._functional_collectives"},
+    "comm/collectives.py": {"torch.distributed._functional_collectives"},
     # inductor's collective bucketing / reordering passes are switched on through its config
     "parallel/compile.py": {"torch._inductor"},
     # torch.save's pickle names torch._utils._rebuild_tensor_v2: the layout unpickler recognises the name
     # (it never imports or calls it)
-    "train/saved_regions.py": {"torch._utils"},
+    "checkpoint/saved_regions.py": {"torch._utils"},
     # the CUDA allocator's history with stacks (profile.memory_history) has no public API
-    "train/cuda_memory.py": {"torch.cuda.memory._record_memory_history", "torch.cuda.memory._dump_snapshot"},
+    "observe/cuda_memory.py": {
+        "torch.cuda.memory._record_memory_history",
+        "torch.cuda.memory._dump_snapshot",
+    },
 }
 
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.checks import load_config
 from meshtron.commands.auto_layout import choose_layout, explicit_keys, held_keys
 from meshtron.commands.main import main
-from meshtron.config import ConfigError, build_config, tomllib
+from meshtron.config.schema import ConfigError, build_config, tomllib
+from meshtron.observe.records import AUTO_LAYOUT_ENV
 from meshtron.plan.estimate import Cluster
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import assert_losses_match, train_rows
 from meshtron.testing.tiny import TINY
-from meshtron.train.records import AUTO_LAYOUT_ENV
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
 

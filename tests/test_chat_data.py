@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.data import DataError
+from meshtron.data import IGNORE_INDEX, DataError
 from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.sampler import BatchSampler
 from meshtron.data.tokenizer import train_bpe
-from meshtron.models.loss import IGNORE_INDEX
 from meshtron.testing.parity import assert_losses_match, run_layout, val_losses
 from meshtron.testing.tiny import TINY
 
@@ -213,8 +212,8 @@ def test_validation_loss_counts_the_same_targets_in_every_layout(workers, chat_d
 
 
 def test_validation_data_must_be_masked_like_the_training_data(chat_data, tmp_path):
-    from meshtron.checks import load_config
     from meshtron.data.validation import split_validation
+    from meshtron.rules.checks import load_config
 
     (tmp_path / "plain.txt").write_text("What is a mesh? " * 200)
     prepare_data([tmp_path / "plain.txt"], tmp_path / "plain", tokenizer=str(chat_data[1]))

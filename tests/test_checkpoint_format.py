@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import meshtron.train.checkpoint as checkpoint_module
-from meshtron.checks import load_config
+import meshtron.checkpoint.save_load as checkpoint_module
+from meshtron.checkpoint import CheckpointError
+from meshtron.checkpoint.safe_reader import SafeFileSystemReader
+from meshtron.checkpoint.save_load import FORMAT, FORMAT_FILE, check_format, load_model_weights
 from meshtron.models.llama import Transformer
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import assert_losses_match, relative, train_rows, trainer_for
 from meshtron.testing.tiny import TINY
-from meshtron.train import CheckpointError
-from meshtron.train.checkpoint import FORMAT, FORMAT_FILE, check_format, load_model_weights
-from meshtron.train.safe_checkpoint_reader import SafeFileSystemReader
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint-format-1"
 WRITTEN_LOSSES = json.loads((FIXTURE.parent / "checkpoint-format-1.losses.json").read_text())
@@ -121,7 +121,7 @@ def tensor_bytes_read_resuming(overrides: list[str]) -> int:
 
 def test_resuming_on_another_layout_reads_only_each_ranks_rows(workers, tmp_path):
     """A one-device checkpoint resumed under ZeRO-3 over 2 ranks: each rank reads only the rows it holds
-    (saved_regions.py), so the two together read every saved element once (and the replicated train
+    (checkpoint/saved_regions.py), so the two together read every saved element once (and the replicated train
     state twice), and each about half, where torch's reader would read the whole checkpoint on each."""
     common = [*TINY, "--run.sample_tokens=0", f"--checkpoint.dir={tmp_path / 'ck'}", "--checkpoint.keep=2"]
     workers(1).run(train_rows, [*common, "--training.steps=1", "--checkpoint.every=1"])

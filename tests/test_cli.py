@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.main import main
-from meshtron.config import build_config, tomllib
+from meshtron.config.schema import build_config, tomllib
 from meshtron.plan.estimate import estimate
 from meshtron.plan.hardware import table_name
+from meshtron.rules.checks import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtron.comm import CollectiveTimeout, Comm, CommGroup
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CollectiveTimeout, CommGroup
 
 
 def _world_group(comm: Comm) -> CommGroup:
@@ -261,7 +262,7 @@ def test_pairwise_all_to_all_equals_the_collective(workers, world):
 
 
 def pairwise_all_gather_matches() -> bool:
-    """On gloo the all-gathers go pair by pair (comm_pairwise.py): two in flight at once, with a ring's
+    """On gloo the all-gathers go pair by pair (comm/pairwise.py): two in flight at once, with a ring's
     send and receive (tag 0) on the same group between them, still give torch's all-gather."""
     comm = Comm()
     group = _world_group(comm)

@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
-from meshtron.checks import check, load_config, validate
-from meshtron.config import Config, ConfigError, load_toml, model_preset, parse_override
+from meshtron.config.schema import Config, ConfigError, load_toml, model_preset, parse_override
+from meshtron.rules.checks import check, load_config, validate
 
 
 def test_defaults_are_valid():
@@ -377,8 +377,8 @@ def test_a_preset_named_on_the_command_line_wins_over_the_files_model(tmp_path):
     """`--model.name=llama3-8b` on configs/demo.toml gave a 4-layer "llama3-8b" without a word. A preset
     named on the command line replaces the file's keys it sets (the file's others stay), the command
     line's --model.KEY override it, and a note says which keys won over it."""
-    from meshtron.checks import config_notes
-    from meshtron.presets import PRESETS
+    from meshtron.config.presets import PRESETS
+    from meshtron.rules.checks import config_notes
 
     path = tmp_path / "run.toml"
     path.write_text("[model]\ndim = 256\nn_layers = 4\nqk_norm = true\n")
@@ -392,7 +392,7 @@ def test_a_preset_named_on_the_command_line_wins_over_the_files_model(tmp_path):
 
 
 def test_a_preset_named_in_the_file_is_overridden_by_the_keys_beside_it(tmp_path):
-    from meshtron.checks import config_notes
+    from meshtron.rules.checks import config_notes
 
     path = tmp_path / "run.toml"
     path.write_text('[model]\nname = "tiny"\nn_layers = 3\ndim = 64\n')  # dim: the preset's own value

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.comm import Comm
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
 from meshtron.models.block_positions import Positions
 from meshtron.models.blockwise_attention import (
     _FUSED,
@@ -27,7 +27,7 @@ from meshtron.models.blockwise_attention import (
 )
 from meshtron.models.documents import document_layout
 from meshtron.parallel.context import ContextParallelAttention, RingPass, SequenceLayout, zigzag_positions
-from meshtron.parallel.documents_picture import documents_of, draw_documents, skipped_steps
+from meshtron.pictures.documents import documents_of, draw_documents, skipped_steps
 
 TOL = 1e-5
 B, H, S, D = 2, 4, 32, 8

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError
+from meshtron.config.schema import ConfigError
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

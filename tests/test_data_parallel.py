@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.models.llama import build_model
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
@@ -37,10 +37,10 @@ LAYOUTS = {
     "zero3_4": (4, ["--parallel.dp_shard=4", "--parallel.zero=3"]),
     "hsdp2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]),
     "hybrid_zero2_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=2"]),
-    # Many buckets: each reuses a staging buffer two buckets after another took it (staging.py).
+    # Many buckets: each reuses a staging buffer two buckets after another took it (engines/staging.py).
     "zero1_4_buckets": (4, ["--parallel.dp_shard=4", "--parallel.zero=1", "--parallel.bucket_mb=0.02"]),
     "zero2_2x2_buckets": (4, ["--parallel.dp_replicate=2", "--parallel.zero=2", "--parallel.bucket_mb=0.02"]),
-    # With replicas ZeRO-1 packs its gradients rank-major and reduce-scatters them (zero.py).
+    # With replicas ZeRO-1 packs its gradients rank-major and reduce-scatters them (engines/zero.py).
     "hybrid_zero1_2x2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=1"]),
 }
 

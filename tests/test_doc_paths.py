@@ -1,6 +1,6 @@
 """Every repository path the docs and docstrings cite exists, and so does the name it points into.
 
-Docstrings, comments and docs/ cite files several hundred times ("`parallel/zero.py`",
+Docstrings, comments and docs/ cite files several hundred times ("`engines/zero.py`",
 "`tests/test_plan.py::test_...`", "`meshtron.models.generate.generate`", "[how](docs/data.md)"); a file
 that moves or a function renamed would leave them pointing nowhere with nothing to say so. Checked:
 
@@ -99,8 +99,8 @@ def test_every_cited_path_and_name_exists():
 
 def test_the_check_finds_what_is_missing(tmp_path):
     cited_in = tmp_path / "x.md"
-    assert path_problems("see `parallel/zero.py:ZeroEngine` and src/meshtron/nope.py", cited_in) == [
-        "parallel/zero.py has no ZeroEngine",
+    assert path_problems("see `engines/zero.py:ZeroEngine` and src/meshtron/nope.py", cited_in) == [
+        "engines/zero.py has no ZeroEngine",
         "src/meshtron/nope.py does not exist",
     ]
     assert path_problems("`train/optim.py:clip_grad_norm_`, runs/demo/loss.png", cited_in) == []

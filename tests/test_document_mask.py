@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.data.dataset import prepare_data
 from meshtron.models.documents import DocumentMask, document_layout
 from meshtron.models.llama import build_model, document_causal_mask
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import assert_losses_match, train_rows
 from meshtron.testing.tiny import MOE, TINY, perturb
 

@@ -12,13 +12,13 @@ import types
 import pytest
 import torch
 
-from meshtron.checks import check, load_config
-from meshtron.comm import Comm
-from meshtron.config import ConfigError, ModelConfig
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.moe import MoE, combine, grouped_linear, sort_by_expert
 from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from meshtron import hf
-from meshtron.checks import load_config
+from meshtron.checkpoint import CheckpointError
 from meshtron.commands import main as cli
 from meshtron.commands.export import checkpoint_config, export, load_checkpoint_model, resolve_checkpoint
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.data.tokenizer import ByteTokenizer
 from meshtron.models.generate import complete, dropless, generate
 from meshtron.models.llama import KVCache, Transformer, build_model
 from meshtron.models.moe import MoE
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import train_rows
 from meshtron.testing.tiny import TINY, perturb
-from meshtron.train import CheckpointError
 from meshtron.train.trainer import train
 
 transformers = pytest.importorskip("transformers")

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.comm import CollectiveTimeout, Comm, CommGroup
+from meshtron.checkpoint import CheckpointError
+from meshtron.checkpoint.integrity import corrupt_files
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CollectiveTimeout, CommGroup
+from meshtron.comm.workers import WorkerPool, close_pools
 from meshtron.testing.parity import train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.testing.workers import WorkerPool, close_pools
-from meshtron.train import CheckpointError
-from meshtron.train.checkpoint_integrity import corrupt_files
 
 POISONED = "layers.1.attention.wq.weight"
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtron.checks import load_config, validate
-from meshtron.comm import Comm
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
 from meshtron.models.float8 import E4M3, E5M2, Float8Linear, no_reduce, quantize, scaled_mm
 from meshtron.parallel.float8 import _reducers, apply_float8
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from meshtron.rules.checks import load_config, validate
+from meshtron.rules.training import float8_device_problems
 from meshtron.testing.parity import assert_losses_match, comm_by_op, train_rows
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.train.rules import float8_device_problems
 
 NO_REDUCE = (no_reduce, no_reduce, no_reduce)
 

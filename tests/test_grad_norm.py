@@ -2,7 +2,7 @@
 
 A float32 reduction of millions of gradient elements is off by ~1e-5 relative, by a different amount for
 each way the elements are split over ranks, so with clipping on the layouts drifted apart. The sums of
-squares are now float64 (parallel/engine.py `sum_of_squares`): checked against numpy's float64 sum on
+squares are now float64 (engines/engine.py `sum_of_squares`): checked against numpy's float64 sum on
 tensors of millions of elements, cut as ZeRO cuts them, and end to end, where DDP and ZeRO-1/2/3 clip by
 the same float32 norm at every step and so train bit for bit alike.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.parallel.engine import sum_of_squares
+from meshtron.engines.engine import sum_of_squares
 from meshtron.testing.parity import run_layout
 from meshtron.testing.tiny import TINY
 

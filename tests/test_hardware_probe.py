@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from meshtron.checks import load_config
-from meshtron.plan import probe as hp
 from meshtron.plan.estimate import estimate
 from meshtron.plan.layout import Layout
+from meshtron.probe import hardware as hp
+from meshtron.rules.checks import load_config
 
 FIGURES = dict(
     ranks=2, threads=1, matmul_flops_per_s=5e10, attention_share=0.2, memory_bytes_per_s=5e9,
@@ -72,8 +72,8 @@ def test_cache_location(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHTRON_CACHE", str(tmp_path / "data"))  # beside the prepared corpus
     assert hp.cache_path() == tmp_path / "data" / hp.CACHE_FILE
     # The prepared corpus and the MFU reference live in the same place, XDG_CACHE_HOME honoured alike.
-    from meshtron.cache import cache_dir
     from meshtron.data import dataset
+    from meshtron.utils.cache import cache_dir
 
     monkeypatch.delenv("MESHTRON_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from meshtron import hf
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.testing.tiny import perturb
 

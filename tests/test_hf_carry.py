@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.commands.export import checkpoint_config, export, load_checkpoint_model, resolve_checkpoint
-from meshtron.config import ModelConfig
+from meshtron.config.huggingface import config_to_hf
+from meshtron.config.schema import ModelConfig
 from meshtron.data.dataset import prepare_data
 from meshtron.data.tokenizer_files import CHAT_TEMPLATE_JINJA, CHAT_TEMPLATE_JSON, TOKENIZER_CONFIG
 from meshtron.hf.carry import CARRIED_FILE, exported_config, write_carried
-from meshtron.hf.config import config_to_hf
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import train_rows
 from meshtron.train.trainer import train
 

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from meshtron import hf
-from meshtron.checks import load_config, validate
-from meshtron.config import ConfigError
+from meshtron.config.huggingface import checkpoint_config
+from meshtron.config.schema import ConfigError
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.sampler import BatchSampler
 from meshtron.hf.checkpoint import HFCheckpoint, parameter_sources
-from meshtron.hf.config import checkpoint_config
 from meshtron.models.llama import build_model
+from meshtron.rules.checks import load_config, validate
 from meshtron.testing.parity import relative, trainer_for
 from meshtron.testing.tiny import perturb
 from meshtron.train.setup import check_data

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.checks import load_config
 from meshtron.commands.interrupt import resume_line
+from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.checks import check, load_config
 from meshtron.commands import memory_check
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.main import main
 from meshtron.commands.memory_check import MARGIN, memory_cluster, rank_counts, too_big
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import GiB, accelerator
-from meshtron.resident import host_memory_bytes
+from meshtron.rules.checks import check, load_config
+from meshtron.utils.resident import host_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.toml")
@@ -99,7 +99,7 @@ def test_on_one_gpu_the_refusal_names_the_nproc_and_layouts_that_fit(monkeypatch
 
 def test_the_check_measures_nothing_and_shares_the_host_among_its_ranks(monkeypatch):
     """No CPU probe (it takes seconds): the host's RAM over the ranks on it, this process as a rank."""
-    monkeypatch.setitem(sys.modules, "meshtron.plan.probe", None)  # importing it would fail
+    monkeypatch.setitem(sys.modules, "meshtron.probe.hardware", None)  # importing it would fail
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cfg = load_config(DEMO, [])

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.checks import load_config
 from meshtron.commands.dry_run import resolved
-from meshtron.pipeline.actions import chunks_of_rank
-from meshtron.pipeline.schedules import build_schedule, simulate
 from meshtron.plan.gpu_memory import (
     MemoryOverhead,
     chunk_activation_bytes,
@@ -20,6 +17,9 @@ from meshtron.plan.gpu_memory import (
     waiting_weight_grad_bytes,
 )
 from meshtron.plan.state import layer_split
+from meshtron.rules.checks import load_config
+from meshtron.schedules.actions import chunks_of_rank
+from meshtron.schedules.build import build_schedule, simulate
 from meshtron.testing.tiny import TINY
 
 NONE = MemoryOverhead(context_bytes=0.0, fragmentation=0.0)

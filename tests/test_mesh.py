@@ -8,8 +8,9 @@ import json
 import pytest
 import torch.distributed as dist
 
-from meshtron.layout import ParallelDims, draw_mesh
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
+from meshtron.pictures.mesh import draw_mesh
 
 
 def test_tp_is_innermost_and_pp_outermost():

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.models.init import init_region
 from meshtron.models.llama import build_meta_model, build_model
 from meshtron.parallel.regions import local_rows, logical_region
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import trainer_for
 from meshtron.testing.tiny import MOE, TINY
 

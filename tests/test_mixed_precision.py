@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.parallel.saved_gathers import recording_saves
+from meshtron.comm.saved_gathers import recording_saves
 from meshtron.testing.parity import assert_losses_match, train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 

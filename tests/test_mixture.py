@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshtron.checks import check, load_config
 from meshtron.commands.export import checkpoint_tokenizer
-from meshtron.config import ConfigError
+from meshtron.config.schema import ConfigError
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, prepare_data
 from meshtron.data.mixture import Mixture, MixtureSampler
 from meshtron.data.tokenizer import TOKENIZER_FILE
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_losses_match, train_rows, trainer_for
 from meshtron.testing.tiny import TINY
 from meshtron.train.sample import PROMPT_TOKENS

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.checks import load_config
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.models.init import init_region
 from meshtron.models.llama import build_model, rope_inv_freq
 from meshtron.models.moe import MoE, capacity_keep, router_losses
-from meshtron.train.metrics import active_params, flops_per_token
+from meshtron.observe.metrics import active_params, flops_per_token
+from meshtron.rules.checks import load_config
 
 
 def moe_config(**overrides) -> ModelConfig:

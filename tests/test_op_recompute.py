@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import meshtron.parallel.recompute as recompute
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError, ModelConfig
+from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
 from meshtron.plan.memory import layer_activation_bytes
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError
+from meshtron.checkpoint.save_load import complete_checkpoints
+from meshtron.comm.timing import SLOW_RANK, PhaseTimes
+from meshtron.config.schema import ConfigError
+from meshtron.observe.stragglers import straggler_line, straggler_report
+from meshtron.observe.traces import ALIGN, memory_peaks, merge_traces
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import train_rows, trainer_for
 from meshtron.testing.tiny import TINY
-from meshtron.timing import SLOW_RANK, PhaseTimes
-from meshtron.train.checkpoint import complete_checkpoints
-from meshtron.train.stragglers import straggler_line, straggler_report
-from meshtron.train.traces import ALIGN, memory_peaks, merge_traces
 
 
 def ticking(times: PhaseTimes, ticks: list[float]) -> PhaseTimes:
@@ -232,7 +232,7 @@ def test_async_checkpoints_resume_exactly(workers, tmp_path):
 def interrupted_save(overrides: list[str]) -> list[int]:
     """Save step 2, then stop step 4's save after its files are written and before it is published (as a
     crash in the background would): what is complete on disk then."""
-    from meshtron.train import checkpoint_async
+    from meshtron.checkpoint import async_save as checkpoint_async
 
     trainer = trainer_for(overrides)
     for step in range(2):

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from meshtron.comm.workers import WorkerPool
 from meshtron.testing.peak_memory import FIXED_MMAP_THRESHOLD, MID_MODEL, measure_peak, predicted_stages
-from meshtron.testing.workers import WorkerPool
 
 MODEL = [*MID_MODEL, "--training.micro_batch=1"]
 LAYOUT = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3"]
@@ -35,7 +35,7 @@ def test_each_stages_peak_is_within_15_percent_of_the_planner(monkeypatch, tmp_p
 
 
 def _child_peak(queue) -> None:  # noqa: ANN001 - a multiprocessing queue
-    from meshtron.resident import resident_peak_bytes
+    from meshtron.utils.resident import resident_peak_bytes
 
     queue.put(resident_peak_bytes())
 

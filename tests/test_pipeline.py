@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from meshtron.pipeline.schedules import build_schedule
+from meshtron.schedules.build import build_schedule
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

@@ -1,5 +1,5 @@
 """parallel.pp_balance = "cost": the layer split minimising the largest chunk's predicted training FLOPs
-(pipeline/balance.py), exact against brute force, better than even counts where the head or MoE layers
+(schedules/balance.py), exact against brute force, better than even counts where the head or MoE layers
 weigh, refused with explicit splits, and a run on it equal to the single-device run."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from meshtron.checks import load_config, validate
-from meshtron.pipeline.actions import Kind, rank_of_chunk
-from meshtron.pipeline.schedules import build_schedule, simulate
-from meshtron.pipeline.split import split_by_cost, split_by_cost_v
 from meshtron.plan.flops import layer_costs
 from meshtron.plan.state import layer_split
+from meshtron.rules.checks import load_config, validate
+from meshtron.schedules.actions import Kind, rank_of_chunk
+from meshtron.schedules.build import build_schedule, simulate
+from meshtron.schedules.split import split_by_cost, split_by_cost_v
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
 

@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
-from meshtron.checks import load_config, validate
-from meshtron.comm import Comm
-from meshtron.comm_record import recorder
+from meshtron.comm.collectives import Comm
+from meshtron.comm.record import recorder
 from meshtron.commands.main import main
-from meshtron.pipeline.actions import Action, Kind
 from meshtron.pipeline.pairs import hidden_exchanges, run_pair
-from meshtron.pipeline.rules import UNVERIFIED_PAIR_LANE
-from meshtron.pipeline.schedules import build_schedule, simulate
+from meshtron.rules.checks import load_config, validate
+from meshtron.rules.pipeline import UNVERIFIED_PAIR_LANE
+from meshtron.schedules.actions import Action, Kind
+from meshtron.schedules.build import build_schedule, simulate
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout, trainer_for
 from meshtron.testing.tiny import MOE, TINY
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.checks import load_config
 from meshtron.commands.dry_run import resolved
+from meshtron.observe.metrics import model_state_bytes
 from meshtron.plan.comm import step_bytes
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import state_bytes
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import trainer_for
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.train.metrics import model_state_bytes
 
 DATA_GROUPS = {"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends", "cp"}
 ODD_VOCAB = ["--model.vocab_size=301"]  # tp pads it; ZeRO's row blocks pad it

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from meshtron.checks import load_config
-from meshtron.config import ConfigError, ModelConfig
+from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
+from meshtron.observe.metrics import flops_per_token
 from meshtron.plan.flops import (
     executed_flops_per_token,
     keys_per_query,
@@ -18,7 +18,7 @@ from meshtron.plan.flops import (
     training_flops_per_token,
 )
 from meshtron.plan.hardware import ACCELERATORS, GiB, accelerator, peak_flops_per_s, with_links
-from meshtron.train.metrics import flops_per_token
+from meshtron.rules.checks import load_config
 
 SEQ = 128
 

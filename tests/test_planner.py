@@ -11,12 +11,9 @@ import json
 
 import pytest
 
-from meshtron.checks import load_config
 from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
-from meshtron.config import ConfigError
-from meshtron.pipeline.actions import Kind
-from meshtron.pipeline.schedules import build_schedule, simulate
+from meshtron.config.schema import ConfigError
 from meshtron.plan.comm_time import Overlap, groups
 from meshtron.plan.compute_time import PassTimes, chunk_times
 from meshtron.plan.estimate import Cluster, estimate
@@ -26,6 +23,9 @@ from meshtron.plan.hardware import GiB, accelerator
 from meshtron.plan.layout import Layout, parse_layout
 from meshtron.plan.network import Group, LinkEfficiency, collective_time
 from meshtron.plan.search import search
+from meshtron.rules.checks import load_config
+from meshtron.schedules.actions import Kind
+from meshtron.schedules.build import build_schedule, simulate
 
 LLAMA_1B = ["--model.name=llama3-1b"]
 

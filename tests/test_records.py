@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError, build_config, tomllib
+from meshtron.config.schema import ConfigError, build_config, tomllib
+from meshtron.observe.metrics import MetricsLogger, scalars
+from meshtron.observe.records import CONFIG_FILE, ENVIRONMENT_FILE
+from meshtron.observe.wandb_log import RUN_ID_FILE, WandbSettings
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.tiny import TINY
-from meshtron.train.metrics import MetricsLogger, scalars
-from meshtron.train.records import CONFIG_FILE, ENVIRONMENT_FILE
 from meshtron.train.trainer import train
-from meshtron.train.wandb_log import RUN_ID_FILE, WandbSettings
 
 ENVIRONMENT_FIELDS = {
     "meshtron", "torch", "python", "platform", "host", "devices", "world_size", "ranks_per_node", "nodes",

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from meshtron.checks import load_config
+from meshtron.checkpoint import CheckpointError
 from meshtron.commands.main import main
+from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import TINY
-from meshtron.train import CheckpointError
 from meshtron.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from meshtron.pipeline.actions import Action
-from meshtron.pipeline.schedules import build_schedule, send_release_points, simulate
+from meshtron.schedules.actions import Action
+from meshtron.schedules.build import build_schedule, send_release_points, simulate
 
 GRID = [(pp, m) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 4 * pp, 3 * pp + 1)]
 
@@ -137,7 +137,7 @@ def test_sent_activations_are_settled_by_a_later_receive(name, pp, vpp):
 def test_measured_timeline_is_simulated_from_its_own_action_times(tmp_path, name, vpp):
     """A timeline with unequal stages (the last chunk twice as slow) and free communication: simulated
     from its own per-chunk action times, it comes out the same, bubble and all."""
-    from meshtron.pipeline.picture import draw_measured_timeline
+    from meshtron.pictures.pipeline import draw_measured_timeline
 
     pp, m = 3, 6
     slow = {
@@ -162,7 +162,7 @@ def test_timeline_pictures_keep_titles_and_blocks_inside(monkeypatch, tmp_path, 
     """The measured picture's second title was cut at a narrow figure's edges, and rank 0's last block
     (or a wait after it) ended on or past the frame: every title lies inside the figure, every bar and
     wait inside the time axis."""
-    from meshtron.pipeline import picture
+    from meshtron.pictures import pipeline as picture
 
     figures = []
     monkeypatch.setattr(picture, "save_figure", lambda fig, out: figures.append(fig) or fig.tight_layout())

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from meshtron.checks import check, load_config
-from meshtron.config import ConfigError
+from meshtron.comm.saved_gathers import SAVED_GATHERS
+from meshtron.config.schema import ConfigError
 from meshtron.models.llama import build_model
-from meshtron.parallel.saved_gathers import SAVED_GATHERS
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.pipeline.actions import chunks_of_rank
-from meshtron.pipeline.split import split_layers
+from meshtron.schedules.actions import chunks_of_rank
+from meshtron.schedules.split import split_layers
 
 
 def test_even_split_covers_every_layer_once_in_order():

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from meshtron import hf
-from meshtron.checks import load_config
-from meshtron.comm import Comm
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
 from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.rules.checks import load_config
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,

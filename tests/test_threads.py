@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from meshtron.train import peak, threads
+from meshtron.probe import peak
+from meshtron.train import threads
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from meshtron.checks import load_config, not_yet_supported
-from meshtron.comm import Comm, CommGroup
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
 from meshtron.models.llama import build_model
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.rules.checks import load_config, not_yet_supported
 from meshtron.testing.parity import relative, ring, train_rows
 from meshtron.testing.tiny import MOE
 from meshtron.testing.tiny import TINY as TINY_10_STEPS
@@ -166,7 +167,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert [r["step"] for r in first] == [1, 2, 3]
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step-00000003"]
     # Starting afresh over a checkpoint is refused, so nothing is overwritten by accident.
-    from meshtron.train import CheckpointError
+    from meshtron.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="set --checkpoint.resume=true"):
         run_train([*base, run_dir])
@@ -179,8 +180,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 
 def test_incomplete_checkpoint_is_ignored_and_mismatch_is_clear(tmp_path):
-    from meshtron.train import CheckpointError
-    from meshtron.train.checkpoint import complete_checkpoints
+    from meshtron.checkpoint import CheckpointError
+    from meshtron.checkpoint.save_load import complete_checkpoints
 
     base = [*TINY, "--training.steps=2", "--checkpoint.every=2", f"--run.dir={tmp_path}"]
     run_train(base)

@@ -1,4 +1,4 @@
-"""V-shaped schedules as pure data (pipeline/v_schedules.py): placement, completeness, the simulator's
+"""V-shaped schedules as pure data (schedules/v_shape.py): placement, completeness, the simulator's
 checks (matching, order, deadlock) over a grid of pp and micro-batch counts, and bubbles and peak
 activations against the published figures (docs/pipeline.md#v-shaped-schedules)."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from meshtron.commands.main import main
-from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
-from meshtron.pipeline.schedules import build_schedule, send_release_points, simulate
+from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
+from meshtron.schedules.build import build_schedule, send_release_points, simulate
 
 V = ("zbv", "dualpipev")
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.checks import load_config, validate
 from meshtron.data import DataError
 from meshtron.data.dataset import prepare_data
 from meshtron.data.sampler import BatchSampler
 from meshtron.data.validation import split_validation, validation_sampler
+from meshtron.probe import peak
+from meshtron.rules.checks import load_config, validate
 from meshtron.testing.parity import relative, val_losses
 from meshtron.testing.tiny import TINY
-from meshtron.train import peak
 from meshtron.train.trainer import train
 
 VAL = ["--data.val_fraction=0.01", "--training.eval_every=1", "--training.eval_batches=2"]

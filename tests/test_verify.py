@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from meshtron.checks import check, load_config
 from meshtron.commands.verify import communication_lines, report, shrink, to_overrides, verify
+from meshtron.rules.checks import check, load_config
 
 
 @pytest.mark.parametrize(

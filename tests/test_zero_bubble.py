@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.checks import load_config
 from meshtron.models.llama import build_model, rope_cos_sin
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
+from meshtron.rules.checks import load_config
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

@@ -2,7 +2,7 @@
 
   1. the world: --nproc, or torchrun's WORLD_SIZE
   2. the hardware, as `--dry-run` detects it (commands/dry_run.py): the visible GPU mapped to the
-     planner's table, or this machine's CPU measured by plan/probe.py (under torchrun on a CPU, the
+     planner's table, or this machine's CPU measured by probe/hardware.py (under torchrun on a CPU, the
      measurement cached by an earlier `meshtron plan --gpu cpu` or `--nproc` run: every rank must read
      the same figures, and N ranks probing at once would measure each other)
   3. the keys the user set (in the config file or as overrides) are held; the planner's search
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshtron.config import Config, ConfigError, load_toml, parse_override
+from meshtron.config.schema import Config, ConfigError, load_toml, parse_override
+from meshtron.observe.records import AUTO_LAYOUT_ENV
 from meshtron.plan.estimate import Cluster, Estimate
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
 from meshtron.plan.search import rank_key
-from meshtron.train.records import AUTO_LAYOUT_ENV
 
 GiB = 2**30
 TRAINING_KEYS = ("micro_batch", "recompute")
@@ -140,7 +140,7 @@ def _cluster(cfg: Config, world_size: int, under_launcher: bool) -> tuple[Cluste
     from meshtron.commands.dry_run import detect_hardware
 
     if under_launcher and not _uses_cuda(cfg):
-        from meshtron.plan.probe import DEMO, cache_key, cluster_from, launcher_threads, load_cached
+        from meshtron.probe.hardware import DEMO, cache_key, cluster_from, launcher_threads, load_cached
 
         measured = load_cached(cache_key(world_size, launcher_threads(world_size), DEMO))
         if measured is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from meshtron.words import plural
+from meshtron.utils.words import plural
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:

@@ -6,8 +6,8 @@ cannot disagree with them:
   1. the resolved config (file, model preset, overrides), as TOML that loads back to the same Config
   2. the mesh (mesh.ParallelDims, dp_shard=-1 resolved), as `meshtron mesh` prints it
   3. the planner's prediction (plan/estimate.py) for exactly this layout on the hardware the run would
-     use: the visible GPU mapped to the planner's table, or this machine's CPU (plan/probe.py)
-  4. the environment (records.py), as the run would write it to run.dir/environment.json
+     use: the visible GPU mapped to the planner's table, or this machine's CPU (probe/hardware.py)
+  4. the environment (observe/records.py), as the run would write it to run.dir/environment.json
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import dataclasses
 from typing import NamedTuple
 
 from meshtron.commands.memory_check import ranks_per_node, too_big
-from meshtron.config import Config
+from meshtron.config.schema import Config
+from meshtron.observe.records import config_text, environment, environment_text
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
-from meshtron.train.records import config_text, environment, environment_text
 
 GiB = 2**30
 MiB = 2**20
@@ -93,9 +93,9 @@ def detect_hardware(cfg: Config, world_size: int) -> Hardware:
     if cfg.run.device == "cuda" or (cfg.run.device == "auto" and cuda):
         return _cuda_hardware(cfg, world_size)
     try:
-        from meshtron.plan.probe import cpu_cluster
+        from meshtron.probe.hardware import cpu_cluster
     except ImportError:
-        return Hardware(None, "this meshtron has no CPU probe (meshtron.plan.probe); no prediction")
+        return Hardware(None, "this meshtron has no CPU probe (meshtron.probe.hardware); no prediction")
     return Hardware(cpu_cluster(world_size), "this machine's CPU, measured", "rank")
 
 

@@ -20,16 +20,21 @@ from pathlib import Path
 import torch
 
 from meshtron import hf
-from meshtron.config import Config, ConfigError, build_config, load_toml
+from meshtron.checkpoint import CheckpointError
+from meshtron.checkpoint.integrity import file_problems
+from meshtron.checkpoint.save_load import (
+    check_format,
+    checkpoint_model,
+    complete_checkpoints,
+    read_model_tensor,
+)
+from meshtron.config.schema import Config, ConfigError, build_config, load_toml
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, write_carried
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES
 from meshtron.hf.weights import save_streamed_model
 from meshtron.models.llama import Transformer
-from meshtron.train import CheckpointError
-from meshtron.train.checkpoint import check_format, checkpoint_model, complete_checkpoints, read_model_tensor
-from meshtron.train.checkpoint_integrity import file_problems
 from meshtron.train.sample import CONFIG_FILE
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -77,7 +82,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_config(step_dir: Path, config: str | Path | None = None) -> Config:
     """The run's config: `config` when given, else the one the checkpoint carries, else (a checkpoint from
-    before they carried it) the one records.py wrote into the run directory holding checkpoints/."""
+    before they carried it) the one observe/records.py wrote into the run directory holding checkpoints/."""
     candidates = [Path(config)] if config else [step_dir / CONFIG_FILE]
     if not config and step_dir.parent.name == "checkpoints":
         candidates.append(step_dir.parent.parent / CONFIG_FILE)

@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from meshtron.config import Config
+from meshtron.config.schema import Config
 
 EXIT_CODE = 130
 STEPS_FILE = "interrupted.json"  # rank 0's complete steps, in the launcher's error directory
@@ -31,7 +31,7 @@ def resume_line(cfg: Config, completed: int | None, command: str) -> str:
     """What the user reads last: the step reached (`completed` steps done; None: unknown, or still
     starting), the newest complete checkpoint, and the command that goes on (`command`: how the run was
     launched, before `--config`)."""
-    from meshtron.train.checkpoint import complete_checkpoints
+    from meshtron.checkpoint.save_load import complete_checkpoints
     from meshtron.train.setup import checkpoint_root
 
     steps = cfg.training.steps

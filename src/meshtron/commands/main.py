@@ -16,9 +16,10 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshtron.config import ConfigError, PipelineSchedule
+from meshtron.checkpoint import CheckpointError
+from meshtron.config.schema import ConfigError, PipelineSchedule
 from meshtron.data import DataError
-from meshtron.train import CheckpointError, TrainingDiverged
+from meshtron.train import TrainingDiverged
 
 DESCRIPTION = """\
 meshtron trains Llama-family models (dense and mixture-of-experts) with every parallelism, on CPUs (gloo)
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model; extra --section.key=value flags override the config",
         epilog="example: meshtron train --config configs/demo.toml --training.steps=50; any key of the "
-        "config (src/meshtron/config.py) may be overridden as --section.key=value",
+        "config (src/meshtron/config/schema.py) may be overridden as --section.key=value",
         formatter_class=_WithOverrides,
     )
     train.add_argument("--config", required=True, help="TOML config file (see configs/)")

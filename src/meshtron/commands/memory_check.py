@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from meshtron.config import Config
+from meshtron.config.schema import Config
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import Accelerator, accelerator, table_name
@@ -51,7 +51,7 @@ def memory_cluster(cfg: Config, world_size: int) -> Cluster | None:
         base = accelerator(table_name(props.name, props.total_memory) or "h100")
         gpu = dataclasses.replace(base, memory_bytes=props.total_memory, gpus_per_node=per_node)
         return Cluster(gpu, world_size, "bf16")
-    from meshtron.resident import host_memory_bytes, resident_peak_bytes
+    from meshtron.utils.resident import host_memory_bytes, resident_peak_bytes
 
     # Placeholder rates (a few cores' order of magnitude): they order the layouts listed, nothing else.
     cpu = Accelerator(

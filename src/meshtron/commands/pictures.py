@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from meshtron.config import ConfigError
+from meshtron.config.schema import ConfigError
 
 
 def cmd_mesh(args: argparse.Namespace) -> int:
-    from meshtron.layout import ParallelDims, draw_mesh
+    from meshtron.config.layout import ParallelDims
+    from meshtron.pictures.mesh import draw_mesh
 
     try:
         dims = ParallelDims(
@@ -33,8 +34,8 @@ def cmd_mesh(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from meshtron.config import SPLIT_BACKWARD, V_SCHEDULES
-    from meshtron.pipeline.schedules import build_schedule, simulate
+    from meshtron.config.schema import SPLIT_BACKWARD, V_SCHEDULES
+    from meshtron.schedules.build import build_schedule, simulate
 
     if args.vpp is None:  # chunks per rank: two for a V schedule, else one
         args.vpp = 2 if args.schedule in V_SCHEDULES else 1
@@ -57,7 +58,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if args.paired:
         print("F...& is the forward of an F&B pair: it runs at once with the B and W after it")
     if args.out:
-        from meshtron.pipeline.picture import draw_timeline
+        from meshtron.pictures.pipeline import draw_timeline
 
         title = (
             f"{args.schedule}, pp={args.pp}, vpp={args.vpp}, {args.microbatches} micro-batches: "
@@ -68,7 +69,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_context(args: argparse.Namespace) -> int:
-    from meshtron.parallel.context_picture import draw_assignment, ring_steps_table, ring_work
+    from meshtron.pictures.context import draw_assignment, ring_steps_table, ring_work
 
     if args.ring < 1:
         raise ConfigError([f"--ring={args.ring} must be positive"])
@@ -85,7 +86,7 @@ def cmd_context(args: argparse.Namespace) -> int:
 
 def _context_documents(args: argparse.Namespace) -> int:
     """`meshtron context --documents`: which ring steps a document mask skips, and its picture."""
-    from meshtron.parallel.documents_picture import draw_documents, ring_documents_table
+    from meshtron.pictures.documents import draw_documents, ring_documents_table
 
     try:
         lengths = [int(n) for n in args.documents.split(",")]

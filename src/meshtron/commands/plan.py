@@ -6,19 +6,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshtron.checks import config_notes, load_config
-from meshtron.config import ConfigError, refuse
+from meshtron.config.schema import ConfigError, refuse
+from meshtron.rules.checks import config_notes, load_config
 
 
 def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     """The model (config + --model.* flags), the cluster (--gpu, links) and the held layout keys."""
     import dataclasses
 
-    from meshtron.models.rules import model_problems, moe_problems
     from meshtron.plan.comm_time import Overlap
     from meshtron.plan.estimate import Cluster
     from meshtron.plan.hardware import accelerator, with_links
     from meshtron.plan.layout import parse_layout
+    from meshtron.rules.model import model_problems, moe_problems
 
     problems = [
         f"{o}: meshtron plan takes --model.KEY=VALUE overrides only"
@@ -39,7 +39,7 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
         raise ConfigError(problems)
     cfg = load_config(args.config, overrides)
     if args.gpu.strip().lower() == "cpu":  # this machine, measured: ranks are processes on its cores
-        from meshtron.plan.probe import cpu_cluster
+        from meshtron.probe.hardware import cpu_cluster
 
         cluster = cpu_cluster(args.gpus)
     else:

@@ -14,11 +14,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshtron.checks import check, config_notes, load_config
+from meshtron.checkpoint import CheckpointError
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.memory_check import too_big
-from meshtron.config import Config, refuse
-from meshtron.train import CheckpointError, TrainingInterrupted, catch_sigint, sigint_received
+from meshtron.config.schema import Config, refuse
+from meshtron.rules.checks import check, config_notes, load_config
+from meshtron.train import TrainingInterrupted, catch_sigint, sigint_received
 
 
 def _under_launcher() -> bool:

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from meshtron.checks import check
-from meshtron.config import Config
+from meshtron.comm.workers import WorkerPool, close_pools
+from meshtron.config.schema import Config
 from meshtron.plan.comm import exact_groups, step_bytes
+from meshtron.rules.checks import check
 from meshtron.testing.parity import run_layout
-from meshtron.testing.workers import WorkerPool, close_pools
 
 HEAD_DIM = 8
 GROUPS = (

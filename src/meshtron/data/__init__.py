@@ -9,3 +9,8 @@ sampler.py    deterministic, resumable global batches that never depend on the p
 
 class DataError(ValueError):
     """A dataset or tokenizer is missing, malformed or inconsistent; the message says how to fix it."""
+
+
+# A target that does not count (a prompt token, padding): 0 loss, no gradient. PyTorch's and
+# transformers' convention, so labels prepared for either mean the same here.
+IGNORE_INDEX = -100

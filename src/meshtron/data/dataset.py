@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from meshtron.cache import cache_dir as meshtron_cache_dir
 from meshtron.data import DataError
 from meshtron.data.chat import ChatTemplate, chat_documents
 from meshtron.data.corpus import collect_files, stdlib_files
@@ -34,7 +33,8 @@ from meshtron.data.hf_datasets import is_dataset_input
 from meshtron.data.progress import Progress
 from meshtron.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
 from meshtron.data.tokenizer_files import COMPANIONS, companion_files
-from meshtron.words import plural
+from meshtron.utils.cache import cache_dir as meshtron_cache_dir
+from meshtron.utils.words import plural
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtron.data import DataError
+from meshtron.data import IGNORE_INDEX, DataError
 from meshtron.data.dataset import PreparedData
-from meshtron.data.rules import batch_split_problem
-from meshtron.models.loss import IGNORE_INDEX
+from meshtron.rules.data import batch_split_problem
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.config import Config, TrainingConfig
+from meshtron.config.schema import Config, TrainingConfig
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
 from meshtron.data.mixture import Mixture, MixtureSampler

@@ -1,8 +1,8 @@
 """Hugging Face interop, in one package: `load` a transformers checkpoint directory as a meshtron model,
 `save` one that transformers loads, and start a run from one in any layout (`model.init_from`).
 
-  config.py      config.json <-> ModelConfig, and a checkpoint's files and tensor names (torch-free)
-  resolve.py     model.init_from's [model] keys, while the config is merged (torch-free)
+  config/huggingface.py      config.json <-> ModelConfig, and a checkpoint's files and tensor names (torch-free)
+  config/init_from.py     model.init_from's [model] keys, while the config is merged (torch-free)
   weights.py     weight names, strict whole-model `load` and `save`
   checkpoint.py  a checkpoint read tensor by tensor and region by region
   init_from.py   each rank reads its own slices of a checkpoint into its parallel layout
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshtron.hf.config import config_from_hf, config_to_hf
+from meshtron.config.huggingface import config_from_hf, config_to_hf
 
 if TYPE_CHECKING:
     from meshtron.models.llama import Transformer

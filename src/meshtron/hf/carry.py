@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from meshtron.config.huggingface import config_from_hf, config_to_hf
 from meshtron.data.tokenizer import TOKENIZER_FILE
 from meshtron.data.tokenizer_files import companion_files, current_form
-from meshtron.hf.config import config_from_hf, config_to_hf
 
 CARRIED_FILE = "hf_files.json"  # in a checkpoint: {file name: text}
 CONFIG = "config.json"

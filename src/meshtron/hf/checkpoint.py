@@ -6,7 +6,7 @@ parts of the tensors it holds; this module knows the directory, and init_from.py
   HFCheckpoint        the safetensors files' headers (names, shapes), and `read(name, region)`, which
                       reads just that region through safetensors' `get_slice` (other rows, and other
                       tensors, are never read)
-  checkpoint_config   the ModelConfig of config.json (config.py's mapping), with the output head tied
+  checkpoint_config   the ModelConfig of config.json (config/huggingface.py's mapping), with the output head tied
                       when the checkpoint has no lm_head, as `hf.load` and transformers tie it
   parameter_sources   where each meshtron parameter's values lie in the checkpoint (weights.py's names; the
                       experts as one tensor per expert or fused), after checking that the checkpoint has
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshtron.config import ModelConfig
-from meshtron.hf.config import HEAD, weight_files
+from meshtron.config.huggingface import HEAD, weight_files
+from meshtron.config.schema import ModelConfig
 from meshtron.hf.weights import (
     GLOBAL_RENAMES,
     IGNORED_KEY_PATTERN,

@@ -3,7 +3,7 @@
 DIR is a directory as transformers writes it: config.json and model.safetensors, or safetensors shards
 with model.safetensors.index.json (pickled weights are refused, as by `meshtron.hf.load`).
 
-The config: resolve.py reads the architecture from DIR/config.json while the config is merged.
+The config: config/init_from.py reads the architecture from DIR/config.json while the config is merged.
 
 The weights (`load_hf_weights`, called by the Trainer after `parallelize`): each rank asks its
 data-parallel engine which rows of which parameters it holds (`owned_rows`, as checkpoints do), turns
@@ -50,14 +50,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from meshtron.comm import CommGroup
-from meshtron.config import ModelConfig
+from meshtron.comm.group import CommGroup
+from meshtron.config.huggingface import HEAD, checkpoint_config
+from meshtron.config.schema import ModelConfig
 from meshtron.hf.checkpoint import (
     HFCheckpoint,
     parameter_sources,
     read_source,
 )
-from meshtron.hf.config import HEAD, checkpoint_config
 from meshtron.parallel.parallelize import ParallelModel
 from meshtron.parallel.regions import Region, fill_owned_
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> meshtron models: weight renaming and strict loading (configs: config.py).
+"""Hugging Face checkpoints <-> meshtron models: weight renaming and strict loading (configs: config/huggingface.py).
 
 `load` reads a directory as `transformers` writes it (config.json + model.safetensors, or shards with
 model.safetensors.index.json) for llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe, and
@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshtron.config import ModelConfig
-from meshtron.hf.config import config_from_hf, config_to_hf, read_hf_config, weight_files
+from meshtron.config.huggingface import config_from_hf, config_to_hf, read_hf_config, weight_files
+from meshtron.config.schema import ModelConfig
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, Entry, save_streamed
 from meshtron.models.llama import Transformer, rope_inv_freq
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 
 BLOCK_ELEMENTS = 1 << 16
 Region = Sequence[tuple[int, int]]  # (start, stop) per dim of the logical tensor

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import ModelConfig
+from meshtron.config.schema import ModelConfig
 from meshtron.models.blockwise_attention import attend_blockwise
 from meshtron.models.init import init_weights
 from meshtron.models.layers import FeedForward, RMSNorm

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# A target that does not count (a prompt token, padding): 0 loss, no gradient. PyTorch's and
-# transformers' convention, so labels prepared for either mean the same here.
-IGNORE_INDEX = -100
+from meshtron.data import IGNORE_INDEX
 
 
 def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

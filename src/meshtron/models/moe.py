@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.config import ModelConfig, RouterScore
+from meshtron.config.schema import ModelConfig, RouterScore
 from meshtron.models.layers import FeedForward
 
 

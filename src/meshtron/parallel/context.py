@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import CpImpl
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import CpImpl
 from meshtron.models.block_positions import Positions
 from meshtron.models.blockwise_attention import (
     BlockwiseAttention,

@@ -3,14 +3,14 @@
 Context-parallel ranks hold the same parameters and different tokens, so they join the data-parallel
 ranks in every gradient reduction, and sharding runs over dp_shard x cp (as torchtitan does):
 
-  dp_shard·cp = 1                 DDP over dp_replicate (a group of size 1 costs nothing)      ddp.py
-  dp_shard·cp > 1, zero = 1 or 2  ZeRO-1/2 over dp_shard·cp, all-reduce across dp_replicate   zero.py
-  dp_shard·cp > 1, zero = 3       meshtron's FSDP (HSDP with dp_replicate > 1)                fsdp.py
+  dp_shard·cp = 1                 DDP over dp_replicate (a group of size 1 costs nothing)      engines/ddp.py
+  dp_shard·cp > 1, zero = 1 or 2  ZeRO-1/2 over dp_shard·cp, all-reduce across dp_replicate   engines/zero.py
+  dp_shard·cp > 1, zero = 3       meshtron's FSDP (HSDP with dp_replicate > 1)                engines/fsdp.py
                                   or PyTorch's fully_shard with fsdp_impl = "torch"
-                                  or SimpleFSDP (a parametrization) with fsdp_impl = "simple"  simple_fsdp.py
+                                  or SimpleFSDP (a parametrization) with fsdp_impl = "simple"  engines/simple_fsdp.py
 
 With expert parallel (ep > 1) the experts' weights get a second engine of the same kind over their
-expert-data-parallel group edp (DDP over dp_replicate when edp = 1); expert_data_parallel.py.
+expert-data-parallel group edp (DDP over dp_replicate when edp = 1); engines/expert.py.
 
 Under pipeline parallel the same engines run per stage: FSDP's root unit (embedding, final norm, head)
 is the stage's chunk that holds them, and a middle stage has none.
@@ -23,20 +23,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.comm import Comm
-from meshtron.config import Config, FsdpImpl
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.schema import Config, FsdpImpl
+from meshtron.engines.ddp import DistributedDataParallel
+from meshtron.engines.engine import DataParallelEngine
+from meshtron.engines.expert import ExpertDataParallel, ParameterSubset
+from meshtron.engines.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.engines.materialize import is_meta, materialize_
+from meshtron.engines.simple_fsdp import SimpleFSDP
+from meshtron.engines.zero import ZeroShardedOptimizer
 from meshtron.models.layers import DTYPES
 from meshtron.models.llama import Transformer
-from meshtron.parallel.ddp import DistributedDataParallel
-from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import expert_parameter_names
-from meshtron.parallel.expert_data_parallel import ExpertDataParallel, ParameterSubset
 from meshtron.parallel.float8 import float8_weight_names
-from meshtron.parallel.fsdp import FullyShardedDataParallel, TorchFSDP
-from meshtron.parallel.materialize import is_meta, materialize_
-from meshtron.parallel.simple_fsdp import SimpleFSDP
-from meshtron.parallel.zero import ZeroShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def apply_data_parallel(
     """The data-parallel step of `parallelize`: the engine for this layout over `model` (already cut by
     the earlier steps). `roots`: the modules whose forwards use the parameters outside the blocks, when it
     is not the model (a pipeline stage's chunks that hold the embedding or the head). With expert
-    parallel, the experts get an engine of their own over edp (expert_data_parallel.py)."""
+    parallel, the experts get an engine of their own over edp (engines/expert.py)."""
     shard_dim = mesh.with_cp("dp_shard")
     blocks = list(model.layers.values())
     experts = expert_parameter_names(model) if mesh.size("ep") > 1 else frozenset()

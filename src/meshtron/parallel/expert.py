@@ -1,6 +1,6 @@
 """Expert parallel: the experts of every MoE layer spread over the ep ranks, tokens sent to them.
 
-The ep ranks are borrowed from dp_shard x cp (mesh.py re-reads that block as [edp, ep]): each rank of an
+The ep ranks are borrowed from dp_shard x cp (comm/mesh.py re-reads that block as [edp, ep]): each rank of an
 ep group holds E/ep consecutive experts and its own tokens. A forward of an MoE layer (models/moe.py
 routes and keeps; this module moves the tokens):
 
@@ -35,8 +35,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import EpDispatch
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import EpDispatch
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, counts_of, sort_by_expert
 

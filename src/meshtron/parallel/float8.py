@@ -21,8 +21,9 @@ import types
 import torch
 from torch import nn
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import Float8Recipe
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import Float8Recipe
 from meshtron.models.float8 import Reduce, float8_linear, no_reduce
 from meshtron.models.llama import Transformer
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear

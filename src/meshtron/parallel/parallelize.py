@@ -28,24 +28,25 @@ from functools import partial
 
 import torch
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import Config
-from meshtron.layout import PP_ENDS
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.saved_gathers import SAVED_GATHERS
+from meshtron.comm.timing import TIMES
+from meshtron.config.layout import PP_ENDS
+from meshtron.config.schema import Config
+from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.documents import DocumentMask, MicroBatchLayout
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data_parallel import DataParallelSettings, apply_data_parallel
-from meshtron.parallel.engine import DataParallelEngine
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.recompute import apply_recompute
-from meshtron.parallel.saved_gathers import SAVED_GATHERS
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline, sum_tied_gradients
-from meshtron.timing import TIMES
 
 
 @dataclass
@@ -185,7 +186,7 @@ def parallelize(
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size("tp") if p.sp else 1
-        overlap = p.pp_overlap  # pairs.py: only dualpipev on CPU ranks gets here with it (pipeline/rules.py)
+        overlap = p.pp_overlap  # pairs.py: only dualpipev on CPU ranks gets here with it (rules/pipeline.py)
         if overlap:
             comm.add_pair_lane(mesh.pair_lane())
         pipeline = PipelineRuntime(

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from meshtron.comm_autograd import out_of_place
-from meshtron.config import OpRecomputeSaves, Recompute
+from meshtron.comm.autograd import out_of_place
+from meshtron.config.schema import OpRecomputeSaves, Recompute
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
 from meshtron.pipeline.zero_bubble import active_deferrals

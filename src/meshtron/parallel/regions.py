@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron.comm import CommGroup
-from meshtron.config import ModelConfig
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import ModelConfig
+from meshtron.engines.engine import OwnedRows
 from meshtron.models.init import init_region
-from meshtron.parallel.engine import OwnedRows
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel
 from meshtron.parallel.tensor import TensorParallelPlan

@@ -26,7 +26,7 @@ the row-parallel layer's output:
 
 With sp the residual stream, the norms and the embedding output hold 1/tp of the sequence, and so does
 what backward keeps: the projections that save the all-gathered input keep its shard, and backward
-gathers it again, once per region (saved_gathers.py, as Megatron does). Weights that
+gathers it again, once per region (comm/saved_gathers.py, as Megatron does). Weights that
 every tp rank holds whole but that see only part of the work (norms under sp, q/k norms, the router,
 the shared-expert gate, replicated key/value projections) get a gradient hook that sums their gradient
 over the tp group. Each tp rank back-propagates the same (replicated) loss, as in Megatron.
@@ -42,13 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import ModelConfig
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.saved_gathers import SAVED_GATHERS
+from meshtron.config.schema import ModelConfig
 from meshtron.models.layers import RMSNorm
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import IGNORE_INDEX
 from meshtron.models.moe import MoE
-from meshtron.parallel.saved_gathers import SAVED_GATHERS
 
 
 @dataclass
@@ -261,7 +262,7 @@ class _Sharder:
 
     def enter_region(self, x: torch.Tensor, cast: bool = False) -> torch.Tensor:
         """Megatron's f (tp) or the sequence all-gather (sp). Under sp the projections that save the
-        gathered input keep its shard instead and gather it again in backward (saved_gathers.py);
+        gathered input keep its shard instead and gather it again in backward (comm/saved_gathers.py);
         `cast`: gather in autocast's dtype, as every consumer would cast it, so that they share one copy
         (and half the bytes move)."""
         if not self.sp:
@@ -285,7 +286,7 @@ class _Sharder:
             return self.comm.all_reduce_(grad.to(torch.float32, copy=True), self.tp).to(grad.dtype)
 
         param.register_hook(summed)
-        # An engine that stores the parameter as a new tensor re-registers it there (simple_fsdp.py).
+        # An engine that stores the parameter as a new tensor re-registers it there (engines/simple_fsdp.py).
         param.grad_hooks = [*getattr(param, "grad_hooks", []), summed]
 
     def entering(self, norm: RMSNorm, name: str) -> None:

@@ -6,7 +6,7 @@ on, the runtime runs a pair (an F marked `paired` in the schedule, and the B and
 
   1  both messages the pair needs are received first (the schedule puts both receives before it)
   2  the forward starts in a helper thread, which issues every collective on the comm layer's *pair
-     lane*: a twin of each process group a forward uses (tp, cp, ep; mesh.py `pair_lane`), so that
+     lane*: a twin of each process group a forward uses (tp, cp, ep; comm/mesh.py `pair_lane`), so that
      each group still sees its collectives in one order on every rank, per lane
   3  this thread runs the backward and the W, on the groups themselves
   4  both threads are joined; then the pair's sends go out
@@ -30,7 +30,7 @@ mark. NCCL: each lane's collectives go to its own communicators (the twins), in 
 every rank; the two lanes' kernels may then interleave differently on different ranks, which NCCL
 tolerates while both fit on the GPU at once (its kernels take a few SMs each). What needs two GPUs or
 more (the NCCL ordering, the overlap itself) is not verified yet, so on CUDA the runtime refuses
-`parallel.pp_overlap` unless MESHTRON_UNVERIFIED_PAIR_LANE=1 (pipeline/rules.py); the streams alone are
+`parallel.pp_overlap` unless MESHTRON_UNVERIFIED_PAIR_LANE=1 (rules/pipeline.py); the streams alone are
 checked on one GPU by benchmarks/gpu_check.py.
 
 What must not be shared between the two threads is kept per thread: the weight-gradient deferral modes
@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from meshtron.comm import Comm
-from meshtron.pipeline.actions import Action, Kind
+from meshtron.comm.collectives import Comm
+from meshtron.schedules.actions import Action, Kind
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 

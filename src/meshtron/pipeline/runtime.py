@@ -1,8 +1,8 @@
-"""Pipeline runtime: executes this rank's action list from schedules.py on real tensors.
+"""Pipeline runtime: executes this rank's action list from schedules/build.py on real tensors.
 
 The model is built whole (so every parameter starts from its layout-independent value) and pruned to
 the chunks this rank holds (`split_pipeline`, the first step of `parallelize`) before tensor parallel
-shards what is left; rules.py states what the split and the schedule need of the config. Each chunk
+shards what is left; rules/pipeline.py states what the split and the schedule need of the config. Each chunk
 is a `PipelineChunk` module over the model's own blocks, so data-parallel hooks (FSDP gathers) fire
 around it. A forward keeps what its backward needs (the graph from the received input to the chunk's
 output); sends are non-blocking, and once one has finished the sent output's own storage is released
@@ -42,17 +42,19 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from meshtron.comm import Comm, CommGroup, Pending
-from meshtron.config import SPLIT_BACKWARD, PipelineSchedule
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.pending import Pending
+from meshtron.comm.timing import TIMES
+from meshtron.config.schema import SPLIT_BACKWARD, PipelineSchedule
+from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.documents import MicroBatchLayout
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
 from meshtron.models.loss import MicroBatchLoss
-from meshtron.parallel.engine import DataParallelEngine
-from meshtron.pipeline.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
 from meshtron.pipeline.pairs import run_pair
-from meshtron.pipeline.schedules import build_schedule, busy_seconds, send_release_points
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
-from meshtron.timing import TIMES
+from meshtron.schedules.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
+from meshtron.schedules.build import build_schedule, busy_seconds, send_release_points
 
 TIED_WEIGHT = "tok_embeddings.weight"
 

@@ -16,7 +16,7 @@ dtype's; a unit's "full" size is its padded rows over all n ranks, its "shard" 1
               the root, gathered whole for all of forward and again for     root full · pb
               the head's backward (its gathers get buffers of their own)
 
-parallel/zero.py, parallel/fsdp.py and parallel/staging.py allocate these;
+engines/zero.py, engines/fsdp.py and engines/staging.py allocate these;
 benchmarks/memory_vs_plan.py measures them with the rest of a rank's peak.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from meshtron.config import Config
+from meshtron.config.schema import Config
 from meshtron.plan.state import RankParameter, rank_parameters, stage_key
 
 

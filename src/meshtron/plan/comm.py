@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import math
 
-from meshtron.config import Config
-from meshtron.pipeline.actions import chunks_of_rank, rank_of_chunk
+from meshtron.config.schema import Config
 from meshtron.plan.state import rank_parameters
+from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
 
 DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends"})
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import Config
+from meshtron.config.schema import Config
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
@@ -102,7 +102,7 @@ class Network:
 
 
 def groups(cfg: Config) -> dict[str, Group]:
-    """Every dim's group on this cluster's nodes (mesh order of mesh.py)."""
+    """Every dim's group on this cluster's nodes (mesh order of comm/mesh.py)."""
     p = cfg.parallel
     dense = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     strides = mesh_strides(dense, ("pp", "dp_replicate", "dp_shard", "cp", "tp"))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtron.config import Config
+from meshtron.config.schema import Config
 from meshtron.plan.flops import keys_per_query
 from meshtron.plan.gpu_memory import layer_bytes
 from meshtron.plan.memory import head_activation_bytes

@@ -4,7 +4,7 @@ A step, on the slowest stage:
 
   1. per micro-batch and chunk, F, B and W seconds: compute (plan/compute_time.py) plus the tp, cp and
      ep communication compute does not hide (plan/comm_time.py)
-  2. the pipeline schedule run on those costs by the simulator (pipeline/schedules.py), with the real
+  2. the pipeline schedule run on those costs by the simulator (schedules/build.py), with the real
      layer split: its makespan includes the bubble, and it reports each stage's peak in-flight
      micro-batches (the activations memory holds)
   3. plus the data-parallel communication backward does not hide, and the optimizer step (AdamW reads
@@ -20,9 +20,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from meshtron.config import SPLIT_BACKWARD, Config
-from meshtron.pipeline.actions import Kind, chunks_of_rank
-from meshtron.pipeline.schedules import CheckedSchedule, build_schedule, checked_schedule, simulate
+from meshtron.config.schema import SPLIT_BACKWARD, Config
 from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, pp_p2p
 from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
@@ -37,7 +35,9 @@ from meshtron.plan.gpu_memory import (
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import layer_split, model_key, stage_signature
-from meshtron.words import plural
+from meshtron.schedules.actions import Kind, chunks_of_rank
+from meshtron.schedules.build import CheckedSchedule, build_schedule, checked_schedule, simulate
+from meshtron.utils.words import plural
 
 OPTIMIZER_BYTES_PER_ELEMENT = 32
 
@@ -54,7 +54,7 @@ class Cluster:
     overlap: Overlap = field(default_factory=Overlap)
     memory: MemoryOverhead = field(default_factory=MemoryOverhead)
     # How much faster a rank runs while others idle: 1 for devices of their own; CPU ranks sharing
-    # cores (probe.py) run at ranks·threads / cores times their all-busy rate when alone.
+    # cores (probe/hardware.py) run at ranks·threads / cores times their all-busy rate when alone.
     alone_speedup: float = 1.0
 
     @property
@@ -63,7 +63,7 @@ class Cluster:
 
     def describe(self) -> str:
         g = self.gpu
-        if g.name == "cpu":  # a measured machine (plan/probe.py): said in a CPU's terms
+        if g.name == "cpu":  # a measured machine (probe/hardware.py): said in a CPU's terms
             return (
                 f"{plural(self.gpus, 'gloo rank')} on this CPU ({os.cpu_count()} cores; measured fp32 matmul "
                 f"{(g.fp32_flops_per_s or self.peak) / 1e9:,.1f} GFLOP/s per rank, "

@@ -45,7 +45,7 @@ passes, full attention, GQA and SwiGLU, no recompute and no router: 12·B·s·L�
 V/(2·L·h)) for g key/value groups of a heads, i.e. `training_flops_per_token(cfg, s, "full")` for a
 dense model with head_size = h/a.
 
-Against `train/metrics.py`'s `flops_per_token` (what the trainer's MFU uses): `training_flops_per_token`
+Against `observe/metrics.py`'s `flops_per_token` (what the trainer's MFU uses): `training_flops_per_token`
 with the causal count equals it for every model without a sliding window shorter than the sequence and
 without a shared-expert gate. The trainer's count ignores the window (it counts s/2 keys per query
 whatever w is: too high when w < s) and leaves out the h×1 shared-expert gate (6·h FLOPs per token and
@@ -58,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from meshtron.config import ModelConfig, OpRecomputeSaves, Recompute
+from meshtron.config.schema import ModelConfig, OpRecomputeSaves, Recompute
 
 AttentionCount = Literal["causal", "full"]
 TRAINING_PASSES = 3  # forward + backward (input and weight gradients)

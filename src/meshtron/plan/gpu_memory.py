@@ -3,7 +3,7 @@
   part          bytes
   params        plan/state.py: fp32 masters (a ZeRO-3 shard, or whole); with bf16, engines that keep
                 whole parameters hold them once in bf16 (every micro-batch shares that copy) besides
-                the fp32 masters (ZeRO-1/2: the owned rows; parallel/mixed_precision.py)
+                the fp32 masters (ZeRO-1/2: the owned rows; engines/mixed_precision.py)
   grads         plan/state.py: fp32 gradients (bucket buffers, a ZeRO-2/3 shard)
   optimizer     plan/state.py: AdamW's fp32 m and v of the owned rows
   activations   the most the stage's pipeline schedule keeps at once, walked action by action: each
@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from meshtron.config import SPLIT_BACKWARD, Config, ModelConfig
-from meshtron.pipeline.actions import Kind, chunks_of_rank
-from meshtron.pipeline.schedules import build_schedule
+from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig
 from meshtron.plan.buffers import engine_buffers
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
 from meshtron.plan.state import layer_split, model_key, state_bytes
+from meshtron.schedules.actions import Kind, chunks_of_rank
+from meshtron.schedules.build import build_schedule
 
 GiB = 2**30
 

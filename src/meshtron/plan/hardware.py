@@ -33,7 +33,7 @@ A NIC's "400 Gb/s" is already per direction (full duplex), so only the bits-to-b
 
 Choices:
 - H100 SXM's dense bf16 peak is 989.4 TFLOP/s in NVIDIA's Hopper whitepaper; 989 is stored; the trainer's
-  MFU divides by this table's peaks too (`train/peak.py`), so planner and trainer MFU agree.
+  MFU divides by this table's peaks too (`probe/peak.py`), so planner and trainer MFU agree.
 - H800 is H100 SXM with NVLink cut to 8 links (400 GB/s total); its tensor cores, memory and network are
   an H100's. DeepSeek-V3's report measures about 160 GB/s of NVLink and 50 GB/s of InfiniBand per GPU on
   its H800 cluster: the link efficiency constants, not this table, account for that gap.
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from meshtron.config import ConfigError
+from meshtron.config.schema import ConfigError
 
 GiB = 2**30
 TERA = 1e12

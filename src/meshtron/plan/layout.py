@@ -29,8 +29,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from meshtron.config import Config, ConfigError, suggest
-from meshtron.layout import ParallelDims
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import Config, ConfigError, suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")

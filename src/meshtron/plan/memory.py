@@ -31,7 +31,7 @@ heads per tp rank than u they keep k and v replicated to u heads.
 
 The 5·a·s² score term is absent: the fused kernel never materialises the scores. As in Megatron, the
 all-gathered input of the column-parallel projections is not kept under sequence parallel: they keep
-its sequence shard and gather it again in backward (parallel/saved_gathers.py), so with tp + sp every
+its sequence shard and gather it again in backward (comm/saved_gathers.py), so with tp + sp every
 term of a layer is 1/t.
 
 An MoE layer keeps the same norms and attention; its feed-forward depends on the routing. With T = s·b
@@ -80,7 +80,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
+from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
 from meshtron.plan.op_memory import op_kept_elements, slot_rows
 
 

@@ -1,6 +1,6 @@
 """Which links each mesh dim's collectives cross, and how long a collective takes on them.
 
-The mesh lays ranks out row-major over [pp, dp_replicate, dp_shard, cp, tp] (mesh.py), the expert view
+The mesh lays ranks out row-major over [pp, dp_replicate, dp_shard, cp, tp] (comm/mesh.py), the expert view
 over [pp, dp_replicate, edp, ep, tp]; nodes hold `gpus_per_node` consecutive ranks. A group of n ranks
 spaced `stride` apart therefore has min(n, ceil(G/stride)) members per node: it stays on NVLink when
 n·stride <= G, and otherwise crosses the network.
@@ -19,7 +19,7 @@ per-message latency of the link:
 
 A collective issued as c separate calls (FSDP's one per unit, DDP's one per bucket) pays the latency c
 times and the bandwidth term once for its total bytes. Point-to-point messages may have their own
-latency and share of the link (a CPU's gloo pairs do: probe.py measures them); by default they
+latency and share of the link (a CPU's gloo pairs do: probe/hardware.py measures them); by default they
 take the link's.
 
 A ring that leaves the node runs at the network's rate: every GPU's share of the ring passes its own NIC

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.config import EpDispatch, ModelConfig, OpRecomputeSaves
+from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves
 
 # (elements, whether they are fp32 whatever the activation dtype) of each stored output, in forward order.
 Outputs = list[tuple[int, bool]]

@@ -24,12 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtron.checks import not_yet_supported, validate
-from meshtron.config import Config
-from meshtron.layout import divisors
+from meshtron.config.layout import divisors
+from meshtron.config.schema import Config
 from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory, stage_memories
 from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
+from meshtron.rules.checks import not_yet_supported, validate
 
 MICRO_BATCHES = (1, 2, 4, 8)
 # Less recompute first: a layout is not tried again with more once it fits. "op" keeps less than

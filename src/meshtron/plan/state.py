@@ -5,7 +5,7 @@ parallel leave on a rank (the same cuts as parallel/tensor.py and parallel/exper
 splits over tp, key/value heads replicated when fewer than tp, the vocabulary padded to a multiple of
 tp, experts split over ep, and over tp too with etp = 1). `state_bytes` then applies the data-parallel
 engine the layout gets (parallel/data_parallel.py), dense and expert parameters each over their own
-group, with the engines' exact storage (shard.py's dim-0 row blocks of ceil(d0/n) rows, zero-padded):
+group, with the engines' exact storage (engines/shard.py's dim-0 row blocks of ceil(d0/n) rows, zero-padded):
 
   engine (group of n)   parameters            gradients                      AdamW state (fp32 m, v)
   DDP                   4·P                   4·P (bucket buffers)           8·P
@@ -15,7 +15,7 @@ group, with the engines' exact storage (shard.py's dim-0 row blocks of ceil(d0/n
                         (gathered in the compute dtype only while a unit runs)
 
 P counts elements, owned rows are this rank's unpadded rows of each parameter and a padded shard is
-sum over parameters of ceil(d0/n)·(row size). In bf16 (parallel/mixed_precision.py) the engines with
+sum over parameters of ceil(d0/n)·(row size). In bf16 (engines/mixed_precision.py) the engines with
 whole parameters hold them in bf16 (2·P) beside the fp32 masters of their optimizer (4·P under DDP, 4·
 owned rows padded under ZeRO-1/2), both counted as parameters; ZeRO-3's parameters are its fp32 shards.
 The most loaded rank is rank 0 of each group, which holds full blocks.
@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtron.config import Config, ModelConfig
-from meshtron.pipeline.actions import chunks_of_rank
-from meshtron.pipeline.balance import layer_split_of
+from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.flops import layer_costs
+from meshtron.schedules.actions import chunks_of_rank
+from meshtron.schedules.balance import layer_split_of
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _split_key(cfg: Config) -> tuple:
 
 
 def layer_split(cfg: Config) -> list[list[int]]:
-    """The layers of every chunk (pipeline/balance.py), as the trainer runs them and the planner models
+    """The layers of every chunk (schedules/balance.py), as the trainer runs them and the planner models
     them, cached per layout."""
     p, m = cfg.parallel, cfg.model
     key = _split_key(cfg)

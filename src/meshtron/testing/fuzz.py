@@ -21,10 +21,10 @@ import sys
 import traceback
 from typing import Any
 
-from meshtron.checks import check, load_config
+from meshtron.comm.workers import WorkerPool, close_pools
+from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.testing.workers import WorkerPool, close_pools
 
 GLOBAL_BATCH = 8
 

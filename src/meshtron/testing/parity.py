@@ -1,6 +1,6 @@
 """Parity with the single-device run, the definition of correct for every parallel layout.
 
-`run_layout` runs a layout for 10 steps on every rank of a worker pool (workers.py) and returns each
+`run_layout` runs a layout for 10 steps on every rank of a worker pool (comm/workers.py) and returns each
 rank's losses and its step-1 gradients gathered back to logical shape; `reference` is the same on one
 device (computed once per model and data config and reused); `assert_parity` compares them in fp32:
 
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.checks import load_config
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.workers import WorkerPool
+from meshtron.config.layout import ParallelDims
+from meshtron.observe.metrics import model_state_bytes
+from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import TINY
-from meshtron.testing.workers import WorkerPool
-from meshtron.train.metrics import model_state_bytes
 from meshtron.train.trainer import Trainer
 
 STEPS = 10

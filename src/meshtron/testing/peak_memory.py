@@ -4,7 +4,7 @@
                    storage Python reaches, counted once): the interpreter, torch's libraries and their
                    workspaces, gloo's process groups and buffers, the allocator's slack; measured in the
                    same process, between steps, where no activation is alive
-  measured         the resident peak (VmHWM, train/metrics.py) over the steps, minus that fixed overhead
+  measured         the resident peak (VmHWM, observe/metrics.py) over the steps, minus that fixed overhead
   predicted        plan/gpu_memory.py's parts for the rank's stage (plan/estimate.py's `stage_memories`),
                    without a GPU's reserved context; gloo's ZeRO-1 all-reduces whole buckets in place
 
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from meshtron.checks import load_config
 from meshtron.plan.estimate import Cluster, stage_memories
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import accelerator
-from meshtron.resident import resident_peak_bytes
+from meshtron.rules.checks import load_config
+from meshtron.utils.resident import resident_peak_bytes
 
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 

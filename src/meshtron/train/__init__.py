@@ -5,11 +5,7 @@ the loop asks when a step fails."""
 
 import signal
 
-from meshtron.words import plural
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or does not fit this model; the message says what to do."""
+from meshtron.utils.words import plural
 
 
 class TrainingDiverged(RuntimeError):

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshtron.comm import CommGroup
-from meshtron.config import TrainingConfig
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import TrainingConfig
 from meshtron.data.dataset import PreparedData
 from meshtron.data.mixture import MixtureSampler
 from meshtron.data.validation import validation_sampler

@@ -15,8 +15,9 @@ import re
 
 import torch
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.parallel.engine import DataParallelEngine
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.engines.engine import DataParallelEngine
 from meshtron.train import TrainingDiverged
 
 

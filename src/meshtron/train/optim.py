@@ -14,9 +14,10 @@ import math
 import torch
 from torch import nn
 
-from meshtron.comm import Comm, CommGroup
-from meshtron.config import TrainingConfig
-from meshtron.parallel.engine import DataParallelEngine
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import TrainingConfig
+from meshtron.engines.engine import DataParallelEngine
 from meshtron.parallel.tensor import TensorParallelPlan
 
 

@@ -9,7 +9,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from meshtron.config import Config
+from meshtron.checkpoint import CheckpointError
+from meshtron.checkpoint.save_load import checkpoint_model, complete_checkpoints
+from meshtron.config.schema import Config
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData
 from meshtron.data.mixture import Mixture
@@ -17,15 +19,13 @@ from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, carried_files
 from meshtron.models.generate import generate
 from meshtron.models.llama import Transformer
-from meshtron.train import CheckpointError
-from meshtron.train.checkpoint import checkpoint_model, complete_checkpoints
-from meshtron.train.records import CONFIG_FILE, config_text
+from meshtron.observe.records import CONFIG_FILE, config_text
 
 PROMPT_TOKENS = 16  # the prompt: the first tokens of the validation data (or of the training data)
 
 
 def checkpoint_files(cfg: Config, world_size: int, dataset: PreparedData | Mixture) -> dict[str, bytes]:
-    """config.toml (the config as run, as records.py writes it into run.dir; inside the checkpoint too, as
+    """config.toml (the config as run, as observe/records.py writes it into run.dir; inside the checkpoint too, as
     run.dir's is rewritten by every start and checkpoint.dir may be elsewhere), tokenizer.json, and the
     Hugging Face files an export writes back (hf/carry.py), when there are any."""
     tok = dataset.load_tokenizer()

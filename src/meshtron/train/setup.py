@@ -1,10 +1,10 @@
 """A training job's set-up on this rank, everything before its first step, in order:
 
   1  process group    join the job torchrun (or `--nproc`) started, or make a one-rank job
-  2  check            the config against the world size and device the job really has (checks.py)
+  2  check            the config against the world size and device the job really has (rules/checks.py)
   3  directories      run.dir (and checkpoint.dir) writable, found before any work
-  4  mesh, comm       this layout's process groups (mesh.py) and the communication layer (comm.py)
-  5  records          config.toml and environment.json in run.dir (records.py), before the long phases
+  4  mesh, comm       this layout's process groups (comm/mesh.py) and the communication layer (comm.py)
+  5  records          config.toml and environment.json in run.dir (observe/records.py), before the long phases
   6  data             the prepared tokens (rank 0 prepares the default corpus), the validation split,
                       the layout-independent sampler
   7  model            built on the meta device: its structure, no storage for its parameters
@@ -33,10 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.checks import check
-from meshtron.comm import Comm, CommGroup
-from meshtron.comm_record import recorder
-from meshtron.config import Config, ConfigError, TrainingDType, refuse
+from meshtron.checkpoint import CheckpointError
+from meshtron.checkpoint.blocks import ShardBlocks
+from meshtron.checkpoint.integrity import corrupt_files, unwritable
+from meshtron.checkpoint.save_load import CheckpointInfo, complete_checkpoints, load_checkpoint
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.record import recorder
+from meshtron.config.layout import ParallelDims
+from meshtron.config.schema import Config, ConfigError, TrainingDType, refuse
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
 from meshtron.data.mixture import Mixture, MixtureSampler
@@ -44,23 +50,18 @@ from meshtron.data.sampler import BatchSampler
 from meshtron.data.tokenizer import TOKENIZER_FILE
 from meshtron.data.validation import split_validation
 from meshtron.hf.init_from import LoadReport, load_hf_weights
-from meshtron.layout import ParallelDims
-from meshtron.mesh import ParallelMesh
 from meshtron.models.documents import DocumentMask
 from meshtron.models.llama import Transformer, build_meta_model
 from meshtron.models.loss import MicroBatchLoss
+from meshtron.observe.records import write_run_records
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel, parallelize
 from meshtron.parallel.regions import initialize_
 from meshtron.plan.state import layer_split
-from meshtron.train import CheckpointError
-from meshtron.train.checkpoint import CheckpointInfo, complete_checkpoints, load_checkpoint
-from meshtron.train.checkpoint_blocks import ShardBlocks
-from meshtron.train.checkpoint_integrity import corrupt_files, unwritable
+from meshtron.rules.checks import check
+from meshtron.rules.training import float8_device_problems
 from meshtron.train.optim import build_optimizer
-from meshtron.train.records import write_run_records
-from meshtron.train.rules import float8_device_problems
-from meshtron.words import plural
+from meshtron.utils.words import plural
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Job:
     place: RankPlace
     dims: ParallelDims
     owns_mesh: bool  # made its process groups (else it reuses a caller's mesh, which keeps them)
-    environment: dict[str, Any] | None  # what records.py wrote (rank 0)
+    environment: dict[str, Any] | None  # what observe/records.py wrote (rank 0)
     dataset: PreparedData | Mixture  # the training tokens (one dataset, or a mixture: data.sources)
     val_data: PreparedData | Mixture | None  # the validation tokens, if any
     sampler: BatchSampler | MixtureSampler
@@ -245,7 +246,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     started = time.perf_counter()
     place, dims = _join(cfg, mesh)
     rank, t = place.rank, cfg.training
-    # Before the long phases, so that a run dying in start-up still says what it was (records.py).
+    # Before the long phases, so that a run dying in start-up still says what it was (observe/records.py).
     environment = write_run_records(cfg.run.dir, cfg, place.world_size) if rank == 0 else None
     torch.manual_seed(t.seed)
     # With data.val_fraction, training samples only the tokens before the held-out tail.

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from meshtron.words import plural
+from meshtron.utils.words import plural
 
 
 def free_core_threads(cores: int, load_average: float, default: int) -> int:

@@ -5,10 +5,10 @@ A step: for each micro-batch, forward and backward with the loss divided by the 
 the runtime runs them in its schedule's order: ParallelModel.run_micro_batches) ->
 `finish_gradients()` -> exact clipping -> AdamW -> `engine.after_step()`. Its communication is counted
 by one `comm.recording()`, so a step's metrics hold its own collectives and nothing else's; its time
-by phase (forward, backward, optimizer) and its waits per group by timing.py's clock.
+by phase (forward, backward, optimizer) and its waits per group by comm/timing.py's clock.
 
-Around the steps (`run_step`): the profiler's window (profiling.py), every log interval's straggler
-report (stragglers.py), evaluations, checkpoints (synchronous, or asynchronous: checkpoint_async.py).
+Around the steps (`run_step`): the profiler's window (observe/profiling.py), every log interval's straggler
+report (observe/stragglers.py), evaluations, checkpoints (synchronous, or asynchronous: checkpoint/async_save.py).
 """
 
 from __future__ import annotations
@@ -24,28 +24,30 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from meshtron.config import Config
+from meshtron.checkpoint.async_save import AsyncCheckpointer
+from meshtron.checkpoint.save_load import SaveRequest, save_checkpoint
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.timing import TIMES
+from meshtron.config.schema import Config
 from meshtron.data.mixture import MixtureSampler
-from meshtron.data.rules import micro_batches_per_step
-from meshtron.mesh import ParallelMesh
 from meshtron.models.layers import DTYPES
-from meshtron.pipeline.picture import draw_measured_timeline
-from meshtron.timing import TIMES
+from meshtron.observe.expert_load import ExpertLoads
+from meshtron.observe.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
+from meshtron.observe.profiling import StepProfiler, held_bytes, memory_line, predicted_memory, staging_bytes
+from meshtron.observe.stragglers import straggler_line, straggler_report
+from meshtron.observe.summary import run_summary, summary_text, write_summary
+from meshtron.observe.wandb_log import WandbSettings
+from meshtron.pictures.experts import draw_expert_load
+from meshtron.pictures.loss import plot_loss
+from meshtron.pictures.pipeline import draw_measured_timeline
+from meshtron.probe.peak import cpu_peak_beaten, job_peak_flops, shown_mfu
+from meshtron.rules.data import micro_batches_per_step
 from meshtron.train import TrainingDiverged, TrainingInterrupted, sigint_received
-from meshtron.train.checkpoint import SaveRequest, save_checkpoint
-from meshtron.train.checkpoint_async import AsyncCheckpointer
 from meshtron.train.evaluate import Evaluator
-from meshtron.train.expert_load import ExpertLoads, draw_expert_load
-from meshtron.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, plot_loss
 from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
 from meshtron.train.optim import clip_grad_norm_, lr_at
-from meshtron.train.peak import cpu_peak_beaten, job_peak_flops, shown_mfu
-from meshtron.train.profiling import StepProfiler, held_bytes, memory_line, predicted_memory, staging_bytes
 from meshtron.train.sample import checkpoint_files, print_sample
 from meshtron.train.setup import checkpoint_root, set_up
-from meshtron.train.stragglers import straggler_line, straggler_report
-from meshtron.train.summary import run_summary, summary_text, write_summary
-from meshtron.train.wandb_log import WandbSettings
 
 
 class Trainer:
@@ -71,7 +73,7 @@ class Trainer:
         self.profiler = StepProfiler(
             cfg.profile.steps, Path(cfg.run.dir), place.device, cfg.profile.memory_history
         )
-        self.checkpointer = None  # with checkpoint.async: writes in the background (checkpoint_async.py)
+        self.checkpointer = None  # with checkpoint.async: writes in the background (checkpoint/async_save.py)
         if cfg.checkpoint.async_save and cfg.checkpoint.every:
             self.checkpointer = AsyncCheckpointer(place.mesh.checkpoint_group(), cfg.run.comm_timeout_s)
         self.checkpoint_stalls: list[float] = []  # seconds each save held training up
@@ -284,7 +286,7 @@ class Trainer:
         kill_if_asked(rank, step + 1)
 
     def straggler_fields(self, step: int) -> dict[str, Any]:
-        """Collective over the job: the straggler report of the steps since the last one (stragglers.py)."""
+        """Collective over the job: the straggler report of the steps since the last one (observe/stragglers.py)."""
         times = self.comm.all_gather_object(TIMES.take(), self.job.place.world)
         first, self.interval_start = self.interval_start + 1, step + 1
         return {"straggler_steps": [first, step + 1], **straggler_report(times, step + 1 - first + 1)}

@@ -1,0 +1,8 @@
+"""Configuration, torch-free: what a run is, before anything checks whether it can run.
+
+schema.py       the config dataclasses (every TOML section and key) and their overrides
+presets.py      named architectures (llama3-*, mixtral-8x7b, deepseek-style-moe, tiny, tiny-moe)
+layout.py       ParallelDims: a layout's degrees, its axes and the rank groups they imply
+huggingface.py  a Hugging Face config.json <-> ModelConfig
+init_from.py    `model.init_from = DIR`: the run's [model] keys from the checkpoint's config.json
+"""

@@ -1,0 +1,231 @@
+"""The layout core: parallel degrees -> world size, every rank's coordinates, the groups of every dim,
+and the problems of the degrees themselves. Pure arithmetic (numpy, no torch): config, the device mesh, the planner and
+`meshtron mesh` all read degrees from here.
+
+The world is laid out row-major over [pp, dp_replicate, dp_shard, cp, tp], so tp (the chattiest dim)
+is on neighbouring ranks of one node and pp / dp_replicate span nodes. Expert parallelism borrows its
+ranks from dp_shard x cp: that block is re-read as [edp, ep] with ep innermost, giving the expert
+mesh [pp, dp_replicate, edp, ep, tp]; expert weights are then replicated over dp_replicate x edp.
+
+  degree        what it is                                         resolved how
+  world size    pp · dp_replicate · dp_shard · cp · tp             -
+  dp_shard      sharded data parallel                              -1: the world size over the others
+  dp            dp_replicate · dp_shard (the ranks splitting the batch)
+  ep, edp       ep · edp = dp_shard · cp (experts fold into it)     ep must divide dp_shard · cp
+  cp_ulysses    hybrid cp: all-to-all ranks inside each ring rank  divides cp (1 unless cp_impl = hybrid)
+
+`mesh.ParallelMesh` turns a `ParallelDims` into torch DeviceMeshes and process groups inside a job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+from types import MappingProxyType
+
+import numpy as np
+
+from meshtron.utils.words import plural
+
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
+# Views made of several mesh dims: "dp" is the whole batch split, "dp_shard_cp" the ranks that shard
+# parameters when context parallel also splits the batch's sequences.
+FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "dp": ("dp_replicate", "dp_shard"),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    }
+)
+# The first and the last stage of each pipeline, which share tied embedding weights.
+PP_ENDS = "pp_ends"
+# Hybrid context parallel's two parts of a cp group: all-to-all inside "cp_ulysses", a ring over "cp_ring".
+CP_PARTS = ("cp_ring", "cp_ulysses")
+
+
+def ep_folding_problem(dp_shard: int, cp: int, ep: int) -> str | None:
+    """Expert parallelism re-reads the dp_shard x cp block as [edp, ep], so ep must divide it."""
+    if (dp_shard * cp) % ep == 0:
+        return None
+    return (
+        f"parallel.ep={ep} must divide dp_shard*cp={dp_shard * cp} (experts borrow their ranks from the "
+        "data- and context-parallel dims)"
+    )
+
+
+def absorbed_dp_shard(dp_shard: int, others: int, world_size: int) -> int:
+    """dp_shard=-1 takes whatever the world size leaves after the other dims (`others`, their product);
+    otherwise it is as given. Lenient (never raises), for rules that run before the layout is known valid."""
+    if dp_shard != -1:
+        return dp_shard
+    return max(world_size // others, 1) if others > 0 else 1
+
+
+def world_size_problems(degrees: Mapping[str, int], dp_shard: int, world_size: int) -> list[str]:
+    """The dims must multiply to the world size: at most one problem, with fixes that work. `degrees`:
+    pp, dp_replicate, cp, tp (dp_shard apart: -1 absorbs what they leave)."""
+    others = int(np.prod(list(degrees.values())))
+    named = {**degrees, "dp_shard": dp_shard} if dp_shard != -1 else dict(degrees)
+    product = others * max(dp_shard, 1)
+    shown = " * ".join(f"{d}={v}" for d, v in named.items() if v > 1) or "1"
+    shown += f" = {product}" if "*" in shown else ""
+    if dp_shard == -1 and world_size % others == 0:
+        return []
+    if dp_shard != -1 and product == world_size:
+        return []
+    if dp_shard == -1:  # any multiple of the other dims works
+        ranks = [n for n in (others * (world_size // others), others * (world_size // others + 1)) if n]
+        fits = [f"{d} in {divisors(world_size)}" for d, v in degrees.items() if v > 1 and world_size % v]
+        fix = " or ".join(f"--nproc {n}" for n in ranks) + (f", or use {', '.join(fits)}" if fits else "")
+        return [
+            f"the world size {world_size} is not divisible by {shown} (dp_shard takes the rest); launch {fix}"
+        ]
+    fix = f"launch --nproc {product}"
+    if world_size % others == 0:
+        fix += f", or set parallel.dp_shard={world_size // others} (or -1, which takes the rest)"
+    return [f"the dims multiply to {shown} but the world size is {world_size}; {fix}"]
+
+
+def divisors(n: int) -> list[int]:
+    """What a "use X in [...]" fix offers."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    # Hybrid context parallel reads each cp group as [ring, ulysses] with ulysses innermost.
+    cp_ulysses: int = 1
+
+    def __post_init__(self) -> None:
+        degrees = {f.name: getattr(self, f.name) for f in fields(ParallelDims)}
+        bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"parallel degrees must be positive integers, got {bad}")
+        if self.cp % self.cp_ulysses:
+            raise ValueError(f"cp_ulysses={self.cp_ulysses} must divide cp={self.cp}")
+        folding = ep_folding_problem(self.dp_shard, self.cp, self.ep)
+        if folding:
+            raise ValueError(folding)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """The ranks that split the batch: dp_replicate x dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard * self.cp // self.ep
+
+    def size(self, dim: str) -> int:
+        if dim == PP_ENDS:
+            return min(self.pp, 2)
+        if dim in CP_PARTS:
+            return self.cp_ulysses if dim == "cp_ulysses" else self.cp // self.cp_ulysses
+        if dim in FLAT_DIMS:
+            return int(np.prod([getattr(self, d) for d in FLAT_DIMS[dim]]))
+        return getattr(self, dim)
+
+    @cached_property
+    def dense_grid(self) -> np.ndarray:
+        return np.arange(self.world_size).reshape([getattr(self, d) for d in DENSE_DIMS])
+
+    @cached_property
+    def expert_grid(self) -> np.ndarray:
+        return self.dense_grid.reshape(self.pp, self.dp_replicate, self.edp, self.ep, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Index of `rank` along every dense and expert dim."""
+        dense = np.argwhere(self.dense_grid == rank)[0]
+        expert = np.argwhere(self.expert_grid == rank)[0]
+        out = dict(zip(DENSE_DIMS, map(int, dense), strict=True))
+        out.update(edp=int(expert[2]), ep=int(expert[3]))
+        return out
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of `dim`: lists of ranks that differ only in their `dim` coordinate(s)."""
+        if dim == PP_ENDS:
+            return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+        if dim in CP_PARTS:  # ulysses: consecutive cp ranks; ring: one of each ulysses group
+            u = self.cp_ulysses
+            if dim == "cp_ulysses":
+                return [g[i : i + u] for g in self.groups("cp") for i in range(0, self.cp, u)]
+            return [g[i::u] for g in self.groups("cp") for i in range(u)]
+        if dim in DENSE_DIMS:
+            grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
+        elif dim in ("ep", "edp"):
+            grid, axes = self.expert_grid, [EXPERT_DIMS.index(dim)]
+        elif dim in FLAT_DIMS:
+            grid, axes = self.dense_grid, [DENSE_DIMS.index(d) for d in FLAT_DIMS[dim]]
+        else:
+            raise ValueError(
+                f"unknown mesh dim {dim!r}; known: {', '.join(DENSE_DIMS + ('ep', 'edp') + tuple(FLAT_DIMS))}"
+            )
+        others = [a for a in range(grid.ndim) if a not in axes]
+        moved = np.transpose(grid, others + axes)
+        return moved.reshape(-1, int(np.prod([grid.shape[a] for a in axes]))).tolist()
+
+    def group_table(self) -> dict[str, list[list[int]]]:
+        dims = ["tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp"]
+        if 1 < self.cp_ulysses < self.cp:  # hybrid context parallel's two parts of each cp group
+            dims[2:2] = CP_PARTS
+        return {dim: self.groups(dim) for dim in dims}
+
+    def crossing_dims(self, gpus_per_node: int) -> list[str]:
+        """Dims (of size > 1; the expert dims only when ep > 1) with a group spanning more than one node."""
+        dims = [d for d in self.group_table() if self.size(d) > 1 and (self.ep > 1 or d not in ("ep", "edp"))]
+        return [d for d in dims if any(len({r // gpus_per_node for r in g}) > 1 for g in self.groups(d))]
+
+    def summary(self) -> str:
+        dims = " x ".join(f"{d}{self.size(d)}" for d in DENSE_DIMS)
+        hybrid = (
+            f" (cp = ring{self.cp // self.cp_ulysses} x ulysses{self.cp_ulysses})"
+            if self.cp_ulysses > 1
+            else ""
+        )
+        return f"mesh {dims}{hybrid}" + (
+            f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else ""
+        )
+
+    def describe(self, gpus_per_node: int, unit: str = "GPU") -> str:
+        """Human-readable layout: dims, each rank's coordinates and node, every group of every dim;
+        `unit` names what a rank runs on ("GPU", or "rank" for CPU processes)."""
+        sizes = ", ".join(f"{d}={self.size(d)}" for d in DENSE_DIMS + ("ep", "edp"))
+        lines = [
+            f"world size {self.world_size}: {sizes}; {plural(gpus_per_node, unit)} per node, "
+            f"{plural(-(-self.world_size // gpus_per_node), 'node')}"
+        ]
+        lines.append("rank  node  " + "  ".join(f"{d:>12}" for d in DENSE_DIMS + ("edp", "ep")))
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            lines.append(
+                f"{rank:>4}  {rank // gpus_per_node:>4}  "
+                + "  ".join(f"{c[d]:>12}" for d in DENSE_DIMS + ("edp", "ep"))
+            )
+        for dim, groups in self.group_table().items():
+            lines.append(f"{dim} groups (size {self.size(dim)}): " + " ".join(str(g) for g in groups))
+        crossing = self.crossing_dims(gpus_per_node)
+        lines.append(
+            "dims crossing nodes: " + (", ".join(crossing) if crossing else "none (all within a node)")
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "dims": {**asdict(self), "edp": self.edp, "world_size": self.world_size},
+                "groups": self.group_table(),
+            }
+        )

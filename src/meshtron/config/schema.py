@@ -1,0 +1,500 @@
+"""Configuration as data: the dataclass sections, TOML files with `--section.key=value` overrides, and
+each field's own range and options.
+
+A field's range sits on the field (`positive(...)`), enumerated options are `Literal` types, and
+rules/checks.py's `field_problems` reports both. How the options must fit the model, the world size and each
+other is each feature's rule, stated in its package's torch-free rules.py and gathered by rules/checks.py,
+which also loads a config with `model.init_from` (the checkpoint's architecture) and raises every
+problem at once.
+Nothing here imports a feature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import sys
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from meshtron.config.layout import ParallelDims, absorbed_dp_shard
+from meshtron.config.presets import PRESETS
+from meshtron.utils.words import plural
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in a config: the message lists every problem and how to fix it."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({plural(len(self.problems), 'problem')}):\n{lines}")
+
+
+def refuse(problems: Sequence[str]) -> None:
+    """Raise ConfigError listing `problems`, if there are any."""
+    if problems:
+        raise ConfigError(problems)
+
+
+# The enumerated options; modules that act on them read their names from here (typing.get_args).
+DType = Literal["fp32", "bf16"]
+TrainingDType = Literal["fp32", "bf16", "fp8"]  # fp8: bf16 autocast, float8 projections (parallel/float8.py)
+Float8Recipe = Literal["tensorwise", "rowwise"]  # the scale groups of training.dtype = "fp8"
+RopeScaling = Literal["none", "llama3"]
+RouterScore = Literal["softmax", "sigmoid"]
+ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
+# ZeRO-3 implementation: meshtron's unit hooks, PyTorch's fully_shard, or SimpleFSDP's parametrization
+FsdpImpl = Literal["meshtron", "torch", "simple"]
+CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
+EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
+BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: parallel.vpp = 2, implied
+SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # backward split into input (B) and weight (W) gradients
+PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
+Recompute = Literal["none", "selective", "op", "full"]
+OpRecomputeSaves = Literal["matmuls", "every_other_matmul"]  # what training.recompute="op" keeps
+Device = Literal["auto", "cpu", "cuda"]
+CorpusTokenizer = Literal["bpe", "byte"]
+
+
+def _ranged(default: Any, ok: Callable[[Any], bool], says: str, size: bool = False) -> Any:
+    """A field whose value must satisfy `ok`; `says` completes "<section.key>=<value> ..." otherwise.
+    `size`: a degree or size the feature rules divide by, so they wait until it is valid."""
+    return field(default=default, metadata={"ok": ok, "says": says, "size": size})
+
+
+def positive(default: float) -> Any:
+    return _ranged(default, lambda v: v > 0, "must be positive", size=True)
+
+
+def non_negative(default: float) -> Any:
+    return _ranged(default, lambda v: v >= 0, "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    name: str = ""
+    # A Hugging Face checkpoint directory (config.json + safetensors) to start from: the architecture
+    # comes from its config.json, explicit keys may only repeat it, and the weights load into any layout
+    # unless the run resumes from a checkpoint of its own (hf/init_from.py).
+    init_from: str = ""
+    dim: int = positive(256)
+    n_layers: int = positive(4)
+    n_heads: int = positive(8)
+    n_kv_heads: int = non_negative(0)  # 0: same as n_heads (multi-head attention)
+    head_dim: int = non_negative(0)  # 0: dim // n_heads
+    ffn_dim: int = positive(768)
+    vocab_size: int = positive(4096)
+    rope_theta: float = positive(10000.0)
+    rope_scaling: RopeScaling = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    norm_eps: float = positive(1e-5)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = non_negative(0)  # 0: full causal attention
+    init_std: float = positive(0.02)
+    # Mixture of experts; n_experts == 0 means a dense model.
+    n_experts: int = non_negative(0)
+    top_k: int = 2
+    moe_ffn_dim: int = non_negative(0)  # 0: ffn_dim
+    n_shared_experts: int = non_negative(0)
+    shared_ffn_dim: int = non_negative(0)  # 0: n_shared_experts * moe_ffn_dim
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert output
+    capacity_factor: float = non_negative(0.0)  # 0: dropless
+    router: RouterScore = "softmax"
+    router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
+    router_scale: float = positive(1.0)  # gate weights multiplied by this (DeepSeek-V3: 2.5)
+    n_expert_groups: int = positive(1)  # group-limited routing: experts in this many groups...
+    topk_expert_groups: int = positive(1)  # ...of which each token may use the best this many
+    aux_loss_coef: float = non_negative(0.01)
+    balance_loss: BalanceLoss = "micro_batch"
+    z_loss_coef: float = non_negative(0.0)
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for the top-k
+    # choice only, moves by this much per optimizer step towards an even load; 0: off.
+    router_bias_rate: float = non_negative(0.0)
+    moe_every: int = 1  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
+    dense_layers: list[int] = field(default_factory=list)  # layers forced dense (mlp_only_layers)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """Key/value heads a tensor-parallel rank holds: its 1/tp of them, or the one its query heads
+        read when there are fewer than tp (tensor parallel replicates them)."""
+        return self.kv_heads // tp if self.kv_heads % tp == 0 else 1
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def shared_expert_ffn_dim(self) -> int:
+        return self.shared_ffn_dim or self.n_shared_experts * self.expert_ffn_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers and (layer + 1) % self.moe_every == 0
+
+
+@dataclass
+class ParallelConfig:
+    # `meshtron train`: the planner picks every layout key not set explicitly (commands/auto_layout.py)
+    auto: bool = False
+    dp_replicate: int = positive(1)
+    # -1: whatever the world size leaves after the other dims.
+    dp_shard: int = _ranged(
+        -1, lambda v: v == -1 or v > 0, "must be positive, or -1 to absorb the world size", size=True
+    )
+    zero: ZeroStage = 3
+    bucket_mb: float = positive(25.0)  # gradient bucket size for DDP and ZeRO-1/2
+    reduce_dtype: DType = "fp32"  # dtype of gradient reductions
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each unit's forward
+    fsdp_impl: FsdpImpl = "meshtron"
+    tp: int = positive(1)
+    sp: bool = False
+    cp: int = positive(1)
+    cp_impl: CpImpl = "ring"
+    cp_ulysses: int = positive(1)  # cp_impl="hybrid": the all-to-all ranks inside each ring rank
+    pp: int = positive(1)
+    pp_schedule: PipelineSchedule = "1f1b"
+    vpp: int = positive(1)
+    # Transformer layers of each pipeline chunk (pp*vpp entries, in chunk order); empty: balanced, with
+    # the embedding and the head + loss counted as pp_embedding_layers / pp_head_layers layers of work.
+    pp_layers: list[int] = field(default_factory=list)
+    pp_embedding_layers: float = non_negative(0.0)
+    pp_head_layers: float = non_negative(0.0)
+    pp_balance: PipelineBalance = "layers"  # "cost": minimise the busiest rank's FLOPs (docs/pipeline.md)
+    # dualpipev: each F&B pair's forward in a second thread while its backward runs (docs/pipeline.md)
+    pp_overlap: bool = False
+    ep: int = positive(1)
+    ep_dispatch: EpDispatch = "alltoall"
+    etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1
+
+    @property
+    def expert_tp(self) -> bool:
+        """Whether experts are split over tensor parallel (etp = tp) rather than whole per tp rank."""
+        return self.etp in (0, self.tp)
+
+    @property
+    def cp_split(self) -> tuple[int, int]:
+        """(ring degree, Ulysses degree) of context parallel: ring·ulysses = cp."""
+        if self.cp_impl == "alltoall":
+            return 1, self.cp
+        if self.cp_impl == "hybrid" and self.cp_ulysses > 0 and self.cp % self.cp_ulysses == 0:
+            return self.cp // self.cp_ulysses, self.cp_ulysses
+        return self.cp, 1
+
+    def dp_shard_for(self, world_size: int) -> int:
+        """dp_shard in a job of `world_size` ranks (-1 resolved to what the other dims leave); lenient, for
+        rules that run before the layout is known to be valid."""
+        return absorbed_dp_shard(self.dp_shard, self.pp * self.dp_replicate * self.cp * self.tp, world_size)
+
+    def dp_for(self, world_size: int) -> int:
+        """The ranks that split the batch (dp_replicate x dp_shard) in a job of `world_size` ranks."""
+        return self.dp_replicate * self.dp_shard_for(world_size)
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The degrees of a job of `world_size` ranks; ValueError for degrees that are not a layout."""
+        return ParallelDims(
+            pp=self.pp,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard_for(world_size),
+            cp=self.cp,
+            tp=self.tp,
+            ep=self.ep,
+            cp_ulysses=self.cp_ulysses if self.cp_impl == "hybrid" else 1,
+        )
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = positive(100)
+    global_batch: int = positive(8)
+    micro_batch: int = positive(8)
+    seq_len: int = positive(256)
+    lr: float = positive(3e-4)
+    min_lr_ratio: float = _ranged(0.1, lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1")
+    warmup_steps: int = non_negative(10)
+    weight_decay: float = non_negative(0.1)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 0
+    dtype: TrainingDType = "fp32"
+    fp8_recipe: Float8Recipe = "tensorwise"
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 layers' weights in e4m3 (docs/float8.md)
+    grad_clip: float = non_negative(1.0)  # 0: no clipping
+    max_skipped_steps: int = non_negative(5)  # non-finite steps in a row (each skipped) that stop a run
+    recompute: Recompute = "none"
+    op_recompute_saves: OpRecomputeSaves = "matmuls"  # what recompute="op" keeps (parallel/recompute.py)
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
+    eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages
+
+
+@dataclass
+class DataSource:
+    """One source of a data mixture (`[[data.sources]]`): a prepared dataset and its share (normalised)."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    path: str = "default"  # a `meshtron prepare-data` output dir, or "default" (Python stdlib source)
+    sources: list[DataSource] = field(default_factory=list)  # a mixture instead of path (data/mixture.py)
+    document_mask: bool = False  # attention within each document of a packed window (models/documents.py)
+    reset_positions: bool = True  # with document_mask: RoPE positions restart at 0 at every document
+    tokenizer: CorpusTokenizer = "bpe"  # for the default corpus
+    tokenizer_vocab: int = 4096  # BPE vocab trained on the default corpus
+    # Validation data (data/validation.py): the tokens' last val_fraction held out, or a prepared dir
+    val_fraction: float = _ranged(0.0, lambda v: 0.0 <= v < 1.0, "must be in [0, 1): the share held out")
+    val_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.path == "":  # no path (`--data.path=` unsets one): the default
+            self.path = "default"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "": <run.dir>/checkpoints
+    every: int = non_negative(0)  # 0: never (a final checkpoint is still written when every > 0)
+    resume: bool = False  # continue from the newest complete checkpoint in dir, if there is one
+    keep: int = non_negative(2)  # newest checkpoints kept; 0 keeps all
+    # Stage to host memory, write in the background (checkpoint/async_save.py); TOML key `async` too.
+    async_save: bool = False
+
+
+@dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)  # [first, last] (1-based) traced into run.dir/traces
+    memory_history: bool = True  # on CUDA: the allocator's history of those steps, a snapshot per rank
+    # A log interval's slowest rank is named when its compute time passes the median's by this share.
+    straggler_threshold: float = non_negative(0.2)
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    log_every: int = positive(1)
+    comm_timeout_s: float = positive(300.0)
+    device: Device = "auto"
+    plot: bool = True
+    memory_check: bool = True  # refuse a layout predicted to need >1.25x the memory (memory_check.py)
+    sample_tokens: int = non_negative(40)  # greedy tokens printed at the end of a run (rank 0); 0: none
+    wandb_project: str = ""  # Weights & Biases (the wandb extra): rank 0 logs the scalars here; "": off
+    wandb_name: str = ""  # the W&B run's name; "": run.dir's last part
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_preset(name: str) -> dict[str, Any]:
+    """The architecture of a named model; explicit keys override it."""
+    if name not in PRESETS:
+        raise ConfigError([f"model.name={name!r} is not a known preset{suggest(name, sorted(PRESETS))}"])
+    return dict(PRESETS[name])
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """Accept `value` for a field of type `tp`, or record why not. A Literal field takes its options' type
+    here; which options exist is `validate`'s check, so it is reported with the other problems."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _coerce(value, type(typing.get_args(tp)[0]), where, problems)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{where} must be a list of {_type_name(item_tp)}, got {value!r}")
+            return None
+        return [_coerce(v, item_tp, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _coerce_table(value, tp, where, problems)
+    accepts = {
+        bool: (lambda v: isinstance(v, bool), "true or false"),
+        int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+        str: (lambda v: isinstance(v, str), "a string"),
+    }
+    if tp not in accepts:
+        raise TypeError(f"unsupported config field type {tp!r} for {where}")
+    ok, what = accepts[tp]
+    if ok(value):
+        return float(value) if tp is float else value
+    problems.append(f"{where} must be {what}, got {value!r}")
+    return None
+
+
+def _coerce_table(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """A TOML table (e.g. one `[[data.sources]]` entry) as the dataclass `tp`, each key coerced."""
+    types_of = typing.get_type_hints(tp)
+    if not isinstance(value, Mapping):
+        problems.append(f"{where} must be a table with keys {', '.join(types_of)}")
+        return None
+    unknown = [f"unknown key {where}.{k}{suggest(k, list(types_of))}" for k in value if k not in types_of]
+    problems += unknown
+    kwargs = {k: _coerce(v, types_of[k], f"{where}.{k}", problems) for k, v in value.items() if k in types_of}
+    return tp(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def suggest(name: str, options: Sequence[str], list_known: bool = True) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f" (known: {', '.join(options)})" if list_known else ""
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`--section.key=value` -> (section, key, value); the value is read as a TOML literal when it is one."""
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(
+            [f"override {text!r} must look like --section.key=value (e.g. --training.steps=20)"]
+        )
+    dotted, raw = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as `bf16` or a path
+    return section, key, value
+
+
+def section_overrides(section: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """key -> value of the well-formed `--section.key=value` overrides of `section` (the others: refused later)."""
+    parsed = []
+    for text in overrides:
+        with contextlib.suppress(ConfigError):
+            parsed.append(parse_override(text))
+    return {key: value for where, key, value in parsed if where == section}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        problem = f"config file {str(path)!r} does not exist; pass an existing .toml file (presets live in configs/)"
+        raise ConfigError([problem])
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError([f"{path} is not valid TOML: {err}"]) from None
+
+
+# Keys a Python field cannot be named (a keyword) -> the field's name.
+KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+
+# Where [model] keys come from when model.init_from names a checkpoint: (the explicit [model] keys,
+# problems) -> the keys to build from (checks.load_config passes the Hugging Face reader, config/init_from.py).
+ModelSource = Callable[[Mapping[str, Any], list[str]], dict[str, Any]]
+
+
+def _merge(
+    raw: Mapping[str, Any], overrides: Sequence[str], problems: list[str], model_source: ModelSource | None
+) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} from the file, then the overrides, then the model preset under them (or,
+    with model.init_from, the checkpoint's architecture from `model_source`, which they may only repeat)."""
+    merged: dict[str, dict[str, Any]] = {}
+    sections = [f.name for f in dataclasses.fields(Config)]
+
+    def put(section: str, key: str | None, value: Any, origin: str) -> None:
+        if section not in sections:
+            problems.append(f"unknown section [{section}] in {origin}{suggest(section, sections)}")
+            return
+        if key is None:
+            if not isinstance(value, Mapping):
+                problems.append(f"[{section}] in {origin} must be a table of keys")
+                return
+            for k, v in value.items():
+                put(section, k, v, origin)
+            return
+        merged.setdefault(section, {})[KEY_ALIASES.get((section, key), key)] = value
+
+    for section, value in raw.items():
+        put(section, None, value, "the config file")
+    for text in overrides:
+        try:
+            section, key, value = parse_override(text)
+        except ConfigError as err:
+            problems.extend(err.problems)
+            continue
+        put(section, key, value, f"override {text!r}")
+    model_values = merged.get("model", {})
+    if isinstance(model_values.get("init_from"), str) and model_values["init_from"]:
+        if model_source is None:
+            problems.append(
+                "model.init_from needs the checkpoint's architecture: load with checks.load_config"
+            )
+        else:
+            merged["model"] = model_source(model_values, problems)
+    elif model_values.get("name", ""):
+        try:
+            merged["model"] = {**model_preset(model_values["name"]), **model_values}
+        except ConfigError as err:
+            problems.extend(err.problems)
+    parallel = merged.get("parallel", {})
+    if parallel.get("pp_schedule") in V_SCHEDULES and "vpp" not in parallel:
+        parallel["vpp"] = 2  # a V holds two chunks per rank by definition
+    return merged
+
+
+def build_config(
+    raw: Mapping[str, Any], overrides: Sequence[str] = (), model_source: ModelSource | None = None
+) -> Config:
+    """Merge a TOML mapping, a model preset and overrides into a typed Config; type errors are collected."""
+    problems: list[str] = []
+    merged = _merge(raw, overrides, problems, model_source)
+    built: dict[str, Any] = {}
+    for section, section_cls in typing.get_type_hints(Config).items():
+        types_of = typing.get_type_hints(section_cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in merged.get(section, {}).items():
+            if key not in types_of:
+                problems.append(f"unknown key {section}.{key}{suggest(key, list(types_of))}")
+                continue
+            coerced = _coerce(value, types_of[key], f"{section}.{key}", problems)
+            if coerced is not None:
+                kwargs[key] = coerced
+        built[section] = section_cls(**kwargs)
+    if problems:
+        raise ConfigError(problems)
+    return Config(**built)

@@ -1,0 +1,334 @@
+"""ZeRO-3 / FSDP with per-parameter dim-0 sharding, prefetch, mixed precision and HSDP.
+
+Each transformer block is a unit, and so is the root (embedding, final norm, output head). A unit's
+parameters live sharded: this rank keeps an fp32 row block of each (views into one flat `master`
+buffer, see shard.py), which is what the optimizer updates. The module's own parameters stay registered
+at full shape, but their storage is empty except while the unit runs:
+
+  forward   pre-hook: all-gather the unit (in the compute dtype), and start gathering the next unit
+            so that communication overlaps this unit's compute; post-hook: free the full parameters
+            (reshard_after_forward) and hook the unit's output so backward can find it again
+  backward  on the output's gradient: gather the unit again (prefetching the unit before it); when
+            every parameter's gradient has been accumulated: reduce-scatter them (in reduce_dtype)
+            into this rank's fp32 gradient shard, free the full gradients and parameters
+  HSDP      with dp_replicate > 1 the gradient shards are then all-reduced across replicas
+
+Freeing resizes a parameter's storage to zero and gathering resizes it back, so tensors autograd saved
+during forward (which share that storage) see the gathered values again in backward. Per step this moves
+an all-gather in forward, one in backward and a reduce-scatter: 3Ψ(n-1)/n.
+
+`TorchFSDP` runs PyTorch's own `fully_shard` (FSDP2) behind the same interface, for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+from meshtron.comm.pending import Pending
+from meshtron.engines.engine import DataParallelEngine, OwnedRows
+from meshtron.engines.fsdp_float8 import Float8Gather
+from meshtron.engines.materialize import is_meta, materialize_
+from meshtron.engines.shard import FlatLayout
+from meshtron.engines.staging import Staging
+
+
+class FSDPUnit:
+    """The parameters of one module, sharded over the dp_shard group."""
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        shard: CommGroup,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        float8: list[bool] | None = None,
+    ):
+        """`params` on `device`, or on the meta device (built without storage: the shards start at zero
+        and are filled through `owned_rows`, regions.py). `float8`: which params gather in float8
+        (fsdp_float8.py); None: all in `param_dtype`."""
+        self.names, self.params, self.param_dtype = names, params, param_dtype
+        self.rank = shard.rank
+        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
+        self.master_flat = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+        if not is_meta(params):
+            self.layout.pack_local([p.data for p in params], self.master_flat)
+        # Padding rows have zero gradients, so AdamW leaves them at zero: they never leak into the model.
+        self.master = [nn.Parameter(v) for v in self.layout.local_views(self.master_flat)]
+        self.grad_flat = torch.zeros_like(self.master_flat)
+        for m, g in zip(self.master, self.layout.local_views(self.grad_flat), strict=True):
+            m.grad = g
+        materialize_(params, device, param_dtype, empty=True)
+        for p in params:
+            if p.untyped_storage().nbytes():  # built with values: they live in the shards now
+                p.data = torch.empty(p.shape, dtype=param_dtype, device=device)
+                p.untyped_storage().resize_(0)
+        self.gathering: tuple[Pending, torch.Tensor] | None = None
+        self.float8 = Float8Gather(params, float8, shard, param_dtype) if float8 and any(float8) else None
+        self.unsharded = False
+        self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
+        self.reduced = False  # reduced at least once this step
+        self.reducing: list[Callable[[], None]] = []  # folds of reductions in flight
+
+    def start_gather(self, comm: Comm, shard: CommGroup, staging: Staging) -> None:
+        if self.unsharded or self.gathering is not None:
+            return
+        if self.float8 is not None:  # bytes: float8 weights in e4m3, the rest in the compute dtype
+            send = self.float8.pack(comm, shard, self.master)
+            elements = -(-send.numel() * shard.size // (torch.finfo(self.param_dtype).bits // 8))
+            gathered = staging.take(self.param_dtype, elements).view(torch.uint8)[: send.numel() * shard.size]
+        else:
+            send = self.master_flat.to(self.param_dtype)
+            gathered = staging.take(self.param_dtype, send.numel() * shard.size)
+        self.gathering = (comm.all_gather_async(gathered, send, shard), gathered)
+
+        def finish() -> None:  # the buffer is needed again: this gather lands in the parameters now
+            if self.gathering is not None:
+                self.unshard(comm, shard, staging)
+
+        staging.hold(finish)
+
+    def unshard(self, comm: Comm, shard: CommGroup, staging: Staging) -> None:
+        if self.unsharded:
+            return
+        self.start_gather(comm, shard, staging)
+        pending, gathered = self.gathering
+        pending.wait()
+        self.gathering = None
+        for p in self.params:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        # Through `.data`, so autograd's version counters (checked on saved tensors) are not bumped.
+        if self.float8 is not None:
+            self.float8.unpack(gathered, self.params, shard.size)
+        else:
+            self.layout.unpack(gathered, [p.data for p in self.params])
+        self.unsharded = True
+
+    def reshard(self) -> None:
+        if self.unsharded:
+            for p in self.params:
+                p.untyped_storage().resize_(0)
+            self.unsharded = False
+
+
+class FullyShardedDataParallel(DataParallelEngine):
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        comm: Comm,
+        shard: CommGroup,
+        replicate: CommGroup,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        reshard_after_forward: bool = True,
+        shard_mesh: Any = None,
+        roots: list[nn.Module] | None = None,
+        device: torch.device | None = None,
+        float8: frozenset[str] = frozenset(),
+    ):
+        """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
+        head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
+        the first rank of a V schedule: each gathers the root unit before it runs). `device`: where the
+        shards live (default: the parameters'; needed for a model built on the meta device). `float8`:
+        the names of the parameters to gather in float8 (`training.fp8_all_gather`, fsdp_float8.py)."""
+        self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
+        self.shard_mesh = shard_mesh
+        self.norm_group = shard
+        self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
+        block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+        # Forward order: the root gathers first (the embedding runs first) and blocks follow.
+        named: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
+        for name, p in model.named_parameters():
+            named[block_of.get(id(p), -1) + 1].append((name, p))
+        # A middle pipeline stage has no root parameters, and so no root unit.
+        hooked = [roots or [model], *([b] for b in blocks)]
+        modules = [(mods, group) for mods, group in zip(hooked, named, strict=True) if group]
+        self.has_root = bool(named[0])
+        device = device or next(iter(model.parameters())).device
+        self.units = [
+            FSDPUnit(
+                [n for n, _ in group],
+                [p for _, p in group],
+                shard,
+                param_dtype,
+                device,
+                [n in float8 for n, _ in group],
+            )
+            for _, group in modules
+        ]
+        # Gathered units and reduce-scatter inputs (with the received shard after it) in two persistent
+        # buffers each, of the largest block (staging.py; the root unit, often larger, gets its own).
+        blocks_only = self.units[1:] if self.has_root and len(self.units) > 1 else self.units
+        largest = max(u.layout.shard_numel for u in blocks_only)
+        self.gathers = Staging(largest * shard.size, device)
+        self.reductions = Staging(largest * (shard.size + 1), device)
+        for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
+            for module in mods:
+                module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
+                module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+
+    def _next_in_forward(self, index: int) -> FSDPUnit | None:
+        return self.units[index + 1] if index + 1 < len(self.units) else None
+
+    def _next_in_backward(self, index: int) -> FSDPUnit | None:
+        if not self.has_root:
+            return self.units[index - 1] if index > 0 else None
+        if index == 0:
+            return self.units[-1] if len(self.units) > 1 else None  # after the head: the last block
+        return self.units[index - 1] if index > 1 else None  # block 0 is followed by the root, gathered
+
+    def _pre_forward(self, index: int) -> None:
+        self.units[index].unshard(self.comm, self.shard, self.gathers)
+        following = self._next_in_forward(index)
+        if following is not None:
+            following.start_gather(self.comm, self.shard, self.gathers)
+
+    def _post_forward(self, index: int, output: Any) -> None:
+        main = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and main.requires_grad:
+            # Only the main output: an MoE block's aux-loss output gets its gradient as soon as backward
+            # starts, long before the block's turn.
+            main.register_hook(lambda grad, i=index: self._pre_backward(i, grad))
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will come for it
+            self.units[index].reshard()
+
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self.units[index].unshard(self.comm, self.shard, self.gathers)
+        following = self._next_in_backward(index)
+        if following is not None:
+            following.start_gather(self.comm, self.shard, self.gathers)
+        return grad
+
+    def _on_grad_ready(self, index: int) -> None:
+        unit = self.units[index]
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            unit.ready, unit.reduced = 0, True
+            self._reduce(unit)
+
+    def _reduce(self, unit: FSDPUnit) -> None:
+        device = unit.master_flat.device
+        grads = [p.grad if p.grad is not None else torch.zeros(p.shape, device=device) for p in unit.params]
+        full = unit.layout.shard_numel * self.shard.size
+        buffer = self.reductions.take(self.reduce_dtype, full + unit.layout.shard_numel)
+        send, received = buffer[:full], buffer[full:]
+        unit.layout.pack(grads, send)
+        for p in unit.params:
+            p.grad = None
+        unit.reshard()
+        pending: list[Pending] = [self.comm.reduce_scatter_async(received, send, self.shard)]
+
+        def fold() -> None:  # the reduced shard into the accumulator, once (the buffer is free after)
+            if pending:
+                pending.pop().wait()
+                unit.grad_flat.add_(received.to(unit.grad_flat.dtype))
+
+        unit.reducing.append(fold)
+        self.reductions.hold(fold)
+
+    def _collect(self) -> None:
+        for unit in self.units:
+            for fold in unit.reducing:
+                fold()
+            unit.reducing.clear()
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [m for unit in self.units for m in unit.master]
+
+    def owned_rows(self) -> list[OwnedRows]:
+        return [
+            OwnedRows(name, m, s.row_range(unit.rank)[0], s.valid_rows(unit.rank), s.shape)
+            for unit in self.units
+            for name, m, s in zip(unit.names, unit.master, unit.layout.shapes, strict=True)
+        ]
+
+    def prepare_micro_batch(self, is_last: bool) -> None:
+        self._collect()  # every micro-batch is reduced as its backward goes; fold in the previous one
+
+    def finish_gradients(self) -> None:
+        for unit in self.units:
+            if unit.ready > 0 or not unit.reduced:  # some parameter got no gradient: reduce what there is
+                self._reduce(unit)
+            unit.ready, unit.reduced = 0, False
+            unit.reshard()
+            if unit.gathering is not None:  # a prefetch nothing used: it holds pre-step values
+                unit.gathering[0].wait()
+                unit.gathering = None
+        self._collect()
+        for unit in self.units:
+            self.comm.all_reduce_(unit.grad_flat, self.replicate)
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_flat.zero_()
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [unit.grad_flat for unit in self.units]
+
+
+class TorchFSDP(DataParallelEngine):
+    """PyTorch's `fully_shard` (FSDP2) on the same units, for comparison. Its collectives bypass the
+    comm layer, so they are not counted in comm_bytes."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        device_mesh: Any,
+        shard: CommGroup,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        reshard_after_forward: bool = True,
+        device: torch.device | None = None,
+    ):
+        """`device`: where a model built on the meta device gets its shards (fully_shard first shards
+        the meta parameters, then they get storage: FSDP2's meta-device flow)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.model, self.norm_group, self.shard_mesh = model, shard, device_mesh
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for module in [*blocks, model]:
+            fully_shard(
+                module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+            )
+            # Our loss is already divided by the global token count: sum the gradients, do not average
+            # (a plain SUM: gloo has neither AVG nor PREMUL_SUM).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        if device is not None and is_meta(model.parameters()):
+            model.to_empty(device=device)  # the buffers too: parallelize resets them after this step
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def owned_rows(self) -> list[OwnedRows]:
+        # The parameters are DTensors already: they carry their own placement into checkpoints.
+        return [
+            OwnedRows(name, p, 0, p.shape[0], tuple(p.shape)) for name, p in self.model.named_parameters()
+        ]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        for g in self.local_grads():
+            g.mul_(coef.to(g.dtype))
+
+    def prepare_micro_batch(self, is_last: bool) -> None:
+        pass  # FSDP2 reduce-scatters every micro-batch by default, as ours does
+
+    def finish_gradients(self) -> None:
+        pass  # FSDP2 waits for its reductions at the end of backward
+
+    def zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None

@@ -1,0 +1,185 @@
+"""What each parallelism needs of the model, the batch and its options, one section per parallelism
+(tensor.py, context.py, expert.py, data_parallel.py run them). Torch-free, so that a config is checked
+(and `meshtron plan` searches layouts) without importing torch; checks.py gathers every package's rules.
+A `*_problems` function names a config that cannot work; a `*_unsupported` one, a valid layout this
+version cannot run yet."""
+
+from __future__ import annotations
+
+import math
+
+from meshtron.config.layout import divisors, ep_folding_problem, world_size_problems
+from meshtron.config.schema import SPLIT_BACKWARD, Config
+
+
+def tensor_parallel_problems(cfg: Config) -> list[str]:
+    """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch."""
+    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    problems = []
+    if m.n_heads % tp:
+        problems.append(
+            f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; use tp in {divisors(m.n_heads)}"
+        )
+    elif m.kv_heads % tp and tp % m.kv_heads:
+        problems.append(
+            f"model.n_kv_heads={m.kv_heads} and parallel.tp={tp}: one must divide the other "
+            "so key/value heads can be split or replicated"
+        )
+    if m.ffn_dim % tp:
+        problems.append(
+            f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; use tp in {divisors(m.ffn_dim)}"
+        )
+    if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % tp:
+        problems.append(
+            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}"
+        )
+    if m.is_moe and p.expert_tp and m.expert_ffn_dim % tp:
+        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
+    if p.sp and tp == 1:
+        problems.append(
+            "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
+        )
+    if p.sp and cfg.training.seq_len % (tp * p.cp):
+        problems.append(
+            f"training.seq_len={cfg.training.seq_len} must be divisible by tp*cp={tp * p.cp} with sp"
+        )
+    return problems
+
+
+def sequence_divisor(cfg: Config) -> int:
+    """What seq_len must divide by: 2·R chunks for a ring (or all-gather) of R ranks, and the cp pieces
+    of the sequence (each ring rank's share is cut in cp_ulysses consecutive pieces)."""
+    ring, _ = cfg.parallel.cp_split
+    cp = cfg.parallel.cp
+    return cp if ring == 1 else math.lcm(2 * ring, cp)
+
+
+def _heads_problems(cfg: Config) -> list[str]:
+    """Ulysses splits each tp rank's query heads over its ranks, and splits or replicates the KV heads."""
+    p, m = cfg.parallel, cfg.model
+    _, ulysses = cfg.parallel.cp_split
+    heads, kv_heads = m.n_heads // p.tp, m.kv_heads_per_rank(p.tp)
+    if ulysses == 1:
+        return []
+    fits = [u for u in divisors(p.cp) if 1 < u < p.cp and heads % u == 0]
+    fix = (
+        f"use cp_ulysses in {fits} or cp_impl='ring'"
+        if p.cp_impl == "hybrid" and fits
+        else "use cp_impl='ring'"
+    )
+    problems = []
+    if heads % ulysses:
+        problems.append(
+            f"cp_impl={p.cp_impl!r} splits the {heads} query heads of a tp rank over {ulysses} ranks, which "
+            f"needs model.n_heads divisible by tp*{ulysses}; {fix} or 'allgather'"
+        )
+    if kv_heads % ulysses and ulysses % kv_heads:
+        problems.append(
+            f"cp_impl={p.cp_impl!r}: the {kv_heads} key/value heads of a tp rank can be neither split over "
+            f"nor replicated to {ulysses} ranks (one must divide the other); {fix}"
+        )
+    return problems
+
+
+def context_parallel_problems(cfg: Config) -> list[str]:
+    """What splitting the sequence over cp ranks needs of the batch, the model and cp_impl's options."""
+    p, seq_len = cfg.parallel, cfg.training.seq_len
+    problems = []
+    if p.cp_impl != "hybrid" and p.cp_ulysses != 1:
+        problems.append(f"parallel.cp_ulysses={p.cp_ulysses} is only read by cp_impl='hybrid'; set it to 1")
+    if p.cp_impl == "hybrid" and (p.cp % p.cp_ulysses or not 1 < p.cp_ulysses < p.cp):
+        choices = [d for d in divisors(p.cp) if 1 < d < p.cp]
+        fix = (
+            f"use cp_ulysses in {choices}" if choices else "hybrid needs a cp with a divisor between 1 and cp"
+        )
+        problems.append(f"cp_impl='hybrid' needs 1 < parallel.cp_ulysses < cp dividing cp={p.cp}; {fix}")
+        return problems
+    step = sequence_divisor(cfg)
+    if p.cp > 1 and seq_len % step:
+        why = "one piece per rank" if step == p.cp else "load balancing gives each ring rank two chunks"
+        problems.append(
+            f"training.seq_len={seq_len} must be divisible by {step} for cp={p.cp} with cp_impl={p.cp_impl!r} "
+            f"({why}); use seq_len={seq_len - seq_len % step or step}"
+        )
+    problems += _heads_problems(cfg)
+    if p.cp > 1 and cfg.model.is_moe and cfg.model.capacity_factor > 0:
+        problems.append(
+            "model.capacity_factor > 0 with parallel.cp > 1: which tokens overflow an expert's capacity "
+            "depends on the tokens a rank sees; use a dropless MoE (capacity_factor=0) with cp"
+        )
+    return problems
+
+
+def expert_parallel_problems(cfg: Config) -> list[str]:
+    """What placing whole experts on ep ranks (and on tp ranks with etp = 1) needs of the model."""
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if p.etp not in (0, 1, p.tp):
+        problems.append(
+            f"parallel.etp={p.etp} must be 1 (whole experts per tensor-parallel rank) or tp={p.tp} (experts "
+            "split over tp like the dense FFN)"
+        )
+    if p.ep == 1 and (p.expert_tp or not m.is_moe):
+        return problems
+    if not m.is_moe:
+        return [*problems, f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1"]
+    owners = p.ep * (1 if cfg.parallel.expert_tp else p.tp)
+    if m.n_experts % owners:
+        what = "parallel.ep" if owners == p.ep else "parallel.ep*tp (etp=1 spreads experts over tp too)"
+        problems.append(
+            f"model.n_experts={m.n_experts} is not divisible by {what}={owners}; use "
+            f"{'ep' if owners == p.ep else 'ep*tp'} in {divisors(m.n_experts)}"
+        )
+    return problems
+
+
+def expert_parallel_unsupported(cfg: Config) -> list[str]:
+    if cfg.parallel.ep > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
+        return [
+            "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
+            "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
+        ]
+    return []
+
+
+def uses_torch_fsdp(cfg: Config, world_size: int) -> bool:
+    """Whether PyTorch's fully_shard shards the model (ZeRO-3 over dp_shard·cp > 1, fsdp_impl="torch")."""
+    p = cfg.parallel
+    return p.dp_shard_for(world_size) * p.cp > 1 and p.zero == 3 and p.fsdp_impl == "torch"
+
+
+def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
+    """The engine choices this version cannot run yet."""
+    p = cfg.parallel
+    if uses_torch_fsdp(cfg, world_size) and p.pp > 1:
+        return [
+            "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
+            "with parallel.pp > 1"
+        ]
+    if p.fsdp_impl != "simple":
+        return []
+    problems = []
+    if p.zero != 3:
+        problems.append(
+            f"parallel.fsdp_impl='simple' is ZeRO-3 (parameters sharded); set parallel.zero=3, not {p.zero}"
+        )
+    if p.ep > 1:
+        problems.append(
+            "parallel.fsdp_impl='simple' does not shard expert-parallel experts yet; use 'meshtron' with ep > 1"
+        )
+    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
+        problems.append(
+            f"parallel.fsdp_impl='simple' with pp_schedule={p.pp_schedule!r}: a split backward computes weight "
+            "gradients outside the gather's autograd; use gpipe, 1f1b or interleaved, or fsdp_impl='meshtron'"
+        )
+    return problems
+
+
+def layout_problems(cfg: Config, world_size: int) -> list[str]:
+    """The layout's own rules: the dims multiply to the world size, and ep folds into dp_shard x cp."""
+    p = cfg.parallel
+    degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp}
+    problems = world_size_problems(degrees, p.dp_shard, world_size)
+    # Only for MoE models: with a dense one, ep > 1 is refused by the expert-parallel rules already.
+    folding = ep_folding_problem(p.dp_shard_for(world_size), p.cp, p.ep) if cfg.model.is_moe else None
+    return problems + ([folding] if folding else [])
