@@ -12,7 +12,7 @@ from meshtron.testing.tiny import MOE, TINY
 
 BASE = [*TINY, "--run.sample_tokens=0"]
 STEP = {"train.trainer:step tolist": 1}  # the loss and the gradient norm, once, for the skip decision
-LOADS = {"train.expert_load:after_step tolist": 1}  # every MoE layer's expert loads, once
+LOADS = {"observe.expert_load:after_step tolist": 1}  # every MoE layer's expert loads, once
 
 
 def per_layer(reads: dict[str, int], layers: int, micro_batches: int) -> dict[str, int]:
