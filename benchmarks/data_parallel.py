@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.engines.ddp import DistributedDataParallel
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.engines.fsdp import FullyShardedDataParallel, TorchFSDP
+from meshtron.engines.settings import DataParallelSettings, EngineGroups
 from meshtron.engines.simple_fsdp import SimpleFSDP
 from meshtron.engines.zero import ZeroShardedOptimizer
 from meshtron.models.llama import build_model
@@ -231,36 +233,37 @@ class TorchFSDP2(DataParallel):
 
 def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> DataParallel:
     model, comm = build_model(MODEL, seed=seed), Comm()
-    blocks, bucket_bytes = list(model.layers.values()), int(bucket_mb * 2**20)
-    shard, replicate = mesh.group("dp_shard"), mesh.group("dp_replicate")
+    blocks = list(model.layers.values())
+    settings = DataParallelSettings(bucket_bytes=int(bucket_mb * 2**20))
+    groups = EngineGroups(
+        shard=mesh.group("dp_shard"), replicate=mesh.group("dp_replicate"), shard_mesh=mesh.mesh("dp_shard")
+    )
     if name == "torch DDP":
         return TorchDDP(model, mesh.group("dp").process_group, bucket_mb)
     if name == "torch ZeRO-1":
         return TorchZero1(model, mesh.group("dp").process_group, bucket_mb)
     if name.startswith("torch FSDP2"):
-        fp32, reshard = torch.float32, name != "torch FSDP2 no-reshard"
         if name.endswith("compiled"):  # each block's forward, as ours: FSDP2's hooks stay outside
             compile_blocks(model)
-        return TorchFSDP2(TorchFSDP(model, blocks, mesh.mesh("dp_shard"), shard, fp32, fp32, reshard), name)
+        fsdp2 = replace(settings, reshard_after_forward=name != "torch FSDP2 no-reshard")
+        return TorchFSDP2(TorchFSDP(model, groups=groups, settings=fsdp2, blocks=blocks), name)
     if name == "meshtron DDP":
-        engine: DataParallelEngine = DistributedDataParallel(model, comm, mesh.group("dp"), bucket_bytes)
+        whole = EngineGroups(shard=groups.shard, replicate=mesh.group("dp"))
+        engine: DataParallelEngine = DistributedDataParallel(
+            model, comm=comm, groups=whole, settings=settings
+        )
     elif name.startswith("meshtron SimpleFSDP"):
-        fp32, compiled = torch.float32, blocks if name.endswith("compiled") else None
+        compiled = blocks if name.endswith("compiled") else None
         if compiled:
             compile_blocks(model, bucket_collectives=True)
         engine = SimpleFSDP(
-            model, [model, *blocks], comm, shard, replicate, fp32, fp32, mesh.mesh("dp_shard"), compiled
+            model, comm=comm, groups=groups, settings=settings, hooked=[model, *blocks], compiled=compiled
         )
     elif name == "meshtron ZeRO-3":
-        fp32 = torch.float32
-        engine = FullyShardedDataParallel(
-            model, blocks, comm, shard, replicate, fp32, fp32, True, mesh.mesh("dp_shard")
-        )
+        engine = FullyShardedDataParallel(model, comm=comm, groups=groups, settings=settings, blocks=blocks)
     else:
-        stage = int(name[-1])
-        engine = ZeroShardedOptimizer(
-            model, comm, shard, replicate, stage, bucket_bytes, None, mesh.mesh("dp_shard"), blocks
-        )
+        stage = replace(settings, zero=int(name[-1]))
+        engine = ZeroShardedOptimizer(model, comm=comm, groups=groups, settings=stage, blocks=blocks)
     return Ours(name, engine, comm)
 
 

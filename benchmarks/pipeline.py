@@ -138,7 +138,8 @@ class MeshtronPipeline(Pipeline):
             zip(inputs.tensor_split(MICROBATCHES), targets.tensor_split(MICROBATCHES), strict=True)
         )
         return self.runtime.run(
-            micro_batches, MicroBatchLoss(cross_entropy_per_token, TOKENS, contextlib.nullcontext)
+            micro_batches,
+            MicroBatchLoss(cross_entropy_per_token, TOKENS, contextlib.nullcontext).for_step(None),
         )
 
     def actions(self) -> list[ActionTime]:

@@ -53,7 +53,17 @@ def workers():
 @pytest.fixture
 def fixed_cpu(monkeypatch):
     """No CUDA, and a CPU probe that returns a fixed cluster (the real one measures this machine)."""
-    cpu = Accelerator("cpu", 1e11, None, 8 * GiB, 2e10, 5e9, 5e9, gpus_per_node=4, fp32_flops_per_s=5e10)
+    cpu = Accelerator(
+        name="cpu",
+        bf16_flops_per_s=1e11,
+        fp8_flops_per_s=None,
+        memory_bytes=8 * GiB,
+        hbm_bytes_per_s=2e10,
+        intra_node_bytes_per_s=5e9,
+        inter_node_bytes_per_s=5e9,
+        gpus_per_node=4,
+        fp32_flops_per_s=5e10,
+    )
     probe = types.ModuleType("meshtron.probe.hardware")
     probe.cpu_cluster = lambda ranks: Cluster(cpu, ranks, "fp32")
     monkeypatch.setitem(sys.modules, "meshtron.probe.hardware", probe)

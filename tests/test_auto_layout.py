@@ -12,7 +12,8 @@ import pytest
 
 from meshtron.commands.auto_layout import choose_layout, explicit_keys, held_keys
 from meshtron.commands.main import main
-from meshtron.config.schema import ConfigError, build_config, tomllib
+from meshtron.config.loading import build_config, tomllib
+from meshtron.config.schema import ConfigError
 from meshtron.observe.records import AUTO_LAYOUT_ENV
 from meshtron.plan.estimate import Cluster
 from meshtron.rules.checks import load_config

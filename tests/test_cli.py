@@ -14,7 +14,7 @@ import torch
 
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.main import main
-from meshtron.config.schema import build_config, tomllib
+from meshtron.config.loading import build_config, tomllib
 from meshtron.plan.estimate import estimate
 from meshtron.plan.hardware import table_name
 from meshtron.rules.checks import load_config

@@ -7,7 +7,8 @@ import typing
 
 import pytest
 
-from meshtron.config.schema import Config, ConfigError, load_toml, model_preset, parse_override
+from meshtron.config.loading import load_toml, model_preset, parse_override
+from meshtron.config.schema import Config, ConfigError
 from meshtron.rules.checks import check, load_config, validate
 
 

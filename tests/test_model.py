@@ -13,7 +13,6 @@ from meshtron.config.schema import ModelConfig
 from meshtron.models.init import init_region
 from meshtron.models.llama import build_model, rope_inv_freq
 from meshtron.models.moe import MoE, capacity_keep, router_losses
-from meshtron.observe.metrics import active_params, flops_per_token
 from meshtron.rules.checks import load_config
 
 
@@ -200,29 +199,3 @@ def test_positions_are_explicit():
     shifted = model(tokens, torch.arange(6)[None] + 5)
     assert torch.equal(default, explicit)
     assert not torch.allclose(default, shifted)
-
-
-@pytest.mark.parametrize(
-    "preset, overrides",
-    [
-        ("tiny", []),
-        ("tiny", ["--model.tie_embeddings=true"]),
-        ("tiny", ["--model.qkv_bias=true", "--model.qk_norm=true"]),
-    ],
-)
-def test_active_params_equal_real_count_for_dense(preset, overrides):
-    cfg = load_config(None, [f"--model.name={preset}", *overrides]).model
-    model = build_model(cfg, seed=0)
-    norms_and_biases = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1)
-    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-    assert active_params(cfg) == model.num_params() - embedding - norms_and_biases
-    assert flops_per_token(cfg, 128) == 6 * active_params(cfg) + 6 * cfg.n_layers * cfg.dim * 128
-
-
-def test_active_params_for_moe_count_top_k_experts():
-    cfg = load_config(None, ["--model.name=tiny-moe"]).model
-    model = build_model(cfg, seed=0)
-    per_expert = 3 * cfg.dim * cfg.expert_ffn_dim
-    inactive = cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
-    matrices = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2)
-    assert active_params(cfg) == matrices - cfg.vocab_size * cfg.dim - inactive

@@ -90,7 +90,16 @@ def test_predicted_state_and_traffic_equal_measured(workers, case):
 def latency_only(cfg, world: int) -> dict[str, float]:
     """The planner's communication seconds by dim on links of infinite bandwidth, 1 s per message and
     no overlap: the messages it charges."""
-    links = Accelerator("latency", 1e15, None, 2**50, 1e15, 1e30, 1e30, gpus_per_node=world)
+    links = Accelerator(
+        name="latency",
+        bf16_flops_per_s=1e15,
+        fp8_flops_per_s=None,
+        memory_bytes=2**50,
+        hbm_bytes_per_s=1e15,
+        intra_node_bytes_per_s=1e30,
+        inter_node_bytes_per_s=1e30,
+        gpus_per_node=world,
+    )
     nothing_hidden = Overlap(**{f: False for f in Overlap.__dataclass_fields__})
     cluster = Cluster(links, world, links=LinkEfficiency(1.0, 1.0, 1.0, 1.0), overlap=nothing_hidden)
     times = estimate(resolved(cfg, world), cluster).time

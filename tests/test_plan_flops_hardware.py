@@ -8,7 +8,6 @@ import pytest
 
 from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
-from meshtron.observe.metrics import flops_per_token
 from meshtron.plan.flops import (
     executed_flops_per_token,
     keys_per_query,
@@ -39,6 +38,7 @@ def _matmul_params(cfg: ModelConfig) -> tuple[int, int]:
     [
         ["--model.name=tiny"],
         ["--model.name=tiny", "--model.tie_embeddings=true"],
+        ["--model.name=tiny", "--model.qkv_bias=true", "--model.qk_norm=true"],  # biases and norms: no FLOPs
         ["--model.name=tiny", "--model.n_kv_heads=4"],  # multi-head attention
         ["--model.name=tiny", "--model.n_kv_heads=1", "--model.head_dim=32"],  # q width 128 != dim
         ["--model.name=tiny-moe"],
@@ -51,8 +51,6 @@ def test_training_flops_are_six_times_active_params_plus_attention(overrides):
     active = params - routed * (cfg.n_experts - cfg.top_k) // max(cfg.n_experts, 1)
     attention = 6 * cfg.n_layers * cfg.n_heads * cfg.head_size * SEQ  # 3 passes · 4·q·(s/2)
     assert training_flops_per_token(cfg, SEQ) == 6 * active + attention
-    # ...which is the trainer's MFU count too.
-    assert training_flops_per_token(cfg, SEQ) == flops_per_token(cfg, SEQ)
 
 
 def _gpt(h: int, layers: int, heads: int, vocab: int) -> ModelConfig:
@@ -115,8 +113,9 @@ def test_moe_flops_scale_with_top_k_not_experts():
     layer = layer_flops(shared, 0, SEQ)
     assert layer.ffn == 2 * 3 * 512 * (2 * 256 + 2 * 256)
     assert layer.router == 2 * 512 * (64 + 1)
-    # The trainer's count leaves out the h×1 shared-expert gate: 6·h per token and MoE layer.
-    assert training_flops_per_token(shared, SEQ) - flops_per_token(shared, SEQ) == 6 * 512 * 4
+    # The h×1 shared-expert gate: 6·h per token and MoE layer.
+    without_gate = dataclasses.replace(shared, shared_expert_gate=False)
+    assert training_flops_per_token(shared, SEQ) - training_flops_per_token(without_gate, SEQ) == 6 * 512 * 4
 
 
 def test_sliding_window_counts_the_band_under_the_diagonal():
@@ -131,8 +130,9 @@ def test_sliding_window_counts_the_band_under_the_diagonal():
     cfg = load_config(None, ["--model.name=tiny", "--model.sliding_window=32"]).model
     q = cfg.n_heads * cfg.head_size
     assert layer_flops(cfg, 0, SEQ).attention_core == 4 * q * (32 - 32**2 / (2 * SEQ))
-    assert training_flops_per_token(cfg, SEQ) < flops_per_token(cfg, SEQ)  # the trainer ignores windows
-    assert training_flops_per_token(cfg, 32) == flops_per_token(cfg, 32)
+    unwindowed = dataclasses.replace(cfg, sliding_window=0)
+    assert training_flops_per_token(cfg, SEQ) < training_flops_per_token(unwindowed, SEQ)
+    assert training_flops_per_token(cfg, 32) == training_flops_per_token(unwindowed, 32)  # w = s: no band
 
 
 def test_hardware_table_as_documented():

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from meshtron.config.schema import ConfigError, build_config, tomllib
+from meshtron.config.loading import build_config, tomllib
+from meshtron.config.schema import ConfigError
 from meshtron.observe.metrics import MetricsLogger, scalars
 from meshtron.observe.records import CONFIG_FILE, ENVIRONMENT_FILE
 from meshtron.observe.wandb_log import RUN_ID_FILE, WandbSettings

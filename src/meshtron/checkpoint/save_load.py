@@ -133,7 +133,7 @@ def _state(
     return {"model": model_sd, "optimizer": optim_sd, "train": train}, blocks
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveRequest:
     """One checkpoint to write: where, after which step, what, and over which ranks."""
 

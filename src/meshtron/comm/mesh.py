@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.comm.group import CommGroup
-from meshtron.config.layout import CP_PARTS, DENSE_DIMS, EXPERT_DIMS, FLAT_DIMS, PP_ENDS, ParallelDims
+from meshtron.config.layout import CP_PARTS, DENSE_DIMS, EXPERT_DIMS, FLAT_DIMS, PP_ENDS, Dim, ParallelDims
 
 
 class ParallelMesh:
@@ -34,9 +34,13 @@ class ParallelMesh:
         self.dims = dims
         self.rank = dist.get_rank()
         self.device_type = device_type
-        self.world = DeviceMesh(device_type, torch.as_tensor(dims.dense_grid), mesh_dim_names=DENSE_DIMS)
-        self.expert = DeviceMesh(device_type, torch.as_tensor(dims.expert_grid), mesh_dim_names=EXPERT_DIMS)
-        self._flat = {name: self.world[parts]._flatten(name) for name, parts in FLAT_DIMS.items()}
+        self.world = DeviceMesh(
+            device_type, torch.as_tensor(dims.dense_grid), mesh_dim_names=tuple(map(str, DENSE_DIMS))
+        )
+        self.expert = DeviceMesh(
+            device_type, torch.as_tensor(dims.expert_grid), mesh_dim_names=tuple(map(str, EXPERT_DIMS))
+        )
+        self._flat = {name: self.world[parts]._flatten(str(name)) for name, parts in FLAT_DIMS.items()}
         # Not a mesh dim (it skips the middle stages), so a plain process group; every rank takes part
         # in creating all of them, and a middle stage belongs to none.
         self._pp_ends = None
@@ -60,7 +64,7 @@ class ParallelMesh:
         if self._twins is None:
             made: dict[tuple[tuple[int, ...], ...], Any] = {}
             twins = {}
-            for dim in ("tp", "cp", *CP_PARTS, "ep"):
+            for dim in (Dim.TP, Dim.CP, *CP_PARTS, Dim.EP):
                 if self.size(dim) == 1 or (dim in CP_PARTS and not self._cp_parts):
                     continue
                 groups = self.dims.groups(dim)
@@ -85,7 +89,7 @@ class ParallelMesh:
         process that builds many meshes, such as a test worker, must release them)."""
 
         groups = {}
-        for dim in (*DENSE_DIMS, "ep", "edp", *FLAT_DIMS):
+        for dim in (*DENSE_DIMS, Dim.EP, Dim.EDP, *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
         for extra in [self._pp_ends, *self._cp_parts.values(), *self._twin_groups, self._checkpoint_group]:
@@ -101,14 +105,14 @@ class ParallelMesh:
         if dim in FLAT_DIMS:
             return self._flat[dim]
         if dim not in self._sliced:  # (the training step asks every step)
-            self._sliced[dim] = self.expert[dim] if dim in ("ep", "edp") else self.world[dim]
+            self._sliced[dim] = self.expert[dim] if dim in (Dim.EP, Dim.EDP) else self.world[dim]
         return self._sliced[dim]
 
     def group(self, dim: str) -> CommGroup:
         """The named group of `dim` containing this rank, as the comm layer takes it."""
         if dim == PP_ENDS:
             if self.dims.pp <= 2:  # the ends are the whole pipeline
-                return CommGroup(dim, tuple(self.ranks("pp")), self.mesh("pp").get_group())
+                return CommGroup(dim, tuple(self.ranks(Dim.PP)), self.mesh(Dim.PP).get_group())
             if self._pp_ends is None:
                 raise ValueError(f"rank {self.rank} is on a middle pipeline stage: it has no {PP_ENDS} group")
             return CommGroup(dim, tuple(self.ranks(dim)), self._pp_ends)

@@ -4,10 +4,10 @@ An all-gathered tensor that an operator saves for backward costs the whole tenso
 flight, though this rank holds only its shard. Two places gather something an operator then saves:
 
   gathered                  by                          kept instead          gathered again
-  a parameter's rows        SimpleFSDP (engines/simple_fsdp.py)  the row block (held   in the backward of each
-                                                         anyway)               operator that saved it
+  a parameter's rows        SimpleFSDP                   the row block (held   in the backward of each
+                            (engines/simple_fsdp.py)     anyway)               operator that saved it
   a norm's output, its      tensor + sequence parallel   the sequence shard    once per tensor-parallel
-  sequence shards           (tensor.py)                                        region, shared by the
+  sequence shards           (parallel/tensor.py)                               region, shared by the
                                                                                projections that saved it
 
 The second is Megatron's sequence parallel (Korthikanti et al. 2022, section 4.2.2): the column-parallel

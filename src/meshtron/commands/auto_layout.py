@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshtron.config.schema import Config, ConfigError, load_toml, parse_override
+from meshtron.config.loading import load_toml, parse_override
+from meshtron.config.schema import Config, ConfigError
 from meshtron.observe.records import AUTO_LAYOUT_ENV
 from meshtron.plan.estimate import Cluster, Estimate
 from meshtron.plan.layout import Layout

@@ -28,7 +28,8 @@ from meshtron.checkpoint.save_load import (
     complete_checkpoints,
     read_model_tensor,
 )
-from meshtron.config.schema import Config, ConfigError, build_config, load_toml
+from meshtron.config.loading import build_config, load_toml
+from meshtron.config.schema import Config, ConfigError
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, write_carried

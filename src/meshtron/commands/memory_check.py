@@ -55,7 +55,15 @@ def memory_cluster(cfg: Config, world_size: int) -> Cluster | None:
 
     # Placeholder rates (a few cores' order of magnitude): they order the layouts listed, nothing else.
     cpu = Accelerator(
-        "cpu", 1e11, None, host_memory_bytes() // per_node, 1e10, 1e10, 1e10, per_node, fp32_flops_per_s=1e11
+        name="cpu",
+        bf16_flops_per_s=1e11,
+        fp8_flops_per_s=None,
+        fp32_flops_per_s=1e11,
+        memory_bytes=host_memory_bytes() // per_node,
+        hbm_bytes_per_s=1e10,
+        intra_node_bytes_per_s=1e10,
+        inter_node_bytes_per_s=1e10,
+        gpus_per_node=per_node,
     )
     overhead = MemoryOverhead(context_bytes=float(resident_peak_bytes()), in_place_reduce=True)
     return Cluster(cpu, world_size, "fp32", memory=overhead)

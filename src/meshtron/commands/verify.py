@@ -170,7 +170,7 @@ def communication_lines(
     """Rank 0's counted bytes per group in one step, next to the formulas (plan/comm.py); and the groups
     of `exact` formulas whose count differs: a bug in the formula or in the counting, not noise."""
     lines = [
-        f"communication of step {row['step']} on rank 0 per group (bytes as comm.py counts them; formula: "
+        f"communication of step {row['step']} on rank 0 per group (bytes as comm/counted.py counts them; formula: "
         "plan/comm.py, exact where marked =, leading terms for tp and ep at balanced routing):",
         f"  {'group':<14} {'counted':>14} {'formula':>14}  counted/formula",
     ]

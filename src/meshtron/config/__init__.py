@@ -1,6 +1,7 @@
 """Configuration, torch-free: what a run is, before anything checks whether it can run.
 
-schema.py       the config dataclasses (every TOML section and key) and their overrides
+schema.py       the config dataclasses (every TOML section and key), their ranges and options
+loading.py      a Config from TOML files and `--section.key=value` overrides, presets applied
 presets.py      named architectures (llama3-*, mixtral-8x7b, deepseek-style-moe, tiny, tiny-moe)
 layout.py       ParallelDims: a layout's degrees, its axes and the rank groups they imply
 huggingface.py  a Hugging Face config.json <-> ModelConfig

@@ -3,7 +3,7 @@
 The mapping follows what transformers 5 computes, not only what its configs name: e.g. Qwen2 always has
 q/k/v biases, Qwen3 defaults head_dim to 128, Mixtral always renormalises its top-k routing weights.
 `config_to_hf` picks the one architecture that computes what a ModelConfig does, and refuses one that no
-supported architecture expresses (see weights.py's docstring for the list).
+supported architecture expresses (see hf/weights.py's docstring for the list).
 """
 
 from __future__ import annotations

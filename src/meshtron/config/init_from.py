@@ -22,7 +22,8 @@ from typing import Any
 from safetensors import SafetensorError
 
 from meshtron.config.huggingface import checkpoint_config
-from meshtron.config.schema import ConfigError, ModelConfig, model_preset
+from meshtron.config.loading import model_preset
+from meshtron.config.schema import ConfigError, ModelConfig
 
 # [model] keys that shape the training but not the weights or the architecture: free with init_from.
 TRAINING_KEYS = frozenset(

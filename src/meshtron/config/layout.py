@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 from functools import cached_property
 from types import MappingProxyType
 
@@ -29,21 +30,41 @@ import numpy as np
 
 from meshtron.utils.words import plural
 
-DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "tp")
-# Views made of several mesh dims: "dp" is the whole batch split, "dp_shard_cp" the ranks that shard
-# parameters when context parallel also splits the batch's sequences.
-FLAT_DIMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+
+class Dim(str, Enum):
+    """A mesh axis, or a view over several; its value is the name that groups, metrics and configs use
+    (a Dim equals, hashes and formats as that string)."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    EDP = "edp"  # the experts' data-parallel ranks: dp_shard x cp re-read as [edp, ep]
+    EP = "ep"
+    DP = "dp"  # the whole batch split: dp_replicate x dp_shard
+    DP_SHARD_CP = "dp_shard_cp"  # the ranks that shard parameters when cp also splits the sequences
+    DP_CP = "dp_cp"  # every rank holding a different part of the batch
+    PP_ENDS = "pp_ends"  # the first and the last stage of each pipeline (tied embedding weights)
+    CP_RING = "cp_ring"  # hybrid context parallel: the ring over the all-to-all groups
+    CP_ULYSSES = "cp_ulysses"  # hybrid context parallel: the all-to-all inside consecutive cp ranks
+
+    __str__ = str.__str__  # "tp", not "Dim.TP", in messages and f-strings on every Python
+    __format__ = str.__format__
+
+
+DENSE_DIMS = (Dim.PP, Dim.DP_REPLICATE, Dim.DP_SHARD, Dim.CP, Dim.TP)
+EXPERT_DIMS = (Dim.PP, Dim.DP_REPLICATE, Dim.EDP, Dim.EP, Dim.TP)
+# Views made of several mesh dims.
+FLAT_DIMS: Mapping[Dim, tuple[Dim, ...]] = MappingProxyType(
     {
-        "dp": ("dp_replicate", "dp_shard"),
-        "dp_shard_cp": ("dp_shard", "cp"),
-        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        Dim.DP: (Dim.DP_REPLICATE, Dim.DP_SHARD),
+        Dim.DP_SHARD_CP: (Dim.DP_SHARD, Dim.CP),
+        Dim.DP_CP: (Dim.DP_REPLICATE, Dim.DP_SHARD, Dim.CP),
     }
 )
-# The first and the last stage of each pipeline, which share tied embedding weights.
-PP_ENDS = "pp_ends"
-# Hybrid context parallel's two parts of a cp group: all-to-all inside "cp_ulysses", a ring over "cp_ring".
-CP_PARTS = ("cp_ring", "cp_ulysses")
+PP_ENDS = Dim.PP_ENDS
+CP_PARTS = (Dim.CP_RING, Dim.CP_ULYSSES)
 
 
 def ep_folding_problem(dp_shard: int, cp: int, ep: int) -> str | None:
@@ -94,7 +115,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
@@ -133,7 +154,7 @@ class ParallelDims:
         if dim == PP_ENDS:
             return min(self.pp, 2)
         if dim in CP_PARTS:
-            return self.cp_ulysses if dim == "cp_ulysses" else self.cp // self.cp_ulysses
+            return self.cp_ulysses if dim == Dim.CP_ULYSSES else self.cp // self.cp_ulysses
         if dim in FLAT_DIMS:
             return int(np.prod([getattr(self, d) for d in FLAT_DIMS[dim]]))
         return getattr(self, dim)
@@ -157,15 +178,15 @@ class ParallelDims:
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of `dim`: lists of ranks that differ only in their `dim` coordinate(s)."""
         if dim == PP_ENDS:
-            return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+            return [sorted({g[0], g[-1]}) for g in self.groups(Dim.PP)]
         if dim in CP_PARTS:  # ulysses: consecutive cp ranks; ring: one of each ulysses group
             u = self.cp_ulysses
-            if dim == "cp_ulysses":
-                return [g[i : i + u] for g in self.groups("cp") for i in range(0, self.cp, u)]
-            return [g[i::u] for g in self.groups("cp") for i in range(u)]
+            if dim == Dim.CP_ULYSSES:
+                return [g[i : i + u] for g in self.groups(Dim.CP) for i in range(0, self.cp, u)]
+            return [g[i::u] for g in self.groups(Dim.CP) for i in range(u)]
         if dim in DENSE_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
-        elif dim in ("ep", "edp"):
+        elif dim in (Dim.EP, Dim.EDP):
             grid, axes = self.expert_grid, [EXPERT_DIMS.index(dim)]
         elif dim in FLAT_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(d) for d in FLAT_DIMS[dim]]
@@ -178,14 +199,16 @@ class ParallelDims:
         return moved.reshape(-1, int(np.prod([grid.shape[a] for a in axes]))).tolist()
 
     def group_table(self) -> dict[str, list[list[int]]]:
-        dims = ["tp", "cp", "dp_shard", "dp_replicate", "pp", "ep", "edp"]
+        dims = [Dim.TP, Dim.CP, Dim.DP_SHARD, Dim.DP_REPLICATE, Dim.PP, Dim.EP, Dim.EDP]
         if 1 < self.cp_ulysses < self.cp:  # hybrid context parallel's two parts of each cp group
             dims[2:2] = CP_PARTS
         return {dim: self.groups(dim) for dim in dims}
 
     def crossing_dims(self, gpus_per_node: int) -> list[str]:
         """Dims (of size > 1; the expert dims only when ep > 1) with a group spanning more than one node."""
-        dims = [d for d in self.group_table() if self.size(d) > 1 and (self.ep > 1 or d not in ("ep", "edp"))]
+        dims = [
+            d for d in self.group_table() if self.size(d) > 1 and (self.ep > 1 or d not in (Dim.EP, Dim.EDP))
+        ]
         return [d for d in dims if any(len({r // gpus_per_node for r in g}) > 1 for g in self.groups(d))]
 
     def summary(self) -> str:
@@ -202,17 +225,17 @@ class ParallelDims:
     def describe(self, gpus_per_node: int, unit: str = "GPU") -> str:
         """Human-readable layout: dims, each rank's coordinates and node, every group of every dim;
         `unit` names what a rank runs on ("GPU", or "rank" for CPU processes)."""
-        sizes = ", ".join(f"{d}={self.size(d)}" for d in DENSE_DIMS + ("ep", "edp"))
+        sizes = ", ".join(f"{d}={self.size(d)}" for d in (*DENSE_DIMS, Dim.EP, Dim.EDP))
         lines = [
             f"world size {self.world_size}: {sizes}; {plural(gpus_per_node, unit)} per node, "
             f"{plural(-(-self.world_size // gpus_per_node), 'node')}"
         ]
-        lines.append("rank  node  " + "  ".join(f"{d:>12}" for d in DENSE_DIMS + ("edp", "ep")))
+        lines.append("rank  node  " + "  ".join(f"{d:>12}" for d in (*DENSE_DIMS, Dim.EDP, Dim.EP)))
         for rank in range(self.world_size):
             c = self.coords(rank)
             lines.append(
                 f"{rank:>4}  {rank // gpus_per_node:>4}  "
-                + "  ".join(f"{c[d]:>12}" for d in DENSE_DIMS + ("edp", "ep"))
+                + "  ".join(f"{c[d]:>12}" for d in (*DENSE_DIMS, Dim.EDP, Dim.EP))
             )
         for dim, groups in self.group_table().items():
             lines.append(f"{dim} groups (size {self.size(dim)}): " + " ".join(str(g) for g in groups))

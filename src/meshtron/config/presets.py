@@ -1,5 +1,5 @@
 """Named model architectures (published hyper-parameters): `model.name` selects one, explicit keys
-override it. Pure data, read by schema.py."""
+override it. Pure data, read by loading.py."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreparedData:
     """A prepared dataset directory with its tokens memory-mapped read-only."""
 

@@ -230,7 +230,7 @@ class MixtureSampler:
         self, sequence_sums: dict[int, torch.Tensor], step: int, dp_rank: int, dp_size: int, micro_batch: int
     ) -> torch.Tensor:
         """This rank's cross-entropy sums per source [K] (fp64) from its micro-batches' per-sequence sums
-        (MicroBatchLoss.sequence_sums) at `step`."""
+        (MicroBatchLoss.for_step) at `step`."""
         per = self.global_batch // dp_size
         chosen = torch.from_numpy(self.samples(step)[0][dp_rank * per : (dp_rank + 1) * per])
         out = torch.zeros(len(self.weights), dtype=torch.float64)

@@ -2,6 +2,7 @@
 over the data-parallel ranks. parallel/data_parallel.py chooses one per layout.
 
 engine.py           the interface every engine implements (all the training loop calls), clipping
+settings.py         what every engine is built from: the layout's options and the groups it uses
 ddp.py              DDP: bucketed gradient all-reduce overlapped with backward
 zero.py             ZeRO-1/2: optimizer state (and gradients) sharded, reduce-scatter + all-gather
 fsdp.py             ZeRO-3 / FSDP / HSDP: parameters sharded in units, gathered per use; TorchFSDP

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from meshtron.comm.collectives import Comm
-from meshtron.comm.group import CommGroup
 from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.mixed_precision import accumulate_in_fp32, to_compute_dtype_
+from meshtron.engines.settings import DataParallelSettings, EngineGroups
 
 
 def make_buckets(
@@ -121,18 +121,19 @@ class DistributedDataParallel(BucketedEngine):
     def __init__(
         self,
         model: nn.Module,
+        *,
         comm: Comm,
-        group: CommGroup,
-        bucket_bytes: int = 25 * 2**20,
-        reduce_dtype: torch.dtype | None = None,
+        groups: EngineGroups,
+        settings: DataParallelSettings,
         broadcast: bool = True,
-        param_dtype: torch.dtype = torch.float32,
     ):
-        """`broadcast`: make the replicas identical from rank 0's values (not needed when every replica
-        is then initialised or loaded identically, as after a meta-device build). `param_dtype` other
-        than fp32: the parameters become that compute copy, with fp32 masters (mixed_precision.py)."""
+        """Gradients all-reduced over `groups.replicate`. `broadcast`: make the replicas identical from
+        rank 0's values (not needed when every replica is then initialised or loaded identically, as
+        after a meta-device build). `settings.param_dtype` other than fp32: the parameters become that
+        compute copy, with fp32 masters (mixed_precision.py)."""
+        group, param_dtype, bucket_bytes = groups.replicate, settings.param_dtype, settings.bucket_bytes
         self.model, self.comm, self.group = model, comm, group
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype = settings.reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters: list[nn.Parameter] | None = None
         if param_dtype != torch.float32:
@@ -156,7 +157,7 @@ class DistributedDataParallel(BucketedEngine):
     def owned_rows(self) -> list[OwnedRows]:
         held = dict(zip(map(id, self.params), self.optimizer_params(), strict=True))
         return [
-            OwnedRows(name, held[id(p)], 0, p.shape[0], tuple(p.shape))
+            OwnedRows(name=name, param=held[id(p)], start=0, rows=p.shape[0], shape=tuple(p.shape))
             for name, p in self.model.named_parameters()
         ]
 
@@ -173,7 +174,7 @@ class DistributedDataParallel(BucketedEngine):
 
     def _launch(self, bucket: _Bucket) -> None:
         buffer = bucket.flat
-        if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
+        if self.reduce_dtype != buffer.dtype:
             bucket.send = buffer = buffer.to(self.reduce_dtype)
         bucket.pending = self.comm.all_reduce_async(buffer, self.group)
 

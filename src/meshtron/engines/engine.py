@@ -3,7 +3,7 @@
 An engine owns the model's parameters for the optimizer (whole, or this rank's row shards), decides when
 gradients are reduced, and reports what each rank holds so that checkpoints and parity checks can see
 the logical tensors. The engines: DDP (`ddp.py`), ZeRO-1/2 (`zero.py`), ZeRO-3/FSDP and PyTorch's
-`fully_shard` (`fsdp.py`); `data_parallel.py` picks one for a layout.
+`fully_shard` (`fsdp.py`); `parallel/data_parallel.py` picks one for a layout.
 
 Per step the loop calls, in order:
 
@@ -49,7 +49,7 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None = No
     return torch.stack(torch._foreach_norm(pieces, dtype=torch.float64)).square().sum()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OwnedRows:
     """Rows [start, start + rows) of logical parameter `name` (of `shape`), held by this rank in the
     first `rows` rows of the optimizer's tensor `param` (any rows after them are padding)."""

@@ -34,6 +34,7 @@ from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.fsdp_float8 import Float8Gather
 from meshtron.engines.materialize import is_meta, materialize_
+from meshtron.engines.settings import DataParallelSettings, EngineGroups
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
 
@@ -51,7 +52,7 @@ class FSDPUnit:
         float8: list[bool] | None = None,
     ):
         """`params` on `device`, or on the meta device (built without storage: the shards start at zero
-        and are filled through `owned_rows`, regions.py). `float8`: which params gather in float8
+        and are filled through `owned_rows`, parallel/regions.py). `float8`: which params gather in float8
         (fsdp_float8.py); None: all in `param_dtype`."""
         self.names, self.params, self.param_dtype = names, params, param_dtype
         self.rank = shard.rank
@@ -121,27 +122,25 @@ class FullyShardedDataParallel(DataParallelEngine):
     def __init__(
         self,
         model: nn.Module,
-        blocks: list[nn.Module],
+        *,
         comm: Comm,
-        shard: CommGroup,
-        replicate: CommGroup,
-        param_dtype: torch.dtype = torch.float32,
-        reduce_dtype: torch.dtype = torch.float32,
-        reshard_after_forward: bool = True,
-        shard_mesh: Any = None,
+        groups: EngineGroups,
+        settings: DataParallelSettings,
+        blocks: list[nn.Module],
         roots: list[nn.Module] | None = None,
-        device: torch.device | None = None,
         float8: frozenset[str] = frozenset(),
     ):
         """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
         head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
-        the first rank of a V schedule: each gathers the root unit before it runs). `device`: where the
-        shards live (default: the parameters'; needed for a model built on the meta device). `float8`:
-        the names of the parameters to gather in float8 (`training.fp8_all_gather`, fsdp_float8.py)."""
-        self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
-        self.shard_mesh = shard_mesh
+        the first rank of a V schedule: each gathers the root unit before it runs). `settings.device`:
+        where the shards live (a model built on the meta device gets them there). `float8`: the names
+        of the parameters to gather in float8 (`training.fp8_all_gather`, fsdp_float8.py)."""
+        shard, param_dtype, device = groups.shard, settings.param_dtype, settings.device
+        self.model, self.comm, self.shard, self.replicate = model, comm, shard, groups.replicate
+        self.shard_mesh = groups.shard_mesh
         self.norm_group = shard
-        self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
+        self.reduce_dtype = settings.reduce_dtype
+        self.reshard_after_forward = settings.reshard_after_forward
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         # Forward order: the root gathers first (the embedding runs first) and blocks follow.
         named: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
@@ -151,7 +150,6 @@ class FullyShardedDataParallel(DataParallelEngine):
         hooked = [roots or [model], *([b] for b in blocks)]
         modules = [(mods, group) for mods, group in zip(hooked, named, strict=True) if group]
         self.has_root = bool(named[0])
-        device = device or next(iter(model.parameters())).device
         self.units = [
             FSDPUnit(
                 [n for n, _ in group],
@@ -246,7 +244,13 @@ class FullyShardedDataParallel(DataParallelEngine):
 
     def owned_rows(self) -> list[OwnedRows]:
         return [
-            OwnedRows(name, m, s.row_range(unit.rank)[0], s.valid_rows(unit.rank), s.shape)
+            OwnedRows(
+                name=name,
+                param=m,
+                start=s.row_range(unit.rank)[0],
+                rows=s.valid_rows(unit.rank),
+                shape=s.shape,
+            )
             for unit in self.units
             for name, m, s in zip(unit.names, unit.master, unit.layout.shapes, strict=True)
         ]
@@ -282,20 +286,19 @@ class TorchFSDP(DataParallelEngine):
     def __init__(
         self,
         model: nn.Module,
+        *,
+        groups: EngineGroups,
+        settings: DataParallelSettings,
         blocks: list[nn.Module],
-        device_mesh: Any,
-        shard: CommGroup,
-        param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        reshard_after_forward: bool = True,
-        device: torch.device | None = None,
     ):
-        """`device`: where a model built on the meta device gets its shards (fully_shard first shards
-        the meta parameters, then they get storage: FSDP2's meta-device flow)."""
+        """`groups.shard_mesh`: the DeviceMesh fully_shard shards over (2-D for HSDP).
+        `settings.device`: where a model built on the meta device gets its shards (fully_shard first
+        shards the meta parameters, then they get storage: FSDP2's meta-device flow)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.model, self.norm_group, self.shard_mesh = model, shard, device_mesh
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        device_mesh, reshard_after_forward = groups.shard_mesh, settings.reshard_after_forward
+        self.model, self.norm_group, self.shard_mesh = model, groups.shard, device_mesh
+        policy = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
         for module in [*blocks, model]:
             fully_shard(
                 module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
@@ -304,8 +307,8 @@ class TorchFSDP(DataParallelEngine):
             # (a plain SUM: gloo has neither AVG nor PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-        if device is not None and is_meta(model.parameters()):
-            model.to_empty(device=device)  # the buffers too: parallelize resets them after this step
+        if is_meta(model.parameters()):
+            model.to_empty(device=settings.device)  # the buffers too: parallelize resets them after this step
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -313,7 +316,8 @@ class TorchFSDP(DataParallelEngine):
     def owned_rows(self) -> list[OwnedRows]:
         # The parameters are DTensors already: they carry their own placement into checkpoints.
         return [
-            OwnedRows(name, p, 0, p.shape[0], tuple(p.shape)) for name, p in self.model.named_parameters()
+            OwnedRows(name=name, param=p, start=0, rows=p.shape[0], shape=tuple(p.shape))
+            for name, p in self.model.named_parameters()
         ]
 
     def local_grads(self) -> list[torch.Tensor]:

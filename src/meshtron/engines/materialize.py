@@ -6,7 +6,7 @@ the data-parallel step then gives the parameters storage on the rank's device, a
 whole parameters for DDP and ZeRO-1/2 (replicas), nothing for ZeRO-3's module parameters (their gathered
 units are allocated while they run; the engine's shards hold the values). Nothing is initialised here
 (the storage is zeroed):
-regions.py fills what each rank holds from the seeded initialisation or a checkpoint.
+parallel/regions.py fills what each rank holds from the seeded initialisation or a checkpoint.
 
 The Parameter objects stay the same (modules, tied weights and engines refer to them), their storage
 swapped in with `torch.utils.swap_tensors`; the gradient hooks tensor parallel put on a parameter
@@ -40,7 +40,10 @@ def materialize_(
         if not p.is_meta:
             continue
         attributes = dict(p.__dict__)  # swapped away with the tensor: e.g. tensor parallel's grad_hooks
-        real = nn.Parameter(torch.zeros(p.shape, dtype=dtype or p.dtype, device=device), p.requires_grad)
+        # Empty storage is never zeroed: a full-size zeroed tensor per parameter touches every page, and
+        # the allocator keeps the freed pages resident (hundreds of MB at start-up under ZeRO-3).
+        make = torch.empty if empty else torch.zeros
+        real = nn.Parameter(make(p.shape, dtype=dtype or p.dtype, device=device), p.requires_grad)
         if empty:
             real.untyped_storage().resize_(0)
         torch.utils.swap_tensors(p, real)

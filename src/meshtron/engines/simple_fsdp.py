@@ -23,7 +23,7 @@ Compiled (`training.compile`): a parameter read while torch.compile traces takes
 the design is for. The gather goes through functional collectives (comm.gather_rows_traced), inside a
 selective checkpoint that marks it always-recompute, so the whole of it (cast, all-gather, reduce-scatter
 in backward) lands in the block's graph and the partitioner regathers rather than saves. Inductor's
-passes (compile.py) then bucket a block's gathers into one all-gather per pass and its gradients into
+passes (parallel/compile.py) then bucket a block's gathers into one all-gather per pass and its gradients into
 one reduce-scatter. Nothing counts calls inside a graph, so the engine books those bytes per micro-batch.
 """
 
@@ -40,6 +40,7 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.comm.saved_gathers import SAVED_GATHERS
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
+from meshtron.engines.settings import DataParallelSettings, EngineGroups
 from meshtron.engines.shard import ShardedShape
 
 
@@ -131,24 +132,22 @@ class SimpleFSDP(DataParallelEngine):
     def __init__(
         self,
         model: nn.Module,
-        hooked: list[nn.Module],
+        *,
         comm: Comm,
-        shard: CommGroup,
-        replicate: CommGroup,
-        param_dtype: torch.dtype = torch.float32,
-        reduce_dtype: torch.dtype = torch.float32,
-        shard_mesh: Any = None,
+        groups: EngineGroups,
+        settings: DataParallelSettings,
+        hooked: list[nn.Module],
         compiled: list[nn.Module] | None = None,
-        device: torch.device | None = None,
     ):
         """`hooked`: the modules whose forwards save gathered weights for backward (the blocks and the
         modules that run the embedding and the head): the saved-tensor hooks are active inside them.
         `compiled`: modules whose forwards run compiled; their parameters take the traced path, whose
         bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter).
-        `device`: where the shards live (default: the parameters'; needed for a meta-device build)."""
-        self.model, self.comm, self.shard, self.replicate = model, comm, shard, replicate
-        self.device = device or next(iter(model.parameters())).device
-        self.shard_mesh, self.norm_group = shard_mesh, shard
+        `settings.device`: where the shards live (a meta-device build gets them there)."""
+        shard, param_dtype, reduce_dtype = groups.shard, settings.param_dtype, settings.reduce_dtype
+        self.model, self.comm, self.shard, self.replicate = model, comm, shard, groups.replicate
+        self.device = settings.device
+        self.shard_mesh, self.norm_group = groups.shard_mesh, shard
         self.specs: dict[int, ShardedParam] = {}  # id of the original parameter -> its sharded form
         for module_name, module in model.named_modules():
             own = {n: p for n, p in module._parameters.items() if p is not None}
@@ -173,7 +172,7 @@ class SimpleFSDP(DataParallelEngine):
         shape = ShardedShape(tuple(p.shape), self.shard.size)
         start, stop = shape.row_range(self.shard.rank)
         block = torch.zeros((shape.rows, *p.shape[1:]), dtype=torch.float32, device=self.device)
-        if not p.is_meta:  # built without values: filled through owned_rows (regions.py)
+        if not p.is_meta:  # built without values: filled through owned_rows (parallel/regions.py)
             block[: stop - start] = p.detach()[start:stop]
         block = nn.Parameter(block)
         # The gradient's row block, kept across steps (autograd accumulates into it in place).
@@ -191,7 +190,13 @@ class SimpleFSDP(DataParallelEngine):
     def owned_rows(self) -> list[OwnedRows]:
         rank = self.shard.rank
         return [
-            OwnedRows(s.name, s.block, s.shape.row_range(rank)[0], s.shape.valid_rows(rank), s.shape.shape)
+            OwnedRows(
+                name=s.name,
+                param=s.block,
+                start=s.shape.row_range(rank)[0],
+                rows=s.shape.valid_rows(rank),
+                shape=s.shape.shape,
+            )
             for s in self.specs.values()
         ]
 

@@ -48,6 +48,7 @@ from meshtron.comm.pending import Pending
 from meshtron.engines.ddp import BucketedEngine, make_buckets
 from meshtron.engines.engine import OwnedRows
 from meshtron.engines.mixed_precision import accumulate_in_fp32, to_compute_dtype_
+from meshtron.engines.settings import DataParallelSettings, EngineGroups
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
 
@@ -152,36 +153,34 @@ class ZeroShardedOptimizer(BucketedEngine):
     def __init__(
         self,
         model: nn.Module,
+        *,
         comm: Comm,
-        shard: CommGroup,
-        replicate: CommGroup,
-        stage: int,
-        bucket_bytes: int = 25 * 2**20,
-        reduce_dtype: torch.dtype | None = None,
-        shard_mesh: Any = None,
+        groups: EngineGroups,
+        settings: DataParallelSettings,
         blocks: list[nn.Module] | None = None,
         roots: list[nn.Module] | None = None,
-        param_dtype: torch.dtype = torch.float32,
     ):
-        """`blocks`: modules whose parameters are gathered as a unit each, waited for in their forward
-        pre-hooks; the other parameters are waited for when one of `roots` (default: the model) runs.
-        `param_dtype` other than fp32: the parameters become that compute copy, the owned rows fp32
-        masters of their own (mixed_precision.py), and the gathers move the compute dtype."""
+        """`settings.zero` is the stage (1 or 2). `blocks`: modules whose parameters are gathered as a
+        unit each, waited for in their forward pre-hooks; the other parameters are waited for when one
+        of `roots` (default: the model) runs. `settings.param_dtype` other than fp32: the parameters
+        become that compute copy, the owned rows fp32 masters of their own (mixed_precision.py), and
+        the gathers move the compute dtype."""
+        stage, shard, replicate = settings.zero, groups.shard, groups.replicate
         if stage not in (1, 2):
             raise ValueError(f"ZeroShardedOptimizer handles stages 1 and 2, not {stage}")
         self.model, self.comm, self.shard, self.replicate, self.stage = model, comm, shard, replicate, stage
-        self.shard_mesh = shard_mesh
+        self.shard_mesh = groups.shard_mesh
         self.norm_group = shard
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype = settings.reduce_dtype
+        param_dtype, bucket_bytes = settings.param_dtype, settings.bucket_bytes
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mixed = param_dtype != torch.float32
         self.grad_dtype = torch.float32 if self.mixed else self.params[0].dtype
-        reduce = reduce_dtype or self.grad_dtype
         # Stage 1 keeps whole gradients; where a reduce-scatter would be an all-reduce anyway (gloo),
         # all-reducing them in place skips packing them rank-major and copying the rows back.
         self.in_place = stage == 1 and replicate.size == 1 and comm.reduce_scatter_is_all_reduce(shard)
         self.buckets = [
-            _ShardedBucket(b, shard, stage, reduce, self.in_place, self.mixed)
+            _ShardedBucket(b, shard, stage, self.reduce_dtype, self.in_place, self.mixed)
             for b in make_buckets(self.params, bucket_bytes, grad_bytes=4 if self.mixed else None)
         ]
         # Each parameter's owned rows: where the gathers after a step read its new values.
@@ -207,7 +206,7 @@ class ZeroShardedOptimizer(BucketedEngine):
     def owned_rows(self) -> list[OwnedRows]:
         names = {id(p): name for name, p in self.model.named_parameters()}
         return [
-            OwnedRows(names[id(p)], owned, start, stop - start, tuple(p.shape))
+            OwnedRows(name=names[id(p)], param=owned, start=start, rows=stop - start, shape=tuple(p.shape))
             for bucket in self.buckets
             for p, owned, (start, stop) in zip(bucket.params, bucket.owned, bucket.row_ranges, strict=True)
         ]
@@ -221,7 +220,7 @@ class ZeroShardedOptimizer(BucketedEngine):
         self._start_micro_batch(sync=is_last or self.stage == 2)
 
     def _launch(self, bucket: _ShardedBucket) -> None:
-        dtype = self.reduce_dtype or self.grad_dtype
+        dtype = self.reduce_dtype
         if bucket.in_place:
             buffer = bucket.flat
             if dtype != buffer.dtype:

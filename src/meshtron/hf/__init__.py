@@ -1,14 +1,14 @@
 """Hugging Face interop, in one package: `load` a transformers checkpoint directory as a meshtron model,
 `save` one that transformers loads, and start a run from one in any layout (`model.init_from`).
 
-  config/huggingface.py      config.json <-> ModelConfig, and a checkpoint's files and tensor names (torch-free)
-  config/init_from.py     model.init_from's [model] keys, while the config is merged (torch-free)
   weights.py     weight names, strict whole-model `load` and `save`
   checkpoint.py  a checkpoint read tensor by tensor and region by region
   init_from.py   each rank reads its own slices of a checkpoint into its parallel layout
   carry.py       what an export keeps of the Hugging Face files a run was given (config fields, tokenizer)
 
-`load` and `save` import torch when called, so that the torch-free modules above can be imported alone.
+The torch-free parts live with the configuration: config/huggingface.py (config.json <-> ModelConfig, a
+checkpoint's files and tensor names) and config/init_from.py (model.init_from's [model] keys, while the
+config is merged). `load` and `save` import torch when called.
 """
 
 from __future__ import annotations

@@ -28,30 +28,47 @@ def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torc
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatchLoss:
-    """How each micro-batch's loss is formed in a step, and the autocast its forward runs under."""
+    """How each micro-batch's loss is formed in a job, and the autocast its forward runs under: built
+    once, at set-up; each step's own divisor makes a `StepLoss` of it (`for_step`)."""
 
     token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # per-token cross-entropy [N]
-    global_tokens: int
+    global_tokens: int  # the tokens of a step's global batch
     autocast: Callable[[], contextlib.AbstractContextManager]
-    # Targets of the step's global batch that count (loss masks); None: all global_tokens of them.
-    counted_tokens: int | None = None
-    # When a dict: each micro-batch's per-sequence cross-entropy sums [B] are kept under its index (a
-    # mixture's loss per source is formed from them after the step).
-    sequence_sums: dict[int, torch.Tensor] | None = None
+
+    def for_step(
+        self, counted_tokens: int | None, sequence_sums: dict[int, torch.Tensor] | None = None
+    ) -> StepLoss:
+        """This loss in one step. `counted_tokens`: the targets of the step's global batch that count
+        (loss masks; None: all global_tokens of them). `sequence_sums`: when a dict, each micro-batch's
+        per-sequence cross-entropy sums [B] are kept in it under its index (a mixture's loss per source is
+        formed from them after the step)."""
+        divisor = self.global_tokens if counted_tokens is None else max(1, counted_tokens)
+        return StepLoss(self, divisor, sequence_sums)
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """The loss of each micro-batch of one step: the job's `MicroBatchLoss` with the step's divisor."""
+
+    job_loss: MicroBatchLoss
+    divisor: int  # what each micro-batch's summed cross-entropy is divided by: the step's counted targets
+    sequence_sums: dict[int, torch.Tensor] | None = None  # (MicroBatchLoss.for_step)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.job_loss.autocast()
 
     def aux_share(self, aux: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The aux loss weighted by this micro-batch's share of the step's tokens."""
-        return aux.float() * (targets.numel() / self.global_tokens)
+        return aux.float() * (targets.numel() / self.job_loss.global_tokens)
 
     def of(
         self, logits: torch.Tensor, aux: torch.Tensor, targets: torch.Tensor, mb: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to back-propagate, its cross-entropy part) of micro-batch `mb`."""
-        counted = self.global_tokens if self.counted_tokens is None else max(1, self.counted_tokens)
-        per_token = self.token_loss(logits, targets)
+        per_token = self.job_loss.token_loss(logits, targets)
         if self.sequence_sums is not None:
             self.sequence_sums[mb] = per_token.detach().view(targets.shape[0], -1).sum(1)
-        ce = per_token.sum() / counted
+        ce = per_token.sum() / self.divisor
         return ce + self.aux_share(aux, targets), ce

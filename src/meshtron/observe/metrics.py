@@ -1,4 +1,4 @@
-"""Per-step metrics: model FLOPs and MFU, memory (peak, and bytes held in model state), the console line,
+"""Per-step metrics: MFU (from plan/flops.py's model FLOPs), memory (peak, and bytes held in model state), the console line,
 metrics.jsonl, TensorBoard, Weights & Biases, plot."""
 
 from __future__ import annotations
@@ -11,29 +11,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron.config.schema import ModelConfig
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.observe.wandb_log import WandbSettings, start_wandb
 from meshtron.probe.peak import format_mfu
 from meshtron.utils.resident import resident_peak_bytes
-
-
-def active_params(cfg: ModelConfig) -> int:
-    """Parameters a token's forward touches, counting the output head but not the embedding lookup
-    (a gather, no FLOPs); an MoE layer counts its top_k routed experts and its shared experts."""
-    d, kv = cfg.dim, cfg.kv_heads * cfg.head_size
-    q = cfg.n_heads * cfg.head_size
-    attn = d * q + 2 * d * kv + q * d
-    dense_ffn = 3 * d * cfg.ffn_dim
-    moe_ffn = 3 * d * cfg.expert_ffn_dim * cfg.top_k + 3 * d * cfg.shared_expert_ffn_dim + d * cfg.n_experts
-    ffn = sum(moe_ffn if cfg.is_moe_layer(i) else dense_ffn for i in range(cfg.n_layers))
-    return cfg.n_layers * attn + ffn + d * cfg.vocab_size
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * active params, plus attention scores and values with a causal kernel
-    that skips masked blocks, 6 * L * (n_heads * head_dim) * s (half of the 12·L·h·s full-mask count)."""
-    return 6.0 * active_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.comm.timing import PHASES, TIMES
+from meshtron.config.layout import Dim
 from meshtron.config.schema import Config
 from meshtron.engines.staging import Staging
 from meshtron.observe import cuda_memory
@@ -151,7 +152,7 @@ def predicted_memory(cfg: Config, place: Any) -> dict[str, float]:
     )
     parallel = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(place.world_size))
     cfg = dataclasses.replace(cfg, parallel=parallel)  # the planner takes explicit degrees
-    parts = stage_memory(cfg, place.world_size, place.mesh.local_rank("pp"), None, overhead)
+    parts = stage_memory(cfg, place.world_size, place.mesh.local_rank(Dim.PP), None, overhead)
     parts.pop("reserved", None)
     return {**parts, "total": sum(parts.values())}
 

@@ -11,7 +11,7 @@ as torchtitan compiles, after every other step of `parallelize` has shaped the b
   recompute                  compiler sees it; recompute's checkpoint then wraps the compiled forward
                              (full: the rerun calls the compiled code) or stays a graph break inside it
                              (selective: the attention core runs eagerly, checkpointed)
-  collectives inside         comm.py's autograd functions (tp's all-reduces, cp's exchanges, ep's
+  collectives inside         comm/autograd.py's functions (tp's all-reduces, cp's exchanges, ep's
                              all-to-alls) are opaque to the compiler: it breaks the graph around them
                              and compiles the math between; numerics equal eager's (tests compare
                              losses to 1e-5 in fp32)

@@ -21,7 +21,7 @@ routes and keeps; this module moves the tokens):
        (moves ep times the tokens but never waits on counts; better when top_k is large against ep)
 
 Both are exact: the same assignments reach the same experts as on one device. Backward runs the
-exchanges in reverse (comm.py's autograd rules), so an expert's gradient sums the contributions of the
+exchanges in reverse (comm/autograd.py's rules), so an expert's gradient sums the contributions of the
 tokens every ep rank sent it. Capacity is decided before the exchange, on each rank's own micro-batch.
 
 With tensor parallel, `parallel.etp` says how experts meet tp: etp = tp (default) splits every expert's

@@ -38,7 +38,7 @@ What must not be shared between the two threads is kept per thread: the weight-g
 refused: ZeRO-3's parameter units are gathered and freed by both a forward and a backward, and compiled
 blocks are not run from two threads at once here. ZeRO-1/2 are safe because every chunk runs a forward
 on the main thread before the first pair (the warm-up), which waits for their deferred parameter
-gathers; a forward that communicated on a group without a twin (dp) would fail loudly (comm.py). The
+gathers; a forward that communicated on a group without a twin (dp) would fail loudly (comm/counted.py). The
 helper thread is fresh, so a context a caller enters around `PipelineRuntime.run` (a mode, autocast)
 does not reach the paired forwards; nothing in meshtron does.
 """

@@ -50,7 +50,7 @@ from meshtron.config.schema import SPLIT_BACKWARD, PipelineSchedule
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.documents import MicroBatchLayout
 from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
-from meshtron.models.loss import MicroBatchLoss
+from meshtron.models.loss import StepLoss
 from meshtron.pipeline.pairs import run_pair
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 from meshtron.schedules.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
@@ -181,7 +181,7 @@ class _Step:
         self,
         runtime: PipelineRuntime,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        loss: MicroBatchLoss,
+        loss: StepLoss,
         before_grads: Callable[[bool], None],
         layouts: list[MicroBatchLayout] | None = None,
     ):
@@ -363,7 +363,7 @@ class PipelineRuntime:
     def run(
         self,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        loss: MicroBatchLoss,
+        loss: StepLoss,
         before_grads: Callable[[bool], None] = lambda is_last: None,
         layouts: list[MicroBatchLayout] | None = None,
     ) -> torch.Tensor:
@@ -416,7 +416,7 @@ class PipelineRuntime:
     def forward_only(
         self,
         micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        loss: MicroBatchLoss,
+        loss: StepLoss,
         layouts: list[MicroBatchLayout] | None = None,
     ) -> torch.Tensor:
         """Forwards only (evaluation): this rank's share of the micro-batches' summed cross-entropy, as

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from meshtron.config.schema import Config
 from meshtron.plan.state import RankParameter, rank_parameters, stage_key
+from meshtron.utils.memo import Memo
 
 
 def _padded(shape: tuple[int, ...], n: int) -> int:
@@ -101,14 +102,11 @@ def engine_buffers(cfg: Config, world_size: int, pp_rank: int, in_place: bool) -
         p.reduce_dtype,
         in_place,
     )
-    if key not in _BUFFERS:  # the same for every micro-batch size and recompute mode the search tries
-        if len(_BUFFERS) > 4096:
-            _BUFFERS.clear()
-        _BUFFERS[key] = _engine_buffers(cfg, shard, pp_rank, in_place)
-    return _BUFFERS[key]
+    # The same for every micro-batch size and recompute mode the search tries.
+    return _BUFFERS.get(key, lambda: _engine_buffers(cfg, shard, pp_rank, in_place))
 
 
-_BUFFERS: dict[tuple, float] = {}
+_BUFFERS: Memo[float] = Memo()
 
 
 def _engine_buffers(cfg: Config, shard: int, pp_rank: int, in_place: bool) -> float:

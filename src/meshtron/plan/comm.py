@@ -33,6 +33,7 @@ import math
 
 from meshtron.config.schema import Config
 from meshtron.plan.state import rank_parameters
+from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
 
 DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends"})
@@ -97,7 +98,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     p, m, t = cfg.parallel, cfg.model, cfg.training
     dp_shard = p.dp_shard_for(world_size)
     shard, dp = dp_shard * p.cp, p.dp_replicate * dp_shard
-    micro = t.global_batch // (t.micro_batch * dp)
+    micro = micro_batches_per_step(t.global_batch, t.micro_batch, dp)
     params = rank_parameters(cfg, pp_rank)
     out: dict[str, float] = {}
 

@@ -43,9 +43,10 @@ from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
 from meshtron.plan.state import rank_parameters, stage_key
+from meshtron.utils.memo import Memo
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Overlap:
     """Which communication runs behind compute (meshtron's behaviour by default)."""
 
@@ -241,10 +242,8 @@ def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list
     dense parameters over `shard`; under ep the experts over `edp`), and its MoE layers; cached per
     stage, as the search asks for every micro-batch size and recompute mode of it."""
     p = cfg.parallel
-    key = (stage_key(cfg, pp_rank), shard, edp, p.ep > 1)
-    if key not in _SIZES:
-        if len(_SIZES) > 4096:
-            _SIZES.clear()
+
+    def sizes_of() -> tuple[list[tuple[int, int]], int]:
         params = rank_parameters(cfg, pp_rank)
         groups = [([x.shape for x in params if not x.expert or p.ep == 1], shard)]
         if p.ep > 1:
@@ -256,11 +255,12 @@ def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list
             )
             for shapes, n in groups
         ]
-        _SIZES[key] = (sizes, sum(1 for x in params if x.expert and x.name.endswith("w1")))
-    return _SIZES[key]
+        return sizes, sum(1 for x in params if x.expert and x.name.endswith("w1"))
+
+    return _SIZES.get((stage_key(cfg, pp_rank), shard, edp, p.ep > 1), sizes_of)
 
 
-_SIZES: dict[tuple, tuple[list[tuple[int, int]], int]] = {}
+_SIZES: Memo[tuple[list[tuple[int, int]], int]] = Memo()
 
 
 def dp_comm(

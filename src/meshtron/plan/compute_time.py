@@ -59,7 +59,7 @@ MATMUL_EFFICIENCY = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rates:
     """What one GPU does per second: `peak` FLOP/s of the matmuls, `attention_peak` of the attention
     kernel (bf16 even when the linear layers run in fp8, as Float8 training does), `hbm` bytes/s, and

@@ -35,8 +35,10 @@ from meshtron.plan.gpu_memory import (
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import layer_split, model_key, stage_signature
+from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import Kind, chunks_of_rank
 from meshtron.schedules.build import CheckedSchedule, build_schedule, checked_schedule, simulate
+from meshtron.utils.memo import Memo
 from meshtron.utils.words import plural
 
 OPTIMIZER_BYTES_PER_ELEMENT = 32
@@ -81,10 +83,16 @@ class Cluster:
         element = 4 if training_dtype == "fp32" else (1 if self.dtype == "fp8" else 2)
         compute = self.compute or ComputeEfficiency.for_gpu(self.gpu.name)
         attention = peak_flops_per_s(self.gpu, "bf16") if self.dtype == "fp8" else self.peak
-        return Rates(self.peak, self.gpu.hbm_bytes_per_s, compute, element, attention)
+        return Rates(
+            peak=self.peak,
+            hbm=self.gpu.hbm_bytes_per_s,
+            eff=compute,
+            dtype_bytes=element,
+            attention_peak=attention,
+        )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
     """The planner's prediction for one config on one cluster (times in seconds, memory in bytes)."""
 
@@ -125,14 +133,10 @@ def _chunk_costs(
         id(cluster),
         imbalance,
     )
-    if key not in _COSTS or _COSTS[key][0] is not cluster:
-        if len(_COSTS) > 1024:
-            _COSTS.clear()
-        _COSTS[key] = (cluster, _chunk_costs_of(cfg, cluster, imbalance))  # (the cluster kept: its id stays)
-    return _COSTS[key][1]
+    return _COSTS.get(key, lambda: _chunk_costs_of(cfg, cluster, imbalance), keep=cluster)
 
 
-_COSTS: dict[tuple, tuple[Cluster, tuple[list[PassTimes], list[dict[str, PassTimes]]]]] = {}
+_COSTS: Memo[tuple[list[PassTimes], list[dict[str, PassTimes]]]] = Memo(limit=1024)
 
 
 def _chunk_costs_of(
@@ -259,7 +263,7 @@ def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> lis
     p, t = cfg.parallel, cfg.training
     if simulated:  # the schedule's own walk: no timing needed
         return [stage_memory(cfg, cluster.gpus, r, None, cluster.memory) for r in range(p.pp)]
-    micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)
     compute, comm = _chunk_costs(cfg, cluster, 1.0)
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     _, in_flight, _ = _run_pipeline(cfg, totals, micro, simulated)
@@ -269,14 +273,10 @@ def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> lis
 def _model_flops_per_token(cfg: Config) -> float:
     """training_flops_per_token, once per model and sequence length (the MFU's numerator)."""
     key = (model_key(cfg.model), cfg.training.seq_len)
-    if key not in _FLOPS:
-        if len(_FLOPS) > 256:
-            _FLOPS.clear()
-        _FLOPS[key] = training_flops_per_token(cfg.model, cfg.training.seq_len)
-    return _FLOPS[key]
+    return _FLOPS.get(key, lambda: training_flops_per_token(cfg.model, cfg.training.seq_len))
 
 
-_FLOPS: dict[tuple, float] = {}
+_FLOPS: Memo[float] = Memo(limit=256)
 
 
 def _stage_step(
@@ -318,7 +318,7 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: f
         )
     p, t = cfg.parallel, cfg.training
     world = cluster.gpus
-    micro = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)
     compute, comm = _chunk_costs(cfg, cluster, imbalance)
     totals = [c + sum(d.values(), PassTimes()) for c, d in zip(compute, comm, strict=True)]
     makespan, in_flight, bubble = _run_pipeline(cfg, totals, micro, simulated)

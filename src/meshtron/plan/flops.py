@@ -45,11 +45,9 @@ passes, full attention, GQA and SwiGLU, no recompute and no router: 12·B·s·L�
 V/(2·L·h)) for g key/value groups of a heads, i.e. `training_flops_per_token(cfg, s, "full")` for a
 dense model with head_size = h/a.
 
-Against `observe/metrics.py`'s `flops_per_token` (what the trainer's MFU uses): `training_flops_per_token`
-with the causal count equals it for every model without a sliding window shorter than the sequence and
-without a shared-expert gate. The trainer's count ignores the window (it counts s/2 keys per query
-whatever w is: too high when w < s) and leaves out the h×1 shared-expert gate (6·h FLOPs per token and
-MoE layer, under 1e-4 of any real model's total). tests/test_plan_flops_hardware.py checks both.
+This is meshtron's one FLOP count: the trainer's MFU (train/trainer.py) and the planner both use
+`training_flops_per_token`. tests/test_plan_flops_hardware.py checks it against the parameters of the
+real model.
 """
 
 from __future__ import annotations

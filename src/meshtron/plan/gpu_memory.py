@@ -35,8 +35,10 @@ from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig
 from meshtron.plan.buffers import engine_buffers
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
 from meshtron.plan.state import layer_split, model_key, state_bytes
+from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import Kind, chunks_of_rank
 from meshtron.schedules.build import build_schedule
+from meshtron.utils.memo import Memo
 
 GiB = 2**30
 
@@ -50,16 +52,12 @@ class MemoryOverhead:
     in_place_reduce: bool = False  # gloo: ZeRO-1 all-reduces whole buckets in place (plan/buffers.py)
 
 
-_SUMS: dict[tuple, int] = {}
+_SUMS: Memo[int] = Memo(limit=8192)  # per-stage sums the search asks for again and again
 
 
 def _cached(key: tuple, compute: Callable[[], int]) -> int:
-    """Per-stage sums the search asks for again and again (keyed on plan/state.py's stage_key)."""
-    if key not in _SUMS:
-        if len(_SUMS) > 8192:
-            _SUMS.clear()
-        _SUMS[key] = compute()
-    return _SUMS[key]
+    """A per-stage sum, keyed on plan/state.py's stage_key."""
+    return _SUMS.get(key, compute)
 
 
 def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
@@ -155,7 +153,7 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
     the linear layers' inputs and output gradients until the weight-gradient pass (W). Chunk 0 never
     waits: nothing needs its input gradient, so its B computes the weight gradients at once."""
     p, t = cfg.parallel, cfg.training
-    m = t.global_batch // (t.micro_batch * p.dp_replicate * p.dp_shard)
+    m = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)
     last, splits = p.pp * p.vpp - 1, p.pp_schedule in SPLIT_BACKWARD
     chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     kept = {c: chunk_activation_bytes(cfg, pp_rank, split[c], c == last) for c in chunks}

@@ -86,7 +86,7 @@ GBIT_PER_S = 1e9 / 8  # bytes/s of one Gb/s
 PeakDType = Literal["bf16", "fp8", "fp32"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Accelerator:
     """One GPU type: peaks, memory and links, per GPU (see the module docstring for units and sources)."""
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.config.layout import ParallelDims
-from meshtron.config.schema import Config, ConfigError, suggest
+from meshtron.config.schema import Config, ConfigError
+from meshtron.utils.words import suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
@@ -38,7 +39,7 @@ FLOAT_KEYS = ("pp_head_layers",)
 KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout(ParallelDims):
     """One candidate: the mesh's degrees (layout.ParallelDims, `dp_shard` resolved, never -1; world size,
     dp and groups come from there) and the per-step choices."""

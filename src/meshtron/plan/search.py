@@ -30,6 +30,7 @@ from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory, st
 from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
 from meshtron.rules.checks import not_yet_supported, validate
+from meshtron.rules.data import micro_batches_per_step
 
 MICRO_BATCHES = (1, 2, 4, 8)
 # Less recompute first: a layout is not tried again with more once it fits. "op" keeps less than
@@ -131,7 +132,7 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
         if t.global_batch % (micro_batch * base.dp):
             yield "training.global_batch must be a multiple of micro_batch*dp"
             continue
-        micro = t.global_batch // (micro_batch * base.dp)
+        micro = micro_batches_per_step(t.global_batch, micro_batch, base.dp)
         if base.pp > 1 and micro < base.pp:
             yield "micro-batches per step must be at least pp"
             continue

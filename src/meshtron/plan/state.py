@@ -30,6 +30,7 @@ from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.flops import layer_costs
 from meshtron.schedules.actions import chunks_of_rank
 from meshtron.schedules.balance import layer_split_of
+from meshtron.utils.memo import Memo
 
 
 @dataclass(frozen=True)
@@ -93,26 +94,17 @@ def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp:
 
 def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
     """The parameters pipeline stage `pp_rank` holds, at their per-rank shapes (tp and ep applied)."""
-    key = stage_key(cfg, pp_rank)
-    if key not in _STAGES:  # the planner asks for the same stages many times
-        if len(_STAGES) > 4096:
-            _STAGES.clear()
-        _STAGES[key] = _stage_parameters(cfg.model, *key[1:])
-    return list(_STAGES[key])
+    key = stage_key(cfg, pp_rank)  # the planner asks for the same stages many times
+    return list(_STAGES.get(key, lambda: _stage_parameters(cfg.model, *key[1:])))
 
 
-_MODEL_KEYS: dict[int, tuple[ModelConfig, str]] = {}
+_MODEL_KEYS: Memo[str] = Memo(limit=256)
 
 
 def model_key(m: ModelConfig) -> str:
     """The planner's cache key of a model config (unhashable, so its repr), formed once per object: the
     search asks for it a million times for the same few configs, which it never changes."""
-    entry = _MODEL_KEYS.get(id(m))
-    if entry is None or entry[0] is not m:  # (the object is kept, so its id is not reused meanwhile)
-        if len(_MODEL_KEYS) > 256:
-            _MODEL_KEYS.clear()
-        entry = _MODEL_KEYS[id(m)] = (m, repr(m))
-    return entry[1]
+    return _MODEL_KEYS.get(id(m), m.__repr__, keep=m)
 
 
 def _split_key(cfg: Config) -> tuple:
@@ -125,14 +117,15 @@ def layer_split(cfg: Config) -> list[list[int]]:
     """The layers of every chunk (schedules/balance.py), as the trainer runs them and the planner models
     them, cached per layout."""
     p, m = cfg.parallel, cfg.model
-    key = _split_key(cfg)
-    if key not in _SPLITS:
+
+    def split() -> list[list[int]]:
         costs = layer_costs(m, cfg.training.seq_len) if p.pp_balance == "cost" else None
-        _SPLITS[key] = layer_split_of(cfg, costs)
-    return _SPLITS[key]
+        return layer_split_of(cfg, costs)
+
+    return _SPLITS.get(_split_key(cfg), split)
 
 
-_SPLITS: dict[tuple, list[list[int]]] = {}
+_SPLITS: Memo[list[list[int]]] = Memo()
 
 
 def stage_key(cfg: Config, pp_rank: int) -> tuple:
@@ -140,29 +133,18 @@ def stage_key(cfg: Config, pp_rank: int) -> tuple:
     the tp / ep cuts, and the layers, embedding and head the stage holds. The planner caches per-stage
     sums on it."""
     p = cfg.parallel
-    cached = (_split_key(cfg), p.tp, p.ep, p.etp, pp_rank)
-    if cached not in _STAGE_KEYS:
-        if len(_STAGE_KEYS) > 4096:
-            _STAGE_KEYS.clear()
+
+    def key() -> tuple:
         split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
         layers = tuple(layer for c in chunks for layer in split[c])
         first, last = 0 in chunks, p.pp * p.vpp - 1 in chunks
         tied_copy = cfg.model.tie_embeddings and last and not first  # the head's copy of the embedding
-        _STAGE_KEYS[cached] = (
-            model_key(cfg.model),
-            p.tp,
-            p.ep,
-            p.etp,
-            layers,
-            first,
-            last,
-            tied_copy,
-            pp_rank,
-        )
-    return _STAGE_KEYS[cached]
+        return (model_key(cfg.model), p.tp, p.ep, p.etp, layers, first, last, tied_copy, pp_rank)
+
+    return _STAGE_KEYS.get((_split_key(cfg), p.tp, p.ep, p.etp, pp_rank), key)
 
 
-_STAGE_KEYS: dict[tuple, tuple] = {}
+_STAGE_KEYS: Memo[tuple] = Memo()
 
 
 def stage_signature(cfg: Config, pp_rank: int) -> tuple:
@@ -170,21 +152,18 @@ def stage_signature(cfg: Config, pp_rank: int) -> tuple:
     and MoE layer counts, and whether it holds the embedding or the head (the middle stages of a deep
     pipeline share one, so the planner computes them once)."""
     p, m = cfg.parallel, cfg.model
-    key = (_split_key(cfg), pp_rank)
-    if key not in _SIGNATURES:
-        if len(_SIGNATURES) > 4096:
-            _SIGNATURES.clear()
+
+    def signature() -> tuple:
         split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
         moe = [sum(m.is_moe_layer(layer) for layer in split[c]) for c in chunks]
         kinds = tuple((len(split[c]) - n, n) for c, n in zip(chunks, moe, strict=True))
-        _SIGNATURES[key] = (kinds, 0 in chunks, p.pp * p.vpp - 1 in chunks)
-    return _SIGNATURES[key]
+        return (kinds, 0 in chunks, p.pp * p.vpp - 1 in chunks)
+
+    return _SIGNATURES.get((_split_key(cfg), pp_rank), signature)
 
 
-_SIGNATURES: dict[tuple, tuple] = {}
-
-
-_STAGES: dict[tuple, tuple[RankParameter, ...]] = {}
+_SIGNATURES: Memo[tuple] = Memo()
+_STAGES: Memo[tuple[RankParameter, ...]] = Memo()
 
 
 def _stage_parameters(
@@ -242,10 +221,8 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
     dp_shard = p.dp_shard_for(world_size)
     shard = dp_shard * p.cp
     mixed = cfg.training.dtype != "fp32"
-    key = (stage_key(cfg, pp_rank), shard, p.zero, mixed)
-    if key not in _STATES:
-        if len(_STATES) > 4096:
-            _STATES.clear()
+
+    def held() -> dict[str, int]:
         params = rank_parameters(cfg, pp_rank)
         dense = engine_state_bytes(
             [x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero, mixed
@@ -253,8 +230,9 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
         if p.ep > 1:
             experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero, mixed)
             dense = {k: dense[k] + experts[k] for k in dense}
-        _STATES[key] = dense
-    return dict(_STATES[key])
+        return dense
+
+    return dict(_STATES.get((stage_key(cfg, pp_rank), shard, p.zero, mixed), held))
 
 
-_STATES: dict[tuple, dict[str, int]] = {}
+_STATES: Memo[dict[str, int]] = Memo()

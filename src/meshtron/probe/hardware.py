@@ -35,7 +35,7 @@ Choices, and why (checked by benchmarks/planner_cpu.py: RESULTS.md, "Planner on 
   with 4 experts 189 vs 218 ms: routing and permutation are not counted).
 - The link bandwidth is all-gather's. The planner's formulas charge an all-gather or a reduce-scatter
   half an all-reduce's bytes; on gloo they cost about as much as one: its all-gather reaches about half
-  the all-reduce's bus bandwidth, and a reduce-scatter is an all-reduce (comm.py). An all-reduce is
+  the all-reduce's bus bandwidth, and a reduce-scatter is an all-reduce (comm/counted.py). An all-reduce is
   then charged about twice its time (DDP's gradients: a few % of the demo's step).
 - The latency is the one under load: with more ranks than cores a message often waits until its
   receiver, descheduled in the middle of its compute, runs again (a scheduler time slice is ms). Here
@@ -82,7 +82,7 @@ CACHE_FILE = "hardware-probe.json"
 PROBE_VERSION = 5  # bump when the method changes, so old cache entries are measured again
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measurement:
     """Per-rank figures of this machine with `ranks` ranks of `threads` threads (units: SI)."""
 

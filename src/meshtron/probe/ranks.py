@@ -16,7 +16,7 @@ from typing import Any
 from meshtron.plan.flops import keys_per_query
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProbeSizes:
     """What the probe runs: the demo model's shapes by default (configs/demo.toml, micro-batch 4)."""
 
@@ -42,7 +42,19 @@ class ProbeSizes:
 DEMO = ProbeSizes()
 # For tests: the same method on small shapes, a second or two of measuring.
 QUICK = ProbeSizes(
-    128, 64, 128, 256, 4, 2, 32, layers=1, copy_mib=4, comm_mib=2, p2p_kib=64, window_s=0.05, repeats=2
+    rows=128,
+    dim=64,
+    ffn=128,
+    vocab=256,
+    heads=4,
+    kv_heads=2,
+    seq=32,
+    layers=1,
+    copy_mib=4,
+    comm_mib=2,
+    p2p_kib=64,
+    window_s=0.05,
+    repeats=2,
 )
 
 

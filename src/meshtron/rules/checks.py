@@ -1,7 +1,7 @@
 """From files to a checked config: every problem found at once, each with its fix, before any process
 starts (and once more inside the job, where the world size and the device are known).
 
-  load_config        TOML + overrides (config/schema.py); with model.init_from, the checkpoint's architecture
+  load_config        TOML + overrides (config/loading.py); with model.init_from, the checkpoint's architecture
                      (config/init_from.py); config_notes: the keys that win over a preset
   validate           every problem: the fields' own ranges and options, then each package's rules
   not_yet_supported  valid layouts this version cannot run yet, each named by the code that will run it
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 from meshtron.config.init_from import resolve_model_keys
-from meshtron.config.schema import Config, build_config, load_toml, refuse, suggest
+from meshtron.config.loading import build_config, load_toml
+from meshtron.config.schema import Config, refuse
 from meshtron.rules.data import (
     batch_problems,
     command_line_first,
@@ -51,6 +52,7 @@ from meshtron.rules.training import (
     recompute_problems,
     wandb_problems,
 )
+from meshtron.utils.words import suggest
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshtron.config.schema import Config, section_overrides
+from meshtron.config.loading import section_overrides
+from meshtron.config.schema import Config
 
 # [data] keys that name one thing two ways (the rules below refuse both): the command line's choice of
 # one replaces the config file's other, as an override replaces the file's value of its own key.

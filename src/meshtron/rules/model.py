@@ -1,4 +1,4 @@
-"""What the model's own code needs of its options: attention and rotary sizes (llama.py), routing (moe.py);
+"""What the model's own code needs of its options: attention and rotary sizes (models/llama.py), routing (models/moe.py);
 and which keys win over a preset `model.name` names.
 
 Torch-free, like every package's model.py, so that a config can be checked (and `meshtron plan` can
@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshtron.config.layout import divisors
+from meshtron.config.loading import section_overrides
 from meshtron.config.presets import PRESETS
-from meshtron.config.schema import ModelConfig, section_overrides
+from meshtron.config.schema import ModelConfig
 
 
 def model_problems(cfg: ModelConfig) -> list[str]:

@@ -1,6 +1,7 @@
 """What each parallelism needs of the model, the batch and its options, one section per parallelism
-(tensor.py, context.py, expert.py, data_parallel.py run them). Torch-free, so that a config is checked
-(and `meshtron plan` searches layouts) without importing torch; checks.py gathers every package's rules.
+(parallel/tensor.py, context.py, expert.py and data_parallel.py run them). Torch-free, so that a config
+is checked (and `meshtron plan` searches layouts) without importing torch; checks.py gathers every
+subject's rules.
 A `*_problems` function names a config that cannot work; a `*_unsupported` one, a valid layout this
 version cannot run yet."""
 

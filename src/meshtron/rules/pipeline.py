@@ -1,5 +1,5 @@
 """What the pipeline needs of the layout: the layer split (schedules/split.py), the schedule (schedules/build.py), the
-micro-batches per step, and DualPipeV's overlapped pairs (pairs.py). Torch-free (checks.py gathers every
+micro-batches per step, and DualPipeV's overlapped pairs (pipeline/pairs.py). Torch-free (checks.py gathers every
 package's rules)."""
 
 from __future__ import annotations

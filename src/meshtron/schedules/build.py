@@ -24,9 +24,10 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from meshtron.config.schema import V_SCHEDULES, PipelineSchedule, suggest
+from meshtron.config.schema import V_SCHEDULES, PipelineSchedule
 from meshtron.schedules.actions import Action, Kind, rank_of_chunk
 from meshtron.schedules.v_shape import dualpipev_order, zbv_order
+from meshtron.utils.words import suggest
 
 SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 

@@ -24,7 +24,7 @@ the weight gradient, and a "full" backward is a B with its W right after it.
              bubble (pp−1)·(F&B + B − 3W) per rank (B: a full backward), activations of pp+1 micro-
              batches at most; needs at least 2·pp micro-batches. `dualpipev_order` also returns where its
              F&B pairs are; with `build_schedule(..., paired=True)` each is one unit, both of its
-             receives first, which the runtime runs at once (pairs.py). Waiting for both inputs costs
+             receives first, which the runtime runs at once (pipeline/pairs.py). Waiting for both inputs costs
              (pp−1)·F once per step where nothing overlaps; the overlap is what buys it back.
 """
 

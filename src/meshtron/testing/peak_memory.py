@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from meshtron.config.layout import Dim
 from meshtron.plan.estimate import Cluster, stage_memories
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import accelerator
@@ -87,10 +88,10 @@ def measure_peak(overrides: list[str], steps: int) -> dict[str, Any]:
     for step in range(steps):
         trainer.step(step)
     mesh = trainer.job.place.mesh
-    first = all(mesh.local_rank(dim) == 0 for dim in ("dp_shard_cp", "dp_replicate", "tp"))
+    first = all(mesh.local_rank(dim) == 0 for dim in (Dim.DP_SHARD_CP, Dim.DP_REPLICATE, Dim.TP))
     fixed = resident_bytes() - live_tensor_bytes()
     peak = resident_peak_bytes()
-    return {"pp_rank": mesh.local_rank("pp"), "first": first, "fixed": fixed, "peak": peak}
+    return {"pp_rank": mesh.local_rank(Dim.PP), "first": first, "fixed": fixed, "peak": peak}
 
 
 def predicted_stages(overrides: list[str], world: int) -> list[dict[str, float]]:

@@ -17,13 +17,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshtron.comm.group import CommGroup
+from meshtron.config.layout import Dim
 from meshtron.config.schema import TrainingConfig
 from meshtron.data.dataset import PreparedData
 from meshtron.data.mixture import MixtureSampler
 from meshtron.data.validation import validation_sampler
+from meshtron.models.documents import DocumentMask
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.models.moe import loads_not_counted
 from meshtron.parallel.parallelize import ParallelModel
+from meshtron.train.micro_batches import run_micro_batches
 
 if TYPE_CHECKING:
     from meshtron.train.setup import RankPlace
@@ -41,16 +44,18 @@ class Evaluator:
         place: RankPlace,
         dp: CommGroup,
         dp_cp: CommGroup,
+        documents: DocumentMask | None = None,
     ):
         """`train_loss`: the training step's loss, whose per-token loss and autocast evaluation shares;
-        `dp`, `dp_cp`: the groups that split the batch (and, with cp, its sequences)."""
+        `dp`, `dp_cp`: the groups that split the batch (and, with cp, its sequences); `documents`:
+        data.document_mask's, as training attends."""
         self.parallel, self.val, self.training, self.place = parallel, val, training, place
-        self.dp, self.dp_cp = dp, dp_cp
+        self.dp, self.dp_cp, self.documents = dp, dp_cp, documents
         self.sampler = validation_sampler(training, val)
         self.tokens = training.eval_batches * training.global_batch * training.seq_len
         self.loss = MicroBatchLoss(train_loss.token_loss, self.tokens, train_loss.autocast)
         counted = [self.sampler.counted_targets(val, index) for index in range(training.eval_batches)]
-        self.loss.counted_tokens = None if None in counted else sum(counted)  # (loss masks: those that count)
+        self.counted = None if None in counted else sum(counted)  # (loss masks: the targets that count)
         self.counted_by_source = (  # a mixture's: the same batches' counted targets per source
             sum(self.sampler.counted_by_source(val, i) for i in range(training.eval_batches))
             if isinstance(self.sampler, MixtureSampler)
@@ -72,10 +77,12 @@ class Evaluator:
         by_source = torch.zeros(len(self.val.sources), dtype=torch.float64) if mixture else None
         for index in range(t.eval_batches):
             batches = self.sampler.micro_batches(self.val, index, self.dp.rank, self.dp.size, t.micro_batch)
-            self.loss.sequence_sums = {} if mixture else None
-            total += self.parallel.run_micro_batches(batches, self.loss, device, backward=False)
-            if by_source is not None:
-                sums = self.loss.sequence_sums
+            sums: dict[int, torch.Tensor] | None = {} if mixture else None
+            loss = self.loss.for_step(self.counted, sums)
+            total += run_micro_batches(
+                self.parallel, batches, loss, device=device, documents=self.documents, backward=False
+            )
+            if by_source is not None and sums is not None:
                 by_source += self.sampler.source_sums(sums, index, self.dp.rank, self.dp.size, t.micro_batch)
         return total, by_source
 
@@ -86,7 +93,7 @@ class Evaluator:
         comm = self.place.comm
         row: dict[str, Any] = {"step": step}
         for part in (total, by_source) if by_source is not None else (total,):
-            comm.all_reduce_(part, self.place.mesh.group("pp"))
+            comm.all_reduce_(part, self.place.mesh.group(Dim.PP))
             comm.all_reduce_(part, self.dp_cp)
         if by_source is not None:  # each source's mean over its own counted targets
             counted = self.counted_by_source

@@ -3,7 +3,7 @@
   1  process group    join the job torchrun (or `--nproc`) started, or make a one-rank job
   2  check            the config against the world size and device the job really has (rules/checks.py)
   3  directories      run.dir (and checkpoint.dir) writable, found before any work
-  4  mesh, comm       this layout's process groups (comm/mesh.py) and the communication layer (comm.py)
+  4  mesh, comm       this layout's process groups (comm/mesh.py) and the communication layer (comm/collectives.py)
   5  records          config.toml and environment.json in run.dir (observe/records.py), before the long phases
   6  data             the prepared tokens (rank 0 prepares the default corpus), the validation split,
                       the layout-independent sampler
@@ -41,7 +41,7 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.comm.mesh import ParallelMesh
 from meshtron.comm.record import recorder
-from meshtron.config.layout import ParallelDims
+from meshtron.config.layout import Dim, ParallelDims
 from meshtron.config.schema import Config, ConfigError, TrainingDType, refuse
 from meshtron.data import DataError
 from meshtron.data.dataset import PreparedData, default_dataset
@@ -64,7 +64,7 @@ from meshtron.train.optim import build_optimizer
 from meshtron.utils.words import plural
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankPlace:
     """Where this process sits in the job: its rank, device, mesh and communication layer."""
 
@@ -76,7 +76,7 @@ class RankPlace:
     world: CommGroup
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """What one training job holds on this rank once set up."""
 
@@ -93,6 +93,7 @@ class Job:
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     loss: MicroBatchLoss
+    documents: DocumentMask | None  # data.document_mask: attention within documents (train/micro_batches.py)
     tp_blocks: ShardBlocks | None  # where tensor- and expert-parallel shards sit, for checkpoints
     start_step: int = 0
     resumed_from: Path | None = None  # the checkpoint loaded, which takes precedence over init_from
@@ -238,7 +239,15 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
         raise ValueError(f"the given mesh is {mesh.dims.summary()}, the config asks for {dims.summary()}")
     comm = Comm(cfg.run.comm_timeout_s)
     world = comm.group("world", list(range(world_size)), dist.group.WORLD)
-    return RankPlace(rank, world_size, device, mesh or ParallelMesh(dims, device.type), comm, world), dims
+    place = RankPlace(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        mesh=mesh or ParallelMesh(dims, device.type),
+        comm=comm,
+        world=world,
+    )
+    return place, dims
 
 
 def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
@@ -261,8 +270,8 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     model = build_meta_model(cfg.model, place.device)
     n_params = model.num_params()
     parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg), place.device)
-    if cfg.data.document_mask:  # the end-of-document token is the data's
-        parallel.mask_documents(DocumentMask(dataset.eos_id, cfg.data.reset_positions))
+    # data.document_mask: attention within documents, whose end token is the data's.
+    documents = DocumentMask(dataset.eos_id, cfg.data.reset_positions) if cfg.data.document_mask else None
     optimizer = build_optimizer(
         parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
     )
@@ -271,15 +280,29 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     experts = expert_parameter_names(model) if dims.ep > 1 else frozenset()
     tp_blocks = None
     if parallel.tp_plan is not None or experts:
-        tp_blocks = ShardBlocks(parallel.tp_plan, place.mesh.grid("dp_shard_cp", "tp"), dims.ep, experts)
+        tp_blocks = ShardBlocks(parallel.tp_plan, place.mesh.grid(Dim.DP_SHARD_CP, Dim.TP), dims.ep, experts)
     job = Job(
-        cfg, place, dims, mesh is None, environment, dataset, val_data, sampler, model, n_params, parallel,
-        optimizer, loss, tp_blocks, started=started,
-    )  # fmt: skip
+        cfg=cfg,
+        place=place,
+        dims=dims,
+        owns_mesh=mesh is None,
+        environment=environment,
+        dataset=dataset,
+        val_data=val_data,
+        sampler=sampler,
+        model=model,
+        n_params=n_params,
+        parallel=parallel,
+        optimizer=optimizer,
+        loss=loss,
+        documents=documents,
+        tp_blocks=tp_blocks,
+        started=started,
+    )
     resume_if_asked(job)
     if job.resumed_from is not None:  # a resumed run keeps its own weights
         return job
-    ep = place.mesh.group("ep")
+    ep = place.mesh.group(Dim.EP)
     if cfg.model.init_from:
         say(rank, f"loading the Hugging Face checkpoint {cfg.model.init_from}")
         job.init_report = load_hf_weights(cfg.model.init_from, parallel, cfg.model, ep, place.world)

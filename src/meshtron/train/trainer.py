@@ -2,7 +2,7 @@
 
 A step: for each micro-batch, forward and backward with the loss divided by the *global* token count
 (so summing over micro-batches and data-parallel ranks gives the global mean; under pipeline parallel
-the runtime runs them in its schedule's order: ParallelModel.run_micro_batches) ->
+the runtime runs them in its schedule's order: micro_batches.py) ->
 `finish_gradients()` -> exact clipping -> AdamW -> `engine.after_step()`. Its communication is counted
 by one `comm.recording()`, so a step's metrics hold its own collectives and nothing else's; its time
 by phase (forward, backward, optimizer) and its waits per group by comm/timing.py's clock.
@@ -28,11 +28,12 @@ from meshtron.checkpoint.async_save import AsyncCheckpointer
 from meshtron.checkpoint.save_load import SaveRequest, save_checkpoint
 from meshtron.comm.mesh import ParallelMesh
 from meshtron.comm.timing import TIMES
+from meshtron.config.layout import Dim
 from meshtron.config.schema import Config
 from meshtron.data.mixture import MixtureSampler
 from meshtron.models.layers import DTYPES
 from meshtron.observe.expert_load import ExpertLoads
-from meshtron.observe.metrics import MetricsLogger, flops_per_token, peak_memory_bytes
+from meshtron.observe.metrics import MetricsLogger, peak_memory_bytes
 from meshtron.observe.profiling import StepProfiler, held_bytes, memory_line, predicted_memory, staging_bytes
 from meshtron.observe.stragglers import straggler_line, straggler_report
 from meshtron.observe.summary import run_summary, summary_text, write_summary
@@ -40,10 +41,12 @@ from meshtron.observe.wandb_log import WandbSettings
 from meshtron.pictures.experts import draw_expert_load
 from meshtron.pictures.loss import plot_loss
 from meshtron.pictures.pipeline import draw_measured_timeline
+from meshtron.plan.flops import training_flops_per_token
 from meshtron.probe.peak import cpu_peak_beaten, job_peak_flops, shown_mfu
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.train import TrainingDiverged, TrainingInterrupted, sigint_received
 from meshtron.train.evaluate import Evaluator
+from meshtron.train.micro_batches import finish_gradients, run_micro_batches
 from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
 from meshtron.train.optim import clip_grad_norm_, lr_at
 from meshtron.train.sample import checkpoint_files, print_sample
@@ -57,18 +60,18 @@ class Trainer:
         """`mesh`: reuse the process groups of an earlier job with the same layout in this process."""
         self.job = job = set_up(cfg, mesh)
         place, t = job.place, cfg.training
-        self.dp, self.dp_cp = place.mesh.group("dp"), place.mesh.group(place.mesh.with_cp("dp"))
+        self.dp, self.dp_cp = place.mesh.group(Dim.DP), place.mesh.group(place.mesh.with_cp(Dim.DP))
         self.skips = SkipGuard(t.max_skipped_steps)
         self.expert_loads = ExpertLoads(
-            job.model, place.comm, self.dp_cp, place.mesh.group("pp"), cfg.model.is_moe
+            job.model, place.comm, self.dp_cp, place.mesh.group(Dim.PP), cfg.model.is_moe
         )
         self.peak, self.peak_source = job_peak_flops(place.device, DTYPES[t.dtype], place.comm, place.world)
         self.evaluator = None
         if job.val_data is not None:
             self.evaluator = Evaluator(
-                job.parallel, job.val_data, cfg.training, job.loss, place, self.dp, self.dp_cp
+                job.parallel, job.val_data, cfg.training, job.loss, place, self.dp, self.dp_cp, job.documents
             )
-        self.model_flops = flops_per_token(cfg.model, t.seq_len)
+        self.model_flops = training_flops_per_token(cfg.model, t.seq_len)  # the planner's count
         TIMES.use_device(place.device)
         self.profiler = StepProfiler(
             cfg.profile.steps, Path(cfg.run.dir), place.device, cfg.profile.memory_history
@@ -79,6 +82,7 @@ class Trainer:
         self.checkpoint_stalls: list[float] = []  # seconds each save held training up
         self.interval_start = job.start_step  # the straggler report's interval: steps after this one
         self.completed = job.start_step  # steps done (and logged), what an interrupt reports
+        self.sequence_sums: dict[int, torch.Tensor] | None = None  # a mixture's, of the last step
 
     # What a test or a benchmark reaches for most, by name.
     cfg = property(lambda self: self.job.cfg)
@@ -92,21 +96,27 @@ class Trainer:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
         rank's share of the mean cross-entropy."""
         job, t = self.job, self.cfg.training
-        job.loss.counted_tokens = job.sampler.counted_targets(job.dataset, job.sampler.step)
-        if isinstance(job.sampler, MixtureSampler):  # per-sequence losses kept for the loss per source
-            job.loss.sequence_sums = {}
+        counted = job.sampler.counted_targets(job.dataset, job.sampler.step)
+        # A mixture keeps each sequence's loss, for the loss per source (`_by_source`).
+        self.sequence_sums = {} if isinstance(job.sampler, MixtureSampler) else None
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
-        prepare = self.engine.prepare_micro_batch
-        loss_sum = self.parallel.run_micro_batches(batches, job.loss, job.place.device, before_grads=prepare)
+        loss_sum = run_micro_batches(
+            self.parallel,
+            batches,
+            job.loss.for_step(counted, self.sequence_sums),
+            device=job.place.device,
+            documents=job.documents,
+            before_grads=self.engine.prepare_micro_batch,
+        )
         with TIMES.phase("backward", "gradient reductions"):
-            self.parallel.finish_gradients()
+            finish_gradients(self.parallel)
         if self.parallel.pipeline is not None:  # the loss is on the last stage only
-            return self.comm.all_reduce_(loss_sum, job.place.mesh.group("pp"))
+            return self.comm.all_reduce_(loss_sum, job.place.mesh.group(Dim.PP))
         return loss_sum
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step (0-based `step`); returns its metrics row."""
-        t, pp, comm = self.cfg.training, self.job.place.mesh.group("pp"), self.comm
+        t, pp, comm = self.cfg.training, self.job.place.mesh.group(Dim.PP), self.comm
         start = time.perf_counter()
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
@@ -115,7 +125,7 @@ class Trainer:
             loss_sum = self.compute_gradients()
             comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
             by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
-            tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere()
+            tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere
             with TIMES.phase("optimizer", "clip gradients"):
                 grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             # The step's one read of the device (docs/performance.md), the same on every rank.
@@ -167,8 +177,8 @@ class Trainer:
         """A mixture's tokens and mean cross-entropy per source at `step` (collective over the job)."""
         job, t, comm = self.job, self.cfg.training, self.comm
         sampler, names = job.sampler, job.dataset.names
-        sums = sampler.source_sums(job.loss.sequence_sums, step, self.dp.rank, self.dp.size, t.micro_batch)
-        comm.all_reduce_(sums, job.place.mesh.group("pp"))  # (the last stage's only)
+        sums = sampler.source_sums(self.sequence_sums, step, self.dp.rank, self.dp.size, t.micro_batch)
+        comm.all_reduce_(sums, job.place.mesh.group(Dim.PP))  # (the last stage's only)
         comm.all_reduce_(sums, self.dp_cp)
         counted = sampler.counted_by_source(job.dataset, step)
         samples = sampler.samples_by_source(step)
@@ -193,8 +203,17 @@ class Trainer:
         state = {"sampler": job.sampler.state_dict()}
         root, keep = checkpoint_root(self.cfg), self.cfg.checkpoint.keep
         request = SaveRequest(
-            root, step, self.engine, self.optimizer, state, self.comm, place.world, keep, job.tp_blocks, files
-        )  # fmt: skip
+            root=root,
+            step=step,
+            engine=self.engine,
+            optimizer=self.optimizer,
+            train_state=state,
+            comm=self.comm,
+            world=place.world,
+            keep=keep,
+            tp_blocks=job.tp_blocks,
+            files=files,
+        )
         if self.checkpointer is not None:
             stall = self.checkpointer.save(request)
         else:
@@ -207,7 +226,7 @@ class Trainer:
         """Collective over each pipeline: rank 0 draws its pipeline's last step as measured, next to the
         simulation of the schedule with the measured times."""
         rt, place = self.parallel.pipeline, self.job.place
-        ranks = self.comm.all_gather_object((rt.timeline, rt.comm_timeline), place.mesh.group("pp"))
+        ranks = self.comm.all_gather_object((rt.timeline, rt.comm_timeline), place.mesh.group(Dim.PP))
         if place.rank != 0:
             return
         p, t = self.cfg.parallel, self.cfg.training

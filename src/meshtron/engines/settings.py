@@ -1,0 +1,55 @@
+"""What every data-parallel engine is built from, as Megatron-Core's `ddp_config` and `pg_collection`:
+the layout's data-parallel options (`DataParallelSettings`) and the groups the engine talks over
+(`EngineGroups`). Each engine takes both by keyword, with only what is its own besides (the blocks it
+gathers per unit, the modules whose forwards use the root parameters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshtron.comm.group import CommGroup
+from meshtron.config.schema import Config, FsdpImpl
+from meshtron.models.layers import DTYPES
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelSettings:
+    """The data-parallel options of a layout, as the engines take them."""
+
+    zero: int = 3  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
+    fsdp_impl: FsdpImpl = "meshtron"  # ZeRO-3's engine
+    bucket_bytes: int = 25 * 2**20  # DDP and ZeRO-1/2 gradient buckets
+    param_dtype: torch.dtype = torch.float32  # the compute copy: the module's (gathered) parameters
+    reduce_dtype: torch.dtype = torch.float32  # gradient reductions
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered units after each forward
+    compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
+    device: torch.device = torch.device("cpu")  # where what a rank holds lives (a meta build gets it here)
+    float8_all_gather: bool = False  # ZeRO-3 (meshtron's) gathers the float8 layers' weights in e4m3
+
+    @classmethod
+    def of(cls, cfg: Config, device: torch.device) -> DataParallelSettings:
+        p = cfg.parallel
+        return cls(
+            device=device,
+            zero=p.zero,
+            fsdp_impl=p.fsdp_impl,
+            bucket_bytes=int(p.bucket_mb * 2**20),
+            param_dtype=DTYPES[cfg.training.dtype],
+            reduce_dtype=DTYPES[p.reduce_dtype],
+            reshard_after_forward=p.reshard_after_forward,
+            compiled=cfg.training.compile,
+            float8_all_gather=cfg.training.fp8_all_gather,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineGroups:
+    """The ranks an engine reduces and shards over: a sharded engine splits over `shard` and all-reduces
+    its shards across `replicate`; DDP all-reduces whole gradients over `replicate` alone."""
+
+    shard: CommGroup  # the ranks that split parameters, gradients or optimizer state between them
+    replicate: CommGroup  # the ranks holding the same shard (or, for DDP, the same whole parameters)
+    shard_mesh: Any = None  # `shard` as a DeviceMesh (DTensor views of what a rank holds), if any
