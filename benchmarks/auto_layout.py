@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from planner_cpu import CASES, RANKS, Case, case_config, run_case
-from reporting import RESULTS, cpu_model, table, write_section
+from reporting import RESULTS, cpu_model, publish, table
 
 from meshtron.plan.layout import Layout
 
@@ -97,10 +97,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rounds = [one_round(args.steps, args.warmup, Path(tmp), i + 1) for i in range(args.rounds)]
     body = report(rounds, args, time.perf_counter() - started)
-    print(body)
-    if args.out != "-":
-        write_section(Path(args.out), TITLE, Path(__file__).name, body)
-        print(f"wrote {args.out}")
+    publish(body, args.out, TITLE, Path(__file__).name)
     return 0
 
 

@@ -39,7 +39,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.engines.ddp import DistributedDataParallel
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.engines.fsdp import FullyShardedDataParallel, TorchFSDP
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.simple_fsdp import SimpleFSDP
 from meshtron.engines.zero import ZeroShardedOptimizer
 from meshtron.models.llama import build_model
@@ -236,8 +236,12 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
     blocks = list(model.layers.values())
     settings = DataParallelSettings(bucket_bytes=int(bucket_mb * 2**20))
     groups = EngineGroups(
-        shard=mesh.group("dp_shard"), replicate=mesh.group("dp_replicate"), shard_mesh=mesh.mesh("dp_shard")
+        comm=comm,
+        shard=mesh.group("dp_shard"),
+        replicate=mesh.group("dp_replicate"),
+        shard_mesh=mesh.mesh("dp_shard"),
     )
+    wrapped = EngineModel(model=model, blocks=blocks)
     if name == "torch DDP":
         return TorchDDP(model, mesh.group("dp").process_group, bucket_mb)
     if name == "torch ZeRO-1":
@@ -246,24 +250,20 @@ def build_runner(name: str, seed: int, bucket_mb: float, mesh: ParallelMesh) -> 
         if name.endswith("compiled"):  # each block's forward, as ours: FSDP2's hooks stay outside
             compile_blocks(model)
         fsdp2 = replace(settings, reshard_after_forward=name != "torch FSDP2 no-reshard")
-        return TorchFSDP2(TorchFSDP(model, groups=groups, settings=fsdp2, blocks=blocks), name)
+        return TorchFSDP2(TorchFSDP(wrapped, groups, fsdp2), name)
     if name == "meshtron DDP":
-        whole = EngineGroups(shard=groups.shard, replicate=mesh.group("dp"))
         engine: DataParallelEngine = DistributedDataParallel(
-            model, comm=comm, groups=whole, settings=settings
+            wrapped, replace(groups, replicate=mesh.group("dp")), settings
         )
     elif name.startswith("meshtron SimpleFSDP"):
-        compiled = blocks if name.endswith("compiled") else None
+        compiled = name.endswith("compiled")
         if compiled:
             compile_blocks(model, bucket_collectives=True)
-        engine = SimpleFSDP(
-            model, comm=comm, groups=groups, settings=settings, hooked=[model, *blocks], compiled=compiled
-        )
+        engine = SimpleFSDP(wrapped, groups, replace(settings, compiled=compiled))
     elif name == "meshtron ZeRO-3":
-        engine = FullyShardedDataParallel(model, comm=comm, groups=groups, settings=settings, blocks=blocks)
+        engine = FullyShardedDataParallel(wrapped, groups, settings)
     else:
-        stage = replace(settings, zero=int(name[-1]))
-        engine = ZeroShardedOptimizer(model, comm=comm, groups=groups, settings=stage, blocks=blocks)
+        engine = ZeroShardedOptimizer(wrapped, groups, replace(settings, zero=int(name[-1])))
     return Ours(name, engine, comm)
 
 

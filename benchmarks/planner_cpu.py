@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from reporting import RESULTS, cpu_model, quantile, table, write_section
+from reporting import RESULTS, cpu_model, publish, quantile, table
 
 from meshtron.config.schema import Config
 from meshtron.plan.estimate import Estimate, estimate
@@ -315,10 +315,7 @@ def main() -> int:
         ]
         Path(args.save).write_text(json.dumps({"cases": saved, "probes": [asdict(m) for m in probes]}))
     body = report(outcomes, probes, args, time.perf_counter() - started)
-    print(body)
-    if args.out != "-":
-        write_section(Path(args.out), TITLE, Path(__file__).name, body)
-        print(f"wrote {args.out}")
+    publish(body, args.out, TITLE, Path(__file__).name)
     return 0
 
 

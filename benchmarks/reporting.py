@@ -300,3 +300,11 @@ def write_section(path: Path, title: str, script: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + f"\n\n{title}\n\n{block}\n"
     path.write_text(text)
+
+
+def publish(body: str, out: str, title: str, script: str) -> None:
+    """Print a benchmark's report and, unless `out` is "-", write it into its section of `out`."""
+    print(body)
+    if out != "-":
+        write_section(Path(out), title, script, body)
+        print(f"wrote {out}")

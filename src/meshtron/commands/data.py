@@ -15,10 +15,8 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     # Progress on stderr when it is a terminal; in a log, the line below is all prepare-data prints.
-    data = prepare_data(
-        args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, chat=args.chat,
-        split=args.split, text_field=args.text_field, workers=args.workers,
-    )  # fmt: skip
+    options = ("tokenizer", "vocab_size", "chat", "split", "text_field", "workers")  # named as the flags
+    data = prepare_data(args.inputs, args.out, **{name: getattr(args, name) for name in options})
     seconds = time.perf_counter() - start
     print(
         f"wrote {data.n_tokens:,} tokens ({data.tokens.dtype}, vocab {data.vocab_size}, "

@@ -47,19 +47,33 @@ def shrink(cfg: Config, world: int) -> Config:
     width = 2 * dim * max(p.tp, 1)
     chunks = p.pp * p.vpp
     model = dataclasses.replace(
-        m, name="", init_from="", dim=dim, head_dim=HEAD_DIM, ffn_dim=width, vocab_size=512,
+        m,
+        name="",
+        init_from="",
+        dim=dim,
+        head_dim=HEAD_DIM,
+        ffn_dim=width,
+        vocab_size=512,
         n_layers=max(chunks, 2) if m.n_layers >= max(chunks, 2) else m.n_layers,
-        moe_ffn_dim=width if m.is_moe else 0, shared_ffn_dim=width if m.n_shared_experts else 0,
+        moe_ffn_dim=width if m.is_moe else 0,
+        shared_ffn_dim=width if m.n_shared_experts else 0,
         dense_layers=[i for i in m.dense_layers if i < max(chunks, 2)],
         rope_original_max_position=min(m.rope_original_max_position, 256),
-    )  # fmt: skip
+    )
     dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world // (p.pp * p.dp_replicate * p.cp * p.tp))
     micro_batches = max(chunks, 2)
     seq_len = 16 * p.cp * p.tp
     training = dataclasses.replace(
-        t, steps=5, micro_batch=1, global_batch=dp * micro_batches, seq_len=seq_len, dtype="fp32",
-        warmup_steps=1, lr=3e-3, eval_every=0,
-    )  # fmt: skip
+        t,
+        steps=5,
+        micro_batch=1,
+        global_batch=dp * micro_batches,
+        seq_len=seq_len,
+        dtype="fp32",
+        warmup_steps=1,
+        lr=3e-3,
+        eval_every=0,
+    )
     parallel = dataclasses.replace(p, pp_layers=[])
     # The default corpus in bytes, in place of the run's data (a mixture, validation data of its tokenizer):
     # the steps compared do not evaluate.

@@ -214,9 +214,14 @@ def _flush(files: list[Any], parts: list[list[np.ndarray]]) -> int:
 
 
 def _write_tokens(
-    documents: Iterator[Document], n_files: int, eos_id: int, dtype: np.dtype, out_dir: Path, masked: bool,
+    documents: Iterator[Document],
+    n_files: int,
+    eos_id: int,
+    dtype: np.dtype,
+    out_dir: Path,
+    masked: bool,
     progress: Progress,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Write `documents` into out_dir's tokens.bin (each followed by eos) and, if `masked`, their loss
     masks into loss_mask.bin (the eos separators do not count), atomically; returns the counts
     meta.json records."""
@@ -281,8 +286,10 @@ def prepare_data(
     the assistant turns count in the loss (data/chat.py: a loss_mask.bin beside the tokens).
     """
     if chat and tokenizer in ("byte", "bpe"):
-        raise DataError("--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
-                        "to a checkpoint's tokenizer.json (the chat template sits beside it)")  # fmt: skip
+        raise DataError(
+            "--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
+            "to a checkpoint's tokenizer.json (the chat template sits beside it)"
+        )
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -291,8 +298,10 @@ def prepare_data(
     if not files and not datasets:
         raise DataError(f"no input files found in {[str(i) for i in inputs]}")
     if datasets and (chat or tokenizer == "bpe"):
-        raise DataError("Hugging Face datasets are read as text with a given tokenizer: pass --tokenizer byte "
-                        "or a tokenizer.json (a BPE is trained on files; --chat reads .jsonl files)")  # fmt: skip
+        raise DataError(
+            "Hugging Face datasets are read as text with a given tokenizer: pass --tokenizer byte "
+            "or a tokenizer.json (a BPE is trained on files; --chat reads .jsonl files)"
+        )
     meta_path = out_dir / META_FILE
     # Drop the completion marker first: a crash from here on must leave a dataset that refuses to open,
     # not an old meta.json describing new tokens.

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.comm.collectives import Comm
 from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.mixed_precision import accumulate_in_fp32, to_compute_dtype_
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 
 
 def make_buckets(
@@ -118,20 +117,12 @@ class _Bucket:
 
 
 class DistributedDataParallel(BucketedEngine):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        comm: Comm,
-        groups: EngineGroups,
-        settings: DataParallelSettings,
-        broadcast: bool = True,
-    ):
-        """Gradients all-reduced over `groups.replicate`. `broadcast`: make the replicas identical from
-        rank 0's values (not needed when every replica is then initialised or loaded identically, as
-        after a meta-device build). `settings.param_dtype` other than fp32: the parameters become that
-        compute copy, with fp32 masters (mixed_precision.py)."""
-        group, param_dtype, bucket_bytes = groups.replicate, settings.param_dtype, settings.bucket_bytes
+    def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
+        """Gradients all-reduced over `groups.replicate`; the replicas made identical from rank 0's values
+        unless `wrapped.identical_replicas`. `settings.param_dtype` other than fp32: the parameters become
+        that compute copy, with fp32 masters (mixed_precision.py)."""
+        model, comm, group = wrapped.model, groups.comm, groups.replicate
+        param_dtype, bucket_bytes = settings.param_dtype, settings.bucket_bytes
         self.model, self.comm, self.group = model, comm, group
         self.reduce_dtype = settings.reduce_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -146,10 +137,8 @@ class DistributedDataParallel(BucketedEngine):
         ]
         self._watch_buckets()
         with torch.no_grad():
-            for p in (
-                self.params if broadcast else ()
-            ):  # replicas start identical by construction; make it a fact
-                comm.broadcast_(p.data, group, src=0)
+            for p in () if wrapped.identical_replicas else self.params:  # replicas start identical:
+                comm.broadcast_(p.data, group, src=0)  # make it a fact
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return self.params if self.masters is None else self.masters

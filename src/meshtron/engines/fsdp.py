@@ -34,7 +34,7 @@ from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.fsdp_float8 import Float8Gather
 from meshtron.engines.materialize import is_meta, materialize_
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
 
@@ -119,22 +119,12 @@ class FSDPUnit:
 
 
 class FullyShardedDataParallel(DataParallelEngine):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        comm: Comm,
-        groups: EngineGroups,
-        settings: DataParallelSettings,
-        blocks: list[nn.Module],
-        roots: list[nn.Module] | None = None,
-        float8: frozenset[str] = frozenset(),
-    ):
-        """`roots`: the modules whose forwards use the parameters outside `blocks` (embedding, final norm,
-        head): the model itself, or under pipeline parallel the stage's chunks that hold them (two on
-        the first rank of a V schedule: each gathers the root unit before it runs). `settings.device`:
-        where the shards live (a model built on the meta device gets them there). `float8`: the names
-        of the parameters to gather in float8 (`training.fp8_all_gather`, fsdp_float8.py)."""
+    def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
+        """One unit per block and one for the parameters outside them, gathered when one of
+        `wrapped.root_modules` runs (two on the first rank of a V schedule: each gathers the root unit
+        before it runs). `settings.device`: where the shards live (a model built on the meta device
+        gets them there). `wrapped.float8`: the parameters to gather in float8 (fsdp_float8.py)."""
+        model, comm, blocks, float8 = wrapped.model, groups.comm, wrapped.blocks, wrapped.float8
         shard, param_dtype, device = groups.shard, settings.param_dtype, settings.device
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, groups.replicate
         self.shard_mesh = groups.shard_mesh
@@ -147,7 +137,7 @@ class FullyShardedDataParallel(DataParallelEngine):
         for name, p in model.named_parameters():
             named[block_of.get(id(p), -1) + 1].append((name, p))
         # A middle pipeline stage has no root parameters, and so no root unit.
-        hooked = [roots or [model], *([b] for b in blocks)]
+        hooked = [wrapped.root_modules, *([b] for b in blocks)]
         modules = [(mods, group) for mods, group in zip(hooked, named, strict=True) if group]
         self.has_root = bool(named[0])
         self.units = [
@@ -283,19 +273,14 @@ class TorchFSDP(DataParallelEngine):
     """PyTorch's `fully_shard` (FSDP2) on the same units, for comparison. Its collectives bypass the
     comm layer, so they are not counted in comm_bytes."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        groups: EngineGroups,
-        settings: DataParallelSettings,
-        blocks: list[nn.Module],
-    ):
-        """`groups.shard_mesh`: the DeviceMesh fully_shard shards over (2-D for HSDP).
+    def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
+        """`groups.shard_mesh`: the DeviceMesh fully_shard shards over (2-D for HSDP), one unit per block
+        of `wrapped.blocks` and the model's own.
         `settings.device`: where a model built on the meta device gets its shards (fully_shard first
         shards the meta parameters, then they get storage: FSDP2's meta-device flow)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        model, blocks = wrapped.model, wrapped.blocks
         device_mesh, reshard_after_forward = groups.shard_mesh, settings.reshard_after_forward
         self.model, self.norm_group, self.shard_mesh = model, groups.shard, device_mesh
         policy = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)

@@ -1,15 +1,18 @@
-"""What every data-parallel engine is built from, as Megatron-Core's `ddp_config` and `pg_collection`:
-the layout's data-parallel options (`DataParallelSettings`) and the groups the engine talks over
-(`EngineGroups`). Each engine takes both by keyword, with only what is its own besides (the blocks it
-gathers per unit, the modules whose forwards use the root parameters)."""
+"""What every data-parallel engine is built from, as Megatron-Core's module, `ddp_config` and
+`pg_collection`: what it wraps (`EngineModel`: the parameters and the modules that use them), the groups
+it talks over with the comm layer (`EngineGroups`), and the layout's data-parallel options
+(`DataParallelSettings`). Every engine's constructor takes exactly these three."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.config.schema import Config, FsdpImpl
 from meshtron.models.layers import DTYPES
@@ -45,11 +48,40 @@ class DataParallelSettings:
         )
 
 
+class Parameters(Protocol):
+    """A module, or some of its parameters (engines/expert.py's ParameterSubset): what engines read."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineModel:
+    """What an engine wraps: the parameters it owns and the modules that use them."""
+
+    model: Parameters  # the model, or the subset of its parameters this engine owns
+    blocks: list[nn.Module] = field(default_factory=list)  # gathered (ZeRO-1/2/3) one unit each, in order
+    # The modules whose forwards use the parameters outside `blocks` (embedding, final norm, head): the
+    # model itself (None), or under pipeline parallel the stage's chunks that hold them.
+    roots: list[nn.Module] | None = None
+    float8: frozenset[str] = frozenset()  # parameters ZeRO-3 gathers in float8 (training.fp8_all_gather)
+    # Every replica is initialised (or loaded) identically after construction, as after a meta-device
+    # build: DDP need not broadcast rank 0's values.
+    identical_replicas: bool = False
+
+    @property
+    def root_modules(self) -> list[Any]:
+        return self.roots or [self.model]
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineGroups:
-    """The ranks an engine reduces and shards over: a sharded engine splits over `shard` and all-reduces
-    its shards across `replicate`; DDP all-reduces whole gradients over `replicate` alone."""
+    """The ranks an engine reduces and shards over, and the comm layer it talks through: a sharded engine
+    splits over `shard` and all-reduces its shards across `replicate`; DDP all-reduces whole gradients
+    over `replicate` alone."""
 
+    comm: Comm
     shard: CommGroup  # the ranks that split parameters, gradients or optimizer state between them
     replicate: CommGroup  # the ranks holding the same shard (or, for DDP, the same whole parameters)
     shard_mesh: Any = None  # `shard` as a DeviceMesh (DTensor views of what a rank holds), if any

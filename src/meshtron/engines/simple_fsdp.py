@@ -40,7 +40,7 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.comm.saved_gathers import SAVED_GATHERS
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.shard import ShardedShape
 
 
@@ -129,21 +129,14 @@ def _parametrize(module: nn.Module, specs: dict[str, ShardedParam]) -> None:
 class SimpleFSDP(DataParallelEngine):
     """ZeRO-3 over `shard` (HSDP across `replicate`) as a parametrization of every parameter."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        comm: Comm,
-        groups: EngineGroups,
-        settings: DataParallelSettings,
-        hooked: list[nn.Module],
-        compiled: list[nn.Module] | None = None,
-    ):
-        """`hooked`: the modules whose forwards save gathered weights for backward (the blocks and the
-        modules that run the embedding and the head): the saved-tensor hooks are active inside them.
-        `compiled`: modules whose forwards run compiled; their parameters take the traced path, whose
-        bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter).
+    def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
+        """The saved-tensor hooks are active inside the modules whose forwards save gathered weights for
+        backward: the blocks and the root modules (which run the embedding and the head). With
+        `settings.compiled` the blocks' forwards run compiled; their parameters take the traced path,
+        whose bytes are booked per micro-batch (a gather in forward, one in backward, a reduce-scatter).
         `settings.device`: where the shards live (a meta-device build gets them there)."""
+        model, comm, blocks = wrapped.model, groups.comm, wrapped.blocks
+        hooked, compiled = [*wrapped.root_modules, *blocks], blocks if settings.compiled else []
         shard, param_dtype, reduce_dtype = groups.shard, settings.param_dtype, settings.reduce_dtype
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, groups.replicate
         self.device = settings.device
@@ -161,7 +154,7 @@ class SimpleFSDP(DataParallelEngine):
                 specs[n] = self.specs[id(p)]
                 module._parameters[n] = specs[n].block
             _parametrize(module, specs)
-        inside = {id(p) for m in compiled or [] for p in m.parameters()}
+        inside = {id(p) for m in compiled for p in m.parameters()}
         self.traced = [s for s in self.specs.values() if id(s.block) in inside]
         for module in hooked:
             SAVED_GATHERS.hook(module)

@@ -42,13 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.comm.pending import Pending
 from meshtron.engines.ddp import BucketedEngine, make_buckets
 from meshtron.engines.engine import OwnedRows
 from meshtron.engines.mixed_precision import accumulate_in_fp32, to_compute_dtype_
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
 
@@ -150,21 +149,13 @@ def gather_units(
 
 
 class ZeroShardedOptimizer(BucketedEngine):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        comm: Comm,
-        groups: EngineGroups,
-        settings: DataParallelSettings,
-        blocks: list[nn.Module] | None = None,
-        roots: list[nn.Module] | None = None,
-    ):
-        """`settings.zero` is the stage (1 or 2). `blocks`: modules whose parameters are gathered as a
-        unit each, waited for in their forward pre-hooks; the other parameters are waited for when one
-        of `roots` (default: the model) runs. `settings.param_dtype` other than fp32: the parameters
-        become that compute copy, the owned rows fp32 masters of their own (mixed_precision.py), and
-        the gathers move the compute dtype."""
+    def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
+        """`settings.zero` is the stage (1 or 2). `wrapped.blocks`: modules whose parameters are gathered
+        as a unit each, waited for in their forward pre-hooks; the other parameters are waited for when
+        one of `wrapped.roots` (default: the model) runs. `settings.param_dtype` other than fp32: the
+        parameters become that compute copy, the owned rows fp32 masters of their own
+        (mixed_precision.py), and the gathers move the compute dtype."""
+        model, comm, blocks, roots = wrapped.model, groups.comm, wrapped.blocks, wrapped.roots
         stage, shard, replicate = settings.zero, groups.shard, groups.replicate
         if stage not in (1, 2):
             raise ValueError(f"ZeroShardedOptimizer handles stages 1 and 2, not {stage}")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -244,9 +244,16 @@ def block_backward(
         lse = torch.where(torch.isinf(lse_BHS), torch.zeros_like(lse_BHS), lse_BHS)  # no key seen: p = 0
         for rows, keys, causal, mask in parts:
             grads = _FUSED_BACKWARD(
-                dout_BHSD[:, :, rows], q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys],
-                out[:, :, rows], lse[:, :, rows], 0.0, causal, attn_mask=mask,
-            )  # fmt: skip
+                dout_BHSD[:, :, rows],
+                q_BHSD[:, :, rows],
+                k_BKSD[:, :, keys],
+                v_BKSD[:, :, keys],
+                out[:, :, rows],
+                lse[:, :, rows],
+                0.0,
+                causal,
+                attn_mask=mask,
+            )
             dq[:, :, rows] += grads[0]
             dk[:, :, keys] += grads[1]
             dv[:, :, keys] += grads[2]
@@ -301,6 +308,16 @@ def docs_at(docs_BS: Tensor | None, q_pos: Positions, k_pos: Positions) -> Docum
     return docs_BS[:, q_pos.on(docs_BS.device)], docs_BS[:, k_pos.on(docs_BS.device)]
 
 
+class Saved(NamedTuple):
+    """What attention's forward keeps for its backward: the inputs, the output, the fp32 log-sum-exp."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
 @dataclass
 class LocalPass:
     """Attention over a whole sequence on one rank (without cp, or inside Ulysses after the heads were
@@ -314,16 +331,8 @@ class LocalPass:
         pos = Positions.arange(0, q.shape[2])
         return block_forward(q, k, v, pos, pos, self.window, docs=docs_at(docs_BS, pos, pos))
 
-    def backward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dout: Tensor,
-        docs_BS: Tensor | None = None,
-    ) -> tuple[Tensor, ...]:
+    def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
+        q, k, v, out, lse = saved
         pos = Positions.arange(0, q.shape[2])
         docs = docs_at(docs_BS, pos, pos)
         return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs)
@@ -352,7 +361,7 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.attention_pass.backward(q, k, v, out, lse, dout, ctx.docs_BS)
+        dq, dk, dv = ctx.attention_pass.backward(Saved(q, k, v, out, lse), dout, ctx.docs_BS)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

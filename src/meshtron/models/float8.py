@@ -31,11 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # `reduce(amax, axis)`: the amax of one operand reduced over the ranks its scale group spans (None:
 # tensorwise); identity on one device.
 Reduce = Callable[[torch.Tensor, int | None], torch.Tensor]
+Reducers = tuple[Reduce, Reduce, Reduce]  # the amax reductions of x, W and dy
 
 
 def no_reduce(amax: torch.Tensor, axis: int | None) -> torch.Tensor:
@@ -66,12 +68,8 @@ def scaled_mm(
 
 
 def float8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    rowwise: bool,
-    reducers: tuple[Reduce, Reduce, Reduce],
-) -> torch.Tensor:
+    x: Tensor, weight: Tensor, bias: Tensor | None, rowwise: bool, reducers: Reducers
+) -> Tensor:
     """y = x Wᵀ (+ b) for x [..., in], its matmuls in float8 (`Float8Linear` on the 2-D view)."""
     y = Float8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, rowwise, reducers)
     return y.view(*x.shape[:-1], y.shape[-1])

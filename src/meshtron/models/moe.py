@@ -22,6 +22,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -241,11 +242,19 @@ class GroupedExperts(nn.Module):
         return linear(F.silu(linear(x_EMD, self.w1)) * linear(x_EMD, self.w3), self.w2)
 
 
-def local_dispatch(
-    moe: MoE, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor, keep_Tk: torch.Tensor
-) -> torch.Tensor:
+class Routing(NamedTuple):
+    """Where a micro-batch's tokens go: gate weights [T,k] (fp32), expert ids [T,k], and which of those
+    assignments are kept [T,k] (all, unless a capacity drops some)."""
+
+    weights_Tk: torch.Tensor
+    experts_Tk: torch.Tensor
+    keep_Tk: torch.Tensor
+
+
+def local_dispatch(moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
     """[T, D] fp32: this rank's experts (all of them, or under expert tensor parallel its share, the
     others' outputs summed by tensor parallel's exit) on this rank's tokens."""
+    weights_Tk, experts_Tk, keep_Tk = routing
     order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.experts.w1.shape[0])
     y_ND = moe.experts(x_TD[order // moe.top_k], counts_E)
     return combine(y_ND, order, weights_Tk, x_TD.shape[0])
@@ -305,7 +314,7 @@ class MoE(nn.Module):
         weights_Tk, experts_Tk, scores_TE, logits_TE = self.router(x_TD)
         keep_Tk = capacity_keep(scores_TE, experts_Tk, self.capacity(x_TD.shape[0]))
         self._count(experts_Tk, keep_Tk)
-        y_TD = self.dispatch(self, x_TD, weights_Tk, experts_Tk, keep_Tk).to(x_TD.dtype)
+        y_TD = self.dispatch(self, x_TD, Routing(weights_Tk, experts_Tk, keep_Tk)).to(x_TD.dtype)
 
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)

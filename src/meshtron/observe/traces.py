@@ -78,8 +78,15 @@ def merge_traces(
             if e.get("name") == MEMORY and args.get("Device Type") == device_type:
                 base = memory_bases[rank] if memory_bases else 0.0
                 total = float(args.get("Total Allocated", 0)) + base
-                merged.append({"name": "allocated MiB", "ph": "C", "ts": e["ts"], "pid": 100 * rank,
-                               "args": {"allocated": total / 2**20}})  # fmt: skip
+                merged.append(
+                    {
+                        "name": "allocated MiB",
+                        "ph": "C",
+                        "ts": e["ts"],
+                        "pid": 100 * rank,
+                        "args": {"allocated": total / 2**20},
+                    }
+                )
     out.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
     return out
 

@@ -47,6 +47,7 @@ from meshtron.models.blockwise_attention import (
     BlockwiseAttention,
     Documents,
     LocalPass,
+    Saved,
     block_backward,
     block_forward,
     docs_at,
@@ -175,16 +176,8 @@ class RingPass:
                 kv = self.land(flight)
         return out, lse
 
-    def backward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dout: Tensor,
-        docs_BS: Tensor | None = None,
-    ) -> tuple[Tensor, ...]:
+    def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
+        q, k, v, out, lse = saved
         n, r, S = self.group.size, self.group.rank, q.shape[2]
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -198,9 +191,17 @@ class RingPass:
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
                 grads = block_backward(
-                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos, k_pos,
-                    out[:, :, rows], lse[:, :, rows], dout[:, :, rows], self.window, docs=docs,
-                )  # fmt: skip
+                    q[:, :, rows],
+                    kv[0][:, :, keys],
+                    kv[1][:, :, keys],
+                    q_pos,
+                    k_pos,
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    dout[:, :, rows],
+                    self.window,
+                    docs=docs,
+                )
                 dq[:, :, rows] += grads[0]
             if accumulator is not None:  # rank j's dK/dV, arriving from the previous rank
                 dkv = self.land(accumulator)
@@ -243,16 +244,8 @@ class GatherPass:
         kv, positions = self.gathered(k, v), self.positions(q)
         return block_forward(q, kv[0], kv[1], *positions, self.window, docs=docs_at(docs_BS, *positions))
 
-    def backward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dout: Tensor,
-        docs_BS: Tensor | None = None,
-    ) -> tuple[Tensor, ...]:
+    def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
+        q, k, v, out, lse = saved
         kv, positions = self.gathered(k, v), self.positions(q)
         docs = docs_at(docs_BS, *positions)
         dq, dk, dv = block_backward(q, kv[0], kv[1], *positions, out, lse, dout, self.window, docs=docs)

@@ -18,6 +18,8 @@ is the stage's chunk that holds them, and a middle stage has none.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from meshtron.comm.collectives import Comm
@@ -28,7 +30,7 @@ from meshtron.engines.engine import DataParallelEngine
 from meshtron.engines.expert import ExpertDataParallel, ParameterSubset
 from meshtron.engines.fsdp import FullyShardedDataParallel, TorchFSDP
 from meshtron.engines.materialize import is_meta, materialize_
-from meshtron.engines.settings import DataParallelSettings, EngineGroups
+from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.simple_fsdp import SimpleFSDP
 from meshtron.engines.zero import ZeroShardedOptimizer
 from meshtron.models.llama import Transformer
@@ -47,57 +49,50 @@ def apply_data_parallel(
     the earlier steps). `roots`: the modules whose forwards use the parameters outside the blocks, when it
     is not the model (a pipeline stage's chunks that hold the embedding or the head). With expert
     parallel, the experts get an engine of their own over edp (engines/expert.py)."""
-    shard_dim = mesh.with_cp(Dim.DP_SHARD)
+    shard_dim, whole_dim = mesh.with_cp(Dim.DP_SHARD), mesh.with_cp(Dim.DP)
     blocks = list(model.layers.values())
     experts = expert_parameter_names(model) if mesh.size(Dim.EP) > 1 else frozenset()
     if not experts:
-        return _engine(model, blocks, comm, mesh, settings, shard_dim, mesh.with_cp(Dim.DP), roots)
-    dense_params = ParameterSubset(model, experts, keep=False)
-    dense = _engine(
-        dense_params, blocks, comm, mesh, settings, shard_dim, mesh.with_cp(Dim.DP), roots or [model]
+        return _engine(
+            EngineModel(model=model, blocks=blocks, roots=roots), comm, mesh, settings, shard_dim, whole_dim
+        )
+    dense_params = EngineModel(
+        model=ParameterSubset(model, experts, keep=False), blocks=blocks, roots=roots or [model]
     )
+    dense = _engine(dense_params, comm, mesh, settings, shard_dim, whole_dim)
     expert_modules = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
-    expert_params = ParameterSubset(model, experts, keep=True)
-    expert_engine = _engine(expert_params, expert_modules, comm, mesh, settings, Dim.EDP, Dim.DP_REPLICATE)
+    expert_params = EngineModel(model=ParameterSubset(model, experts, keep=True), blocks=expert_modules)
+    expert_engine = _engine(expert_params, comm, mesh, settings, Dim.EDP, Dim.DP_REPLICATE)
     return ExpertDataParallel(model, dense, expert_engine, mesh.group(Dim.EP))
 
 
 def _engine(
-    model: nn.Module | ParameterSubset,
-    blocks: list[nn.Module],
+    wrapped: EngineModel,
     comm: Comm,
     mesh: ParallelMesh,
     settings: DataParallelSettings,
-    shard_dim: str,
-    whole_dim: str,
-    roots: list[nn.Module] | None = None,
+    shard_dim: Dim,
+    whole_dim: Dim,
 ) -> DataParallelEngine:
-    """The engine of the table above for `model`'s parameters: sharded over `shard_dim` (all-reduced
+    """The engine of the table above for `wrapped`'s parameters: sharded over `shard_dim` (all-reduced
     across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
-    s = settings
+    s, model = settings, wrapped.model
     shard, replicate = mesh.group(shard_dim), mesh.group(Dim.DP_REPLICATE)
-    built_on_meta = is_meta(model.parameters())
+    wrapped = replace(wrapped, identical_replicas=is_meta(model.parameters()))
     if shard.size == 1 or s.zero in (1, 2):  # whole parameters on every rank: they get their storage now
         materialize_(model.parameters(), s.device)
     if shard.size == 1:
-        whole = EngineGroups(shard=shard, replicate=mesh.group(whole_dim))
         return DistributedDataParallel(
-            model, comm=comm, groups=whole, settings=s, broadcast=not built_on_meta
+            wrapped, EngineGroups(comm=comm, shard=shard, replicate=mesh.group(whole_dim)), s
         )
-    groups = EngineGroups(shard=shard, replicate=replicate, shard_mesh=mesh.mesh(shard_dim))
+    groups = EngineGroups(comm=comm, shard=shard, replicate=replicate, shard_mesh=mesh.mesh(shard_dim))
     if s.zero in (1, 2):
-        return ZeroShardedOptimizer(model, comm=comm, groups=groups, settings=s, blocks=blocks, roots=roots)
+        return ZeroShardedOptimizer(wrapped, groups, s)
     if s.fsdp_impl == "simple":
-        hooked = [*(roots or [model]), *blocks]
-        compiled = blocks if s.compiled else None
-        return SimpleFSDP(model, comm=comm, groups=groups, settings=s, hooked=hooked, compiled=compiled)
+        return SimpleFSDP(wrapped, groups, s)
     if s.fsdp_impl == "torch":
         device_mesh = mesh.world[Dim.DP_REPLICATE, shard_dim] if replicate.size > 1 else mesh.mesh(shard_dim)
-        torch_groups = EngineGroups(shard=shard, replicate=replicate, shard_mesh=device_mesh)
-        return TorchFSDP(model, groups=torch_groups, settings=s, blocks=blocks)
-    float8 = (
-        float8_weight_names(model) if s.float8_all_gather and isinstance(model, nn.Module) else frozenset()
-    )
-    return FullyShardedDataParallel(
-        model, comm=comm, groups=groups, settings=s, blocks=blocks, roots=roots, float8=float8
-    )
+        return TorchFSDP(wrapped, replace(groups, shard_mesh=device_mesh), s)
+    if s.float8_all_gather and isinstance(model, nn.Module):
+        wrapped = replace(wrapped, float8=float8_weight_names(model))
+    return FullyShardedDataParallel(wrapped, groups, s)

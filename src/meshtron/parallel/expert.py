@@ -39,7 +39,15 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.config.schema import EpDispatch
 from meshtron.models.llama import Transformer
-from meshtron.models.moe import GroupedExperts, MoE, combine, compute_dtype, counts_of, sort_by_expert
+from meshtron.models.moe import (
+    GroupedExperts,
+    MoE,
+    Routing,
+    combine,
+    compute_dtype,
+    counts_of,
+    sort_by_expert,
+)
 
 
 def expert_parameter_names(model: nn.Module) -> frozenset[str]:
@@ -53,8 +61,8 @@ def expert_parameter_names(model: nn.Module) -> frozenset[str]:
 
 
 class ExpertDispatch:
-    """What `MoE.dispatch` is called with: (moe, x [T,D], gate weights [T,k], expert ids [T,k], keep
-    mask [T,k]) -> this rank's tokens' combined expert outputs [T,D] in fp32, over the ep group."""
+    """What `MoE.dispatch` is called with: (moe, x [T,D], its Routing) -> this rank's tokens' combined
+    expert outputs [T,D] in fp32, over the ep group."""
 
     def __init__(self, comm: Comm, ep: CommGroup):
         self.comm, self.ep = comm, ep
@@ -63,14 +71,8 @@ class ExpertDispatch:
 class AllToAllDispatch(ExpertDispatch):
     """Tokens to the ep ranks holding their experts and back, with uneven all-to-alls."""
 
-    def __call__(
-        self,
-        moe: MoE,
-        x_TD: torch.Tensor,
-        weights_Tk: torch.Tensor,
-        experts_Tk: torch.Tensor,
-        keep_Tk: torch.Tensor,
-    ) -> torch.Tensor:
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        weights_Tk, experts_Tk, keep_Tk = routing
         n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
         capacity = moe.capacity(x_TD.shape[0])
         if capacity is not None:
@@ -140,14 +142,8 @@ def capacity_slots(
 class AllGatherDispatch(ExpertDispatch):
     """Every rank's tokens gathered over ep; each rank's experts' weighted outputs reduce-scattered back."""
 
-    def __call__(
-        self,
-        moe: MoE,
-        x_TD: torch.Tensor,
-        weights_Tk: torch.Tensor,
-        experts_Tk: torch.Tensor,
-        keep_Tk: torch.Tensor,
-    ) -> torch.Tensor:
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        weights_Tk, experts_Tk, keep_Tk = routing
         x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
         weights_all = self.comm.all_gather(weights_Tk, self.ep)
         experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)

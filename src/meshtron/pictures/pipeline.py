@@ -62,9 +62,12 @@ def draw_timelines(
     titles = [textwrap.fill(title, int(width / 0.075)) for _, title in panels]
     extra = sum(0.16 * title.count("\n") for title in titles)
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5 + extra), sharex=True,
+        len(panels),
+        1,
+        figsize=(width, len(panels) * (0.55 * pp + 1.0) + 0.5 + extra),
+        sharex=True,
         squeeze=False,
-    )  # fmt: skip
+    )
     split = any(a.kind == Kind.W for timeline, _ in panels for rank in timeline for a, _, _ in rank)
     # A bar carries its micro-batch number where the number fits (about a fifth of an inch).
     label_width = max(0.3 * mean_block, 0.2 * makespan / (0.8 * width))
@@ -99,6 +102,12 @@ def draw_timelines(
         ax.set_title(title, fontsize=9)
     axes[-1, 0].set_xlabel(xlabel)
     axes[-1, 0].set_xlim(0, 1.01 * makespan)  # the last action's right edge inside the frame
+    _legend(plt, fig, axes[-1, 0], split, waits is not None, pp, vpp)
+    return save_figure(fig, out_path)
+
+
+def _legend(plt: Any, fig: Any, ax: Any, split: bool, waits: bool, pp: int, vpp: int) -> None:
+    """The kinds of action (and of wait, and the virtual chunks' shades), below the last panel's axis."""
     labels = {
         Kind.F: "forward",
         Kind.B: "backward (input grad)" if split else "backward",
@@ -107,7 +116,7 @@ def draw_timelines(
     kinds = [Kind.F, Kind.B, Kind.W] if split else [Kind.F, Kind.B]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
     names = [labels[k] for k in kinds]
-    if waits is not None:
+    if waits:
         handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in WAIT_COLOURS.values()]
         names += ["all-to-all wait", "other communication wait"]
     if vpp > 1:  # the shades: which virtual chunks an action belongs to (the model's layers in order)
@@ -117,10 +126,9 @@ def draw_timelines(
         names += [f"chunks {v * pp}-{(v + 1) * pp - 1}" for v in range(vpp)]
     # Below the bars, under the time axis (inside the axes it covered rank 0's last actions), half an
     # inch down whatever the figure's height.
-    below = 0.55 / (axes[-1, 0].get_position().height * fig.get_figheight())
-    axes[-1, 0].legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -below), fontsize=7,
-                       ncol=len(names), frameon=False)  # fmt: skip
-    return save_figure(fig, out_path)
+    below = 0.55 / (ax.get_position().height * fig.get_figheight())
+    where = {"loc": "upper center", "bbox_to_anchor": (0.5, -below)}
+    ax.legend(handles, names, **where, fontsize=7, ncol=len(names), frameon=False)
 
 
 def _shade(chunk: int, pp: int, vpp: int) -> float:

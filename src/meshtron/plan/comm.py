@@ -164,7 +164,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         # Per micro-batch and remote boundary one message each way: the forward's activation, then its
         # gradient back; on this rank one is a send and the other a receive.
         add("pp", micro * 2 * boundaries * message)
-    return out  # fmt: skip
+    return out
 
 
 def _holds_ends(cfg: Config, pp_rank: int) -> tuple[bool, bool]:

@@ -94,9 +94,17 @@ def candidates(cfg: Config, gpus: int, per_node: int, fixed: dict[str, Any]) -> 
                 _dp_splits(fixed, dp, tp * cp, per_node), _schedules(fixed, pp), impls
             ):
                 base = Layout(
-                    pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, vpp=vpp, zero=zero,
-                    pp_schedule=schedule, cp_impl=impl, sp=tp > 1,
-                )  # fmt: skip
+                    pp=pp,
+                    dp_replicate=rep,
+                    dp_shard=shard,
+                    cp=cp,
+                    tp=tp,
+                    vpp=vpp,
+                    zero=zero,
+                    pp_schedule=schedule,
+                    cp_impl=impl,
+                    sp=tp > 1,
+                )
                 yield from _finish(cfg, gpus, fixed, base)
 
 

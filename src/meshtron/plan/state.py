@@ -89,7 +89,7 @@ def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp:
         ]
         if cfg.shared_expert_gate:
             out.append(RankParameter(p + "moe.shared_gate.weight", (1, d)))
-    return out  # fmt: skip
+    return out
 
 
 def rank_parameters(cfg: Config, pp_rank: int = 0) -> list[RankParameter]:
@@ -109,8 +109,17 @@ def model_key(m: ModelConfig) -> str:
 
 def _split_key(cfg: Config) -> tuple:
     p = cfg.parallel
-    return (model_key(cfg.model), cfg.training.seq_len, p.pp, p.vpp, p.pp_schedule, p.pp_embedding_layers,
-            p.pp_head_layers, tuple(p.pp_layers), p.pp_balance)  # fmt: skip
+    return (
+        model_key(cfg.model),
+        cfg.training.seq_len,
+        p.pp,
+        p.vpp,
+        p.pp_schedule,
+        p.pp_embedding_layers,
+        p.pp_head_layers,
+        tuple(p.pp_layers),
+        p.pp_balance,
+    )
 
 
 def layer_split(cfg: Config) -> list[list[int]]:
@@ -188,7 +197,7 @@ def _stage_parameters(
         out.append(RankParameter("norm.weight", (m.dim,)))
         if not m.tie_embeddings or tied_copy:  # tied: one tensor, unless the last stage keeps a copy
             out.append(RankParameter("output.weight", (vocab_rows, m.dim)))
-    return tuple(out)  # fmt: skip
+    return tuple(out)
 
 
 def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:

@@ -41,21 +41,8 @@ class ProbeSizes:
 
 DEMO = ProbeSizes()
 # For tests: the same method on small shapes, a second or two of measuring.
-QUICK = ProbeSizes(
-    rows=128,
-    dim=64,
-    ffn=128,
-    vocab=256,
-    heads=4,
-    kv_heads=2,
-    seq=32,
-    layers=1,
-    copy_mib=4,
-    comm_mib=2,
-    p2p_kib=64,
-    window_s=0.05,
-    repeats=2,
-)
+_SMALL_SHAPES = dict(rows=128, dim=64, ffn=128, vocab=256, heads=4, kv_heads=2, seq=32, layers=1)
+QUICK = ProbeSizes(**_SMALL_SHAPES, copy_mib=4, comm_mib=2, p2p_kib=64, window_s=0.05, repeats=2)
 
 
 # -- on every rank --
