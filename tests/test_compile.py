@@ -33,7 +33,9 @@ def test_compiled_blocks_give_the_eager_losses(workers, case):
     world, layout = LAYOUTS[case]
     overrides = [*TINY, *layout]
     eager = workers(world).run(losses, overrides)[0]
-    compiled = workers(world).run(losses, [*overrides, "--training.compile=true"])[0]
+    pool = workers(world)
+    with pool.waiting_up_to(600):  # four ranks compiling on two cores of a busy machine took over 180 s
+        compiled = pool.run(losses, [*overrides, "--training.compile=true"])[0]
     assert len(compiled) == STEPS
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 

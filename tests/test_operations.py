@@ -85,7 +85,9 @@ def test_a_rank_slowed_on_purpose_is_named(workers, tmp_path):
     assert [r["straggler_steps"] for r in reported] == [[1, 1], [2, 3], [4, 4]]
     for r in reported:
         assert r["slowest_rank"] == 1 and r["slowest_phase"] == "forward"
-        assert r["slowest_phase_extra_s"] > 0.1 and r["slowest_excess"] > 1.0
+        # Past the report's 20% threshold; how far past depends on the rest of the step, which a busy
+        # machine stretches (a loaded CI machine read 95% where an idle one reads over 100%).
+        assert r["slowest_phase_extra_s"] > 0.1 and r["slowest_excess"] > 0.2
         assert max(r["comm_wait_s_by_group"].values()) > 0.05  # rank 0 waited for it
 
 

@@ -14,7 +14,7 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -114,6 +114,16 @@ class WorkerPool:
                 self.close()
                 raise WorkerError(f"{fn.__qualname__} failed on rank {rank}:\n{value}")
         return [outcomes[r][1] for r in range(self.world_size)]
+
+    @contextlib.contextmanager
+    def waiting_up_to(self, seconds: float) -> Iterator[None]:
+        """Calls inside wait up to `seconds` for each rank's result (compiling on oversubscribed cores
+        takes minutes), then the pool's own timeout again."""
+        before, self.timeout_s = self.timeout_s, seconds
+        try:
+            yield
+        finally:
+            self.timeout_s = before
 
     def threads(self) -> int:
         """The most threads any rank runs, 0 where /proc cannot tell. A rank keeps gloo's threads of every
