@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from reporting import ms, table
 
+from meshtron.models.attention import document_causal_mask
 from meshtron.models.blockwise_attention import block_backward, block_forward
 from meshtron.models.documents import document_layout
-from meshtron.models.llama import document_causal_mask
 from meshtron.pictures.documents import skipped_steps
 
 TITLE = "## Per-document attention: what the mask costs and saves (CPU, fp32)"

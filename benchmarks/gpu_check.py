@@ -49,8 +49,9 @@ from torch import nn
 
 from meshtron.config.schema import ModelConfig
 from meshtron.hf import load, save
+from meshtron.models.attention import Attention, document_causal_mask
 from meshtron.models.blockwise_attention import attend_blockwise
-from meshtron.models.llama import Attention, KVCache, build_model, document_causal_mask
+from meshtron.models.llama import KVCache, build_model
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.plan.gpu_memory import MemoryOverhead, stage_memory

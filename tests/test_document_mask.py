@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from meshtron.data.dataset import prepare_data
+from meshtron.models.attention import document_causal_mask
 from meshtron.models.documents import DocumentMask, document_layout
-from meshtron.models.llama import build_model, document_causal_mask
+from meshtron.models.llama import build_model
 from meshtron.rules.checks import load_config
 from meshtron.testing.parity import assert_losses_match, train_rows
 from meshtron.testing.tiny import MOE, TINY, perturb

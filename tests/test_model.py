@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from meshtron.config.schema import ModelConfig
 from meshtron.models.init import init_region
-from meshtron.models.llama import build_model, rope_inv_freq
+from meshtron.models.llama import build_model
 from meshtron.models.moe import MoE, capacity_keep, router_losses
+from meshtron.models.rope import rope_inv_freq
 from meshtron.rules.checks import load_config
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.models.llama import build_model, rope_cos_sin
+from meshtron.models.llama import build_model
+from meshtron.models.rope import rope_cos_sin
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 from meshtron.rules.checks import load_config

@@ -50,7 +50,8 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.config.schema import ModelConfig
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
-from meshtron.models.llama import Transformer, rope_inv_freq
+from meshtron.models.llama import Transformer
+from meshtron.models.rope import rope_inv_freq
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = 2  # blocks.py's explicit-offset blocks (1: the same on disk, via ShardedTensor)

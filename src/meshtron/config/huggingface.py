@@ -16,11 +16,21 @@ from typing import Any
 
 from safetensors import safe_open
 
+from meshtron.config.deepseek import deepseek_from_hf, deepseek_problems, deepseek_to_hf
 from meshtron.config.schema import ModelConfig
 
 HEAD = "lm_head.weight"  # the output head's tensor; a checkpoint without one ties it to the embedding
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 ARCHITECTURES = (
@@ -31,6 +41,7 @@ ARCHITECTURES = (
     ("mixtral", "MixtralForCausalLM"),
     ("qwen2_moe", "Qwen2MoeForCausalLM"),
     ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM"),
 )
 
 # meshtron has no maximum length (RoPE is computed per position), but HF configs carry one.
@@ -144,6 +155,44 @@ def _sliding_window_from_hf(
     return windows.pop() if windows else 0
 
 
+def _moe_from_hf(
+    model_type: str, hf: Mapping[str, Any], get: Callable[[str], Any], problems: list[str]
+) -> dict[str, Any]:
+    """The MoE keys of Mixtral's and Qwen-MoE's configs (none for the dense types)."""
+    out: dict[str, Any] = {}
+    if model_type == "mixtral":
+        out.update(
+            n_experts=int(get("num_local_experts")),
+            top_k=int(get("num_experts_per_tok")),
+            moe_ffn_dim=int(hf["intermediate_size"]),
+            router="softmax",
+            router_norm_topk=True,
+            aux_loss_coef=float(get("router_aux_loss_coef")),
+        )
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # Qwen3-MoE's config aliases num_experts to num_local_experts and saves the latter.
+        n_experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
+        sparse_step = int(get("decoder_sparse_step"))
+        if sparse_step < 1:
+            problems.append(f"decoder_sparse_step={sparse_step} must be >= 1")
+        out.update(
+            n_experts=int(n_experts),
+            top_k=int(get("num_experts_per_tok")),
+            moe_ffn_dim=int(get("moe_intermediate_size")),
+            router="softmax",
+            router_norm_topk=bool(get("norm_topk_prob")),
+            aux_loss_coef=float(get("router_aux_loss_coef")),
+            moe_every=max(sparse_step, 1),
+            dense_layers=[int(i) for i in (get("mlp_only_layers") or [])],
+        )
+        if model_type == "qwen2_moe" and n_experts:
+            shared = int(get("shared_expert_intermediate_size"))
+            if shared <= 0:
+                problems.append(f"shared_expert_intermediate_size={shared} must be positive")
+            out.update(n_shared_experts=1, shared_ffn_dim=shared, shared_expert_gate=True)
+    return out
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig equivalent to a transformers config.json dict; ValueError lists what cannot map."""
     model_type = hf.get("model_type")
@@ -151,6 +200,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "deepseek_v3":
+        problems: list[str] = []
+        deepseek = deepseek_from_hf(hf, problems)
+        if problems:
+            raise ValueError(f"cannot convert this {model_type} config: " + "; ".join(problems))
+        return ModelConfig(**deepseek)
     defaults = _defaults(model_type)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if hf.get(k) is None]
@@ -160,7 +215,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     def get(key: str) -> Any:
         return hf[key] if key in hf else defaults.get(key)
 
-    problems: list[str] = []
+    problems = []
     n_layers = int(hf["num_hidden_layers"])
     kwargs: dict[str, Any] = dict(
         dim=int(hf["hidden_size"]),
@@ -191,36 +246,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     elif model_type == "qwen2_moe":
         kwargs["qkv_bias"] = bool(get("qkv_bias"))
 
-    if model_type == "mixtral":
-        kwargs.update(
-            n_experts=int(get("num_local_experts")),
-            top_k=int(get("num_experts_per_tok")),
-            moe_ffn_dim=int(hf["intermediate_size"]),
-            router="softmax",
-            router_norm_topk=True,
-            aux_loss_coef=float(get("router_aux_loss_coef")),
-        )
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
-        # Qwen3-MoE's config aliases num_experts to num_local_experts and saves the latter.
-        n_experts = hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
-        sparse_step = int(get("decoder_sparse_step"))
-        if sparse_step < 1:
-            problems.append(f"decoder_sparse_step={sparse_step} must be >= 1")
-        kwargs.update(
-            n_experts=int(n_experts),
-            top_k=int(get("num_experts_per_tok")),
-            moe_ffn_dim=int(get("moe_intermediate_size")),
-            router="softmax",
-            router_norm_topk=bool(get("norm_topk_prob")),
-            aux_loss_coef=float(get("router_aux_loss_coef")),
-            moe_every=max(sparse_step, 1),
-            dense_layers=[int(i) for i in (get("mlp_only_layers") or [])],
-        )
-        if model_type == "qwen2_moe" and n_experts:
-            shared = int(get("shared_expert_intermediate_size"))
-            if shared <= 0:
-                problems.append(f"shared_expert_intermediate_size={shared} must be positive")
-            kwargs.update(n_shared_experts=1, shared_ffn_dim=shared, shared_expert_gate=True)
+    kwargs.update(_moe_from_hf(model_type, hf, get, problems))
     if problems:
         raise ValueError(f"cannot convert this {model_type} config: " + "; ".join(problems))
     return ModelConfig(**kwargs)
@@ -229,7 +255,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 def _hf_model_type(cfg: ModelConfig) -> str:
     """The HF architecture that computes exactly what `cfg` does; ValueError when none does."""
     problems: list[str] = []
-    if cfg.is_moe:
+    if cfg.is_mla:
+        model_type, problems = "deepseek_v3", deepseek_problems(cfg)
+    elif cfg.is_moe:
         if cfg.router != "softmax":
             problems.append(f"router={cfg.router!r}: the supported HF MoE architectures use a softmax router")
         if cfg.router_scale != 1 or cfg.n_expert_groups > 1 or cfg.router_bias_rate > 0:
@@ -271,8 +299,10 @@ def _hf_model_type(cfg: ModelConfig) -> str:
         model_type = "mistral"
     else:
         model_type = "llama"
-    if cfg.rope_scaling not in ("none", "llama3"):
-        problems.append(f"rope_scaling={cfg.rope_scaling!r} (supported: none, llama3)")
+    if cfg.rope_scaling == "yarn" and not cfg.is_mla:
+        problems.append("rope_scaling='yarn' outside multi-head latent attention (DeepSeek-V3's)")
+    if cfg.mtp_depth > 1:
+        problems.append(f"mtp_depth={cfg.mtp_depth} (DeepSeek-V3's checkpoints ship one MTP module)")
     if problems:
         raise ValueError("no Hugging Face architecture can express this ModelConfig: " + "; ".join(problems))
     return model_type
@@ -350,6 +380,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         )
     if model_type == "qwen2_moe":
         out.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_dim, qkv_bias=cfg.qkv_bias)
+    if model_type == "deepseek_v3":
+        out.update(deepseek_to_hf(cfg))
     return out
 
 

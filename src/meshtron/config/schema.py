@@ -45,7 +45,7 @@ def refuse(problems: Sequence[str]) -> None:
 DType = Literal["fp32", "bf16"]
 TrainingDType = Literal["fp32", "bf16", "fp8"]  # fp8: bf16 autocast, float8 projections (parallel/float8.py)
 Float8Recipe = Literal["tensorwise", "rowwise"]  # the scale groups of training.dtype = "fp8"
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "yarn"]
 RouterScore = Literal["softmax", "sigmoid"]
 ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters
 # ZeRO-3 implementation: meshtron's unit hooks, PyTorch's fully_shard, or SimpleFSDP's parametrization
@@ -102,6 +102,24 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = non_negative(0)  # 0: full causal attention
+    # YaRN (rope_scaling = "yarn", Peng et al. 2023, DeepSeek-V2/V3): rope_scaling_factor and
+    # rope_original_max_position as for llama3, the ramp's rotations and the attention temperatures.
+    rope_beta_fast: float = positive(32.0)
+    rope_beta_slow: float = positive(1.0)
+    rope_mscale: float = non_negative(1.0)
+    rope_mscale_all_dim: float = non_negative(0.0)  # > 0: the softmax scale times mscale(factor, this)²
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them
+    # Multi-head latent attention (DeepSeek-V2/V3; models/latent_attention.py), on when kv_lora_rank > 0:
+    # each token's keys and values are up-projected from one latent of kv_lora_rank values, plus one
+    # rotary key of qk_rope_head_dim that all heads share; queries through a q_lora_rank latent (0: a
+    # full projection). n_kv_heads and head_dim do not apply.
+    kv_lora_rank: int = non_negative(0)
+    q_lora_rank: int = non_negative(0)
+    qk_nope_head_dim: int = non_negative(0)  # a head's query/key dims without rotary embedding
+    qk_rope_head_dim: int = non_negative(0)  # ...and with it (the shared rotary key's size)
+    v_head_dim: int = non_negative(0)  # a head's value (and output) size
+    # Multi-token prediction (DeepSeek-V3, models/mtp.py): modules predicting 2..mtp_depth+1 tokens ahead.
+    mtp_depth: int = non_negative(0)
     init_std: float = positive(0.02)
     # Mixture of experts; n_experts == 0 means a dense model.
     n_experts: int = non_negative(0)
@@ -122,16 +140,40 @@ class ModelConfig:
     # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for the top-k
     # choice only, moves by this much per optimizer step towards an even load; 0: off.
     router_bias_rate: float = non_negative(0.0)
+    # The router keeps that bias (a checkpoint's e_score_correction_bias) even when it does not move.
+    router_bias: bool = False
     moe_every: int = 1  # every k-th layer is MoE (Qwen2-MoE decoder_sparse_step)
     dense_layers: list[int] = field(default_factory=list)  # layers forced dense (mlp_only_layers)
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        """Key/value heads: under MLA every query head has its own (up-projected from the latent)."""
+        return self.n_heads if self.is_mla else self.n_kv_heads or self.n_heads
 
     @property
     def head_size(self) -> int:
+        """A head's query/key size (under MLA its unrotated and rotary parts together)."""
+        if self.is_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def value_size(self) -> int:
+        """A head's value (and attention output) size."""
+        return self.v_head_dim if self.is_mla else self.head_size
+
+    @property
+    def rope_size(self) -> int:
+        """The dims of a head the rotary embedding turns: MLA's rotary part, else the whole head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_size
+
+    @property
+    def has_expert_bias(self) -> bool:
+        return self.router_bias or self.router_bias_rate > 0
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """Key/value heads a tensor-parallel rank holds: its 1/tp of them, or the one its query heads
@@ -248,6 +290,8 @@ class TrainingConfig:
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
     eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages
+    # Multi-token prediction's weight λ: the loss adds λ/D times the sum of the D depths' losses.
+    mtp_loss_coef: float = non_negative(0.3)
 
 
 @dataclass

@@ -29,9 +29,9 @@ from meshtron.config.schema import ModelConfig
 from meshtron.hf.weights import (
     GLOBAL_RENAMES,
     IGNORED_KEY_PATTERN,
-    LAYER_RENAMES,
     MIXTRAL_EXPERT_NAMES,
     QWEN_EXPERT_NAMES,
+    layer_renames,
 )
 from meshtron.models.llama import Transformer
 
@@ -129,8 +129,8 @@ def _source(name: str, names: set[str], cfg: ModelConfig, model_type: str) -> So
     if suffix.startswith("moe.experts."):
         return _expert_source(names, layer, suffix.rsplit(".", 1)[1], cfg, model_type)
     mixtral_block = model_type == "mixtral" and f"{layer}mlp.gate.weight" not in names
-    renames = dict(LAYER_RENAMES)
-    return Source((layer + renames[suffix].format(moe="block_sparse_moe" if mixtral_block else "mlp"),))
+    renames = layer_renames(model_type, "block_sparse_moe" if mixtral_block else "mlp")
+    return Source((layer + renames[suffix],))
 
 
 def _listed(names: Sequence[str], limit: int = 20) -> str:

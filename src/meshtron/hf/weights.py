@@ -46,7 +46,8 @@ from safetensors import safe_open
 from meshtron.config.huggingface import config_from_hf, config_to_hf, read_hf_config, weight_files
 from meshtron.config.schema import ModelConfig
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, Entry, save_streamed
-from meshtron.models.llama import Transformer, rope_inv_freq
+from meshtron.models.llama import Transformer
+from meshtron.models.rope import rope_inv_freq
 
 # meshtron key suffix inside a layer -> HF key suffix inside `model.layers.{i}.`; `{moe}` is the
 # MoE block's module name.
@@ -62,13 +63,20 @@ LAYER_RENAMES = (
     ("attention.wv.bias", "self_attn.v_proj.bias"),
     ("attention.q_norm.weight", "self_attn.q_norm.weight"),
     ("attention.k_norm.weight", "self_attn.k_norm.weight"),
+    ("attention.wq_a.weight", "self_attn.q_a_proj.weight"),
+    ("attention.q_latent_norm.weight", "self_attn.q_a_layernorm.weight"),
+    ("attention.wq_b.weight", "self_attn.q_b_proj.weight"),
+    ("attention.wkv_a.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    ("attention.kv_latent_norm.weight", "self_attn.kv_a_layernorm.weight"),
+    ("attention.wkv_b.weight", "self_attn.kv_b_proj.weight"),
     ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
     ("feed_forward.w3.weight", "mlp.up_proj.weight"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight"),
     ("moe.router.weight", "{moe}.gate.weight"),
-    ("moe.shared_experts.w1.weight", "{moe}.shared_expert.gate_proj.weight"),
-    ("moe.shared_experts.w3.weight", "{moe}.shared_expert.up_proj.weight"),
-    ("moe.shared_experts.w2.weight", "{moe}.shared_expert.down_proj.weight"),
+    ("moe.router.expert_bias", "{moe}.gate.e_score_correction_bias"),
+    ("moe.shared_experts.w1.weight", "{moe}.{shared}.gate_proj.weight"),
+    ("moe.shared_experts.w3.weight", "{moe}.{shared}.up_proj.weight"),
+    ("moe.shared_experts.w2.weight", "{moe}.{shared}.down_proj.weight"),
     ("moe.shared_gate.weight", "{moe}.shared_expert_gate.weight"),
 )
 GLOBAL_RENAMES = (
@@ -76,6 +84,16 @@ GLOBAL_RENAMES = (
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 )
+# Qwen2-MoE's one shared expert and DeepSeek's shared experts.
+SHARED_EXPERTS = {"deepseek_v3": "shared_experts"}
+
+
+def layer_renames(model_type: str, moe_block: str = "mlp") -> dict[str, str]:
+    """LAYER_RENAMES for one model type, with its MoE block's name."""
+    shared = SHARED_EXPERTS.get(model_type, "shared_expert")
+    return {ours: theirs.format(moe=moe_block, shared=shared) for ours, theirs in LAYER_RENAMES}
+
+
 # Per-expert projection names for our (w1 gate, w3 up, w2 down), in the two HF spellings.
 QWEN_EXPERT_NAMES = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 MIXTRAL_EXPERT_NAMES = (("w1", "w1"), ("w3", "w3"), ("w2", "w2"))
@@ -189,8 +207,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transfor
     state: dict[str, torch.Tensor | None] = {}
     for i in range(cfg.n_layers):
         layer = f"model.layers.{i}."
-        block = _moe_block_name(src, layer, model_type)
-        renames = {ours: theirs.format(moe=block) for ours, theirs in LAYER_RENAMES}
+        renames = layer_renames(model_type, _moe_block_name(src, layer, model_type))
         prefix = f"layers.{i}."
         for name in (n for n in expected if n.startswith(prefix)):
             suffix = name[len(prefix) :]
@@ -231,10 +248,13 @@ def hf_entries(cfg: ModelConfig, dtype: str = "float32") -> tuple[dict, list[Ent
     model_type = hf_config["model_type"]
     block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     expert_names = dict(MIXTRAL_EXPERT_NAMES if model_type == "mixtral" else QWEN_EXPERT_NAMES)
-    renames = {ours: theirs.format(moe=block) for ours, theirs in LAYER_RENAMES}
+    renames = layer_renames(model_type, block)
     global_names = dict(GLOBAL_RENAMES)
     with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+        model = Transformer(cfg)
+    # The parameters and the routers' correction biases (buffers a checkpoint stores too).
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes |= {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("expert_bias")}
     entries = []
     for name, shape in shapes.items():
         if not name.startswith("layers."):
@@ -256,7 +276,7 @@ def hf_state_dict(model: Transformer) -> tuple[dict, dict[str, torch.Tensor]]:
     each tensor its own storage) of a plain single-device model."""
     dtype = next(model.parameters()).dtype
     hf_config, entries = hf_entries(model.cfg, str(dtype).removeprefix("torch."))
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
     # Clones: safetensors refuses tensors that share storage (tied weights, per-expert views).
     return hf_config, {
         e.name: (params[e.source] if e.part is None else params[e.source][e.part]).detach().to("cpu").clone()
@@ -290,6 +310,6 @@ def save_streamed_model(
 
 def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write a plain single-device model as a directory transformers loads (save_streamed_model)."""
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
     dtype = next(model.parameters()).dtype
     save_streamed_model(model.cfg, lambda name: params[name], path, dtype, max_shard_bytes)

@@ -34,7 +34,10 @@ Two ways to compute a block, with the same results (tests/test_context_attention
            queries, [B, H, tile, Sk] scores at a time (TILE_ELEMENTS), never Sq × Sk.
 
 Shapes: B batch, H query heads, K key/value heads (grouped-query attention: H = K·G), Sq and Sk the
-block's query and key lengths, Dh the head dim.
+block's query and key lengths, Dh the head dim of queries and keys, Dv of values and outputs (MLA's
+differ: models/latent_attention.py; the fused kernel wants one size, so its values are padded with zeros
+to Dh for the kernel alone, which changes no result). `scale` is the logits' scale, 1/sqrt(Dh) unless
+given.
 """
 
 from __future__ import annotations
@@ -175,6 +178,11 @@ def _fused(
     ]
 
 
+def _padded(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x with its last dim padded with zeros to `size` (the fused kernel's one head size)."""
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
 def block_forward(
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
@@ -184,25 +192,27 @@ def block_forward(
     window: int = 0,
     allow_fused: bool = True,
     docs: Documents | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [B, H, Sq, Dh], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
+    """(output [B, H, Sq, Dv], log-sum-exp [B, H, Sq]) of the queries over these keys, both fp32. A row
     that sees no key has output 0 and log-sum-exp −inf. `allow_fused=False` forces the tiled path;
     `docs`: the queries' and keys' document ids, under a document mask."""
     q_pos, k_pos = as_positions(q_pos), as_positions(k_pos)
-    out = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
+    B, H, Sq, D = q_BHSD.shape
+    Dv, kernel_scale, scale = v_BKSD.shape[-1], scale, D**-0.5 if scale is None else scale
+    out = torch.zeros((B, H, Sq, Dv), dtype=torch.float32, device=q_BHSD.device)
     lse = torch.full(q_BHSD.shape[:-1], NEG_INF, device=q_BHSD.device)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused, docs)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused and Dv <= D, docs)
     if parts is not None:
         for rows, keys, causal, mask in parts:
-            q, k, v = q_BHSD[:, :, rows], k_BKSD[:, :, keys], v_BKSD[:, :, keys]
-            part, part_lse = _FUSED(q, k, v, 0.0, causal, attn_mask=mask)
+            q, k, v = q_BHSD[:, :, rows], k_BKSD[:, :, keys], _padded(v_BKSD[:, :, keys], D)
+            part, part_lse = _FUSED(q, k, v, 0.0, causal, attn_mask=mask, scale=kernel_scale)
             if mask is not None:  # the kernel gives a row that sees no key log-sum-exp 0
                 part_lse = part_lse.masked_fill(torch.isinf(mask).all(-1), NEG_INF)
-            merge_(out[:, :, rows], lse[:, :, rows], part.float(), part_lse)
+            merge_(out[:, :, rows], lse[:, :, rows], part[..., :Dv].float(), part_lse)
         return out, lse
-    B, H, Sq, D = q_BHSD.shape
-    K, scale = k_BKSD.shape[1], D**-0.5
-    q_g, out_g, lse_g = _grouped(q_BHSD, K), out.view(B, K, H // K, Sq, D), lse.view(B, K, H // K, Sq)
+    K = k_BKSD.shape[1]
+    q_g, out_g, lse_g = _grouped(q_BHSD, K), out.view(B, K, H // K, Sq, Dv), lse.view(B, K, H // K, Sq)
     for rows, keys, mask in _tiles(q_pos, k_pos, H, B, window, docs, q_BHSD.device):
         if keys.stop == keys.start:
             continue
@@ -231,44 +241,50 @@ def block_backward(
     window: int = 0,
     allow_fused: bool = True,
     docs: Documents | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in fp32 of this block's share of the loss, given each query's final output and
     log-sum-exp (over all its keys, not only this block's)."""
     q_pos, k_pos = as_positions(q_pos), as_positions(k_pos)
+    D, Dv, kernel_scale = q_BHSD.shape[-1], v_BKSD.shape[-1], scale
+    scale = D**-0.5 if scale is None else scale
     dq = torch.zeros(q_BHSD.shape, dtype=torch.float32, device=q_BHSD.device)
     dk = torch.zeros(k_BKSD.shape, dtype=torch.float32, device=k_BKSD.device)
-    dv = torch.zeros_like(dk)
-    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused, docs)
+    dv = torch.zeros(v_BKSD.shape, dtype=torch.float32, device=v_BKSD.device)
+    parts = _fused(q_BHSD, window, q_pos, k_pos, allow_fused and Dv <= D, docs)
     if parts is not None:
-        out = out_BHSD.to(q_BHSD.dtype)  # the kernel takes every tensor but the log-sum-exp in q's dtype
+        out = _padded(out_BHSD.to(q_BHSD.dtype), D)  # the kernel takes all but the lse in q's dtype
         lse = torch.where(torch.isinf(lse_BHS), torch.zeros_like(lse_BHS), lse_BHS)  # no key seen: p = 0
+        dout, v = _padded(dout_BHSD, D), _padded(v_BKSD, D)
         for rows, keys, causal, mask in parts:
             grads = _FUSED_BACKWARD(
-                dout_BHSD[:, :, rows],
+                dout[:, :, rows],
                 q_BHSD[:, :, rows],
                 k_BKSD[:, :, keys],
-                v_BKSD[:, :, keys],
+                v[:, :, keys],
                 out[:, :, rows],
                 lse[:, :, rows],
                 0.0,
                 causal,
                 attn_mask=mask,
+                scale=kernel_scale,
             )
             dq[:, :, rows] += grads[0]
             dk[:, :, keys] += grads[1]
-            dv[:, :, keys] += grads[2]
+            dv[:, :, keys] += grads[2][..., :Dv]
         return dq, dk, dv
     grads = (dq, dk, dv)
-    _tiled_backward(q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads, docs)
+    where = (q_pos, k_pos, window, docs, scale)
+    _tiled_backward(q_BHSD, k_BKSD, v_BKSD, out_BHSD, lse_BHS, dout_BHSD, where, grads)
     return dq, dk, dv
 
 
-def _tiled_backward(
-    q_BHSD, k_BKSD, v_BKSD, q_pos, k_pos, out_BHSD, lse_BHS, dout_BHSD, window, grads, docs
-) -> None:
-    """block_backward's tiled path: accumulates into grads = (dq, dk, dv)."""
+def _tiled_backward(q_BHSD, k_BKSD, v_BKSD, out_BHSD, lse_BHS, dout_BHSD, where, grads) -> None:
+    """block_backward's tiled path: accumulates into grads = (dq, dk, dv); `where` = (q_pos, k_pos,
+    window, docs, scale)."""
+    q_pos, k_pos, window, docs, scale = where
     B, H, Sq, D = q_BHSD.shape
-    K, scale = k_BKSD.shape[1], D**-0.5
+    K = k_BKSD.shape[1]
     q_g, do_g = _grouped(q_BHSD, K), _grouped(dout_BHSD, K)
     lse_g, delta_g = lse_BHS.view(B, K, H // K, Sq), delta(out_BHSD, dout_BHSD).view(B, K, H // K, Sq)
     dq, dk, dv = grads[0].view(B, K, H // K, Sq, D), grads[1], grads[2]
@@ -324,18 +340,20 @@ class LocalPass:
     exchanged)."""
 
     window: int = 0
+    scale: float | None = None
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         pos = Positions.arange(0, q.shape[2])
-        return block_forward(q, k, v, pos, pos, self.window, docs=docs_at(docs_BS, pos, pos))
+        docs = docs_at(docs_BS, pos, pos)
+        return block_forward(q, k, v, pos, pos, self.window, docs=docs, scale=self.scale)
 
     def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
         q, k, v, out, lse = saved
         pos = Positions.arange(0, q.shape[2])
         docs = docs_at(docs_BS, pos, pos)
-        return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs)
+        return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs, scale=self.scale)
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -377,9 +395,14 @@ def one_dtype(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def attend_blockwise(
-    q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None, window: int = 0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    docs_BS: Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> Tensor:
-    """Causal attention of a whole sequence, q [B, H, S, Dh] over k, v [B, K, S, Dh], through the
-    blockwise path (within each document of `docs_BS` [B, S], when given)."""
+    """Causal attention of a whole sequence, q [B, H, S, Dh] over k [B, K, S, Dh] and v [B, K, S, Dv],
+    through the blockwise path (within each document of `docs_BS` [B, S], when given)."""
     q, k, v = one_dtype(q, k, v)
-    return BlockwiseAttention.apply(q, k, v, LocalPass(window), docs_BS)[0]
+    return BlockwiseAttention.apply(q, k, v, LocalPass(window, scale), docs_BS)[0]

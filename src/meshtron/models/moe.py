@@ -65,7 +65,7 @@ class Router(nn.Module):
         self.bias_rate = cfg.router_bias_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         # Auxiliary-loss-free balancing: steers the choice, never the gate values; no gradient.
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if self.bias_rate > 0 else None)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if cfg.has_expert_bias else None)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [T,k], expert ids [T,k], scores [T,E], logits [T,E]); routing is done in fp32."""
@@ -95,6 +95,8 @@ class Router(nn.Module):
     def update_bias(self, load_E: torch.Tensor) -> None:
         """One step of auxiliary-loss-free balancing from the global batch's expert loads: raise the bias
         of underloaded experts, lower it for overloaded ones, by bias_rate times the sign; kept zero-mean."""
+        if self.bias_rate == 0:  # a checkpoint's bias, kept as it is
+            return
         load_E = load_E.float()
         self.expert_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias -= self.expert_bias.mean()

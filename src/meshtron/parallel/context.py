@@ -138,6 +138,7 @@ class RingPass:
     comm: Comm
     group: CommGroup
     window: int = 0
+    scale: float | None = None
     exposed_s: float = 0.0
     blocks: int = 0
     blocks_skipped: int = 0
@@ -158,9 +159,9 @@ class RingPass:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        n, r, S = self.group.size, self.group.rank, q.shape[2]
-        kv = torch.stack([k, v])
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        n, r, S, Dk = self.group.size, self.group.rank, q.shape[2], k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)  # one message per hop: [B, K, S/cp, Dk + Dv]
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for i in range(n):
             j = (r - i) % n
@@ -168,8 +169,9 @@ class RingPass:
             block = self.block(r, j, S, docs_BS)
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
+                k_j, v_j = kv[:, :, keys, :Dk], kv[:, :, keys, Dk:]
                 part, part_lse = block_forward(
-                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], q_pos, k_pos, self.window, docs=docs
+                    q[:, :, rows], k_j, v_j, q_pos, k_pos, self.window, docs=docs, scale=self.scale
                 )
                 merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
             if flight is not None:
@@ -178,8 +180,8 @@ class RingPass:
 
     def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
         q, k, v, out, lse = saved
-        n, r, S = self.group.size, self.group.rank, q.shape[2]
-        kv = torch.stack([k, v])
+        n, r, S, Dk = self.group.size, self.group.rank, q.shape[2], k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # rank r's own K/V's, at i = 0
         accumulator: _Flight | None = None
@@ -190,10 +192,11 @@ class RingPass:
             grads = None
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
+                k_j, v_j = kv[:, :, keys, :Dk], kv[:, :, keys, Dk:]
                 grads = block_backward(
                     q[:, :, rows],
-                    kv[0][:, :, keys],
-                    kv[1][:, :, keys],
+                    k_j,
+                    v_j,
                     q_pos,
                     k_pos,
                     out[:, :, rows],
@@ -201,18 +204,19 @@ class RingPass:
                     dout[:, :, rows],
                     self.window,
                     docs=docs,
+                    scale=self.scale,
                 )
                 dq[:, :, rows] += grads[0]
             if accumulator is not None:  # rank j's dK/dV, arriving from the previous rank
                 dkv = self.land(accumulator)
             if grads is not None:
-                dkv[0][:, :, keys] += grads[1]
-                dkv[1][:, :, keys] += grads[2]
+                dkv[:, :, keys, :Dk] += grads[1]
+                dkv[:, :, keys, Dk:] += grads[2]
             accumulator = _Flight(self.comm, self.group, dkv)  # on to the next rank, home after n hops
             if flight is not None:
                 kv = self.land(flight)
         dkv = self.land(accumulator)
-        return dq, dkv[0], dkv[1]
+        return dq, dkv[..., :Dk], dkv[..., Dk:]
 
 
 @dataclass
@@ -222,6 +226,7 @@ class GatherPass:
     comm: Comm
     group: CommGroup
     window: int = 0
+    scale: float | None = None
 
     def _chunks(self, rank_major: Tensor) -> list[Tensor]:
         """Views of [n, ..., S/n, Dh] (rank j's two chunks along dim −2) in position order."""
@@ -230,8 +235,8 @@ class GatherPass:
         return [rank_major[j, ..., h * half : (h + 1) * half, :] for j, h in owner]
 
     def gathered(self, k: Tensor, v: Tensor) -> Tensor:
-        """K/V of the whole sequence [2, B, K, S, Dh] in position order (one copy after the gather)."""
-        kv_rank_major = self.comm.all_gather_tensor(torch.stack([k, v])[None], self.group, dim=0)
+        """K/V of the whole sequence [B, K, S, Dk + Dv] in position order (one copy after the gather)."""
+        kv_rank_major = self.comm.all_gather_tensor(torch.cat([k, v], dim=-1)[None], self.group, dim=0)
         return torch.cat(self._chunks(kv_rank_major), dim=-2)
 
     def positions(self, q: Tensor) -> tuple[Positions, Positions]:
@@ -241,29 +246,45 @@ class GatherPass:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        kv, positions = self.gathered(k, v), self.positions(q)
-        return block_forward(q, kv[0], kv[1], *positions, self.window, docs=docs_at(docs_BS, *positions))
+        kv, positions, Dk = self.gathered(k, v), self.positions(q), k.shape[-1]
+        docs = docs_at(docs_BS, *positions)
+        return block_forward(
+            q, kv[..., :Dk], kv[..., Dk:], *positions, self.window, docs=docs, scale=self.scale
+        )
 
     def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:
         q, k, v, out, lse = saved
         kv, positions = self.gathered(k, v), self.positions(q)
         docs = docs_at(docs_BS, *positions)
-        dq, dk, dv = block_backward(q, kv[0], kv[1], *positions, out, lse, dout, self.window, docs=docs)
-        dkv = torch.stack([dk, dv])  # in position order; back to rank-major, then each rank its own
+        Dk, scale = k.shape[-1], self.scale
+        k_all, v_all = kv[..., :Dk], kv[..., Dk:]
+        dq, dk, dv = block_backward(
+            q, k_all, v_all, *positions, out, lse, dout, self.window, docs=docs, scale=scale
+        )
+        dkv = torch.cat([dk, dv], dim=-1)  # in position order; back to rank-major, then each rank its own
         n, S = self.group.size, q.shape[2]
         rank_major = torch.empty((n, *dkv.shape[:-2], S, dkv.shape[-1]), dtype=torch.float32, device=q.device)
         for view, chunk in zip(self._chunks(rank_major), dkv.split(S // 2, dim=-2), strict=True):
             view.copy_(chunk)
         dkv = self.comm.reduce_scatter_tensor(rank_major, self.group, dim=0)[0]
-        return dq, dkv[0], dkv[1]
+        return dq, dkv[..., :Dk], dkv[..., Dk:]
 
 
 class ContextParallelAttention:
-    """What `Attention.attend` becomes under cp: rotated q [B, H, S/cp, Dh] and k, v [B, K, S/cp, Dh]
-    of this rank's tokens in, this rank's attention output out. Under a document mask, `docs_BS` holds
-    the document ids of the whole window [B, S] (not only this rank's tokens)."""
+    """What `Attention.attend` becomes under cp: rotated q [B, H, S/cp, Dh], k [B, K, S/cp, Dh] and v
+    [B, K, S/cp, Dv] of this rank's tokens in, this rank's attention output out. Under a document mask,
+    `docs_BS` holds the document ids of the whole window [B, S] (not only this rank's tokens). `window`
+    and `scale`: the attention's sliding window and logits' scale (None: 1/sqrt(Dh))."""
 
-    def __init__(self, comm: Comm, impl: str, ring: CommGroup | None, ulysses: CommGroup | None, window: int):
+    def __init__(
+        self,
+        comm: Comm,
+        impl: str,
+        ring: CommGroup | None,
+        ulysses: CommGroup | None,
+        window: int,
+        scale: float | None = None,
+    ):
         needs = {
             "ring": (True, False),
             "allgather": (True, False),
@@ -277,7 +298,7 @@ class ContextParallelAttention:
             )
         self.comm, self.ulysses = comm, ulysses
         passes = {"ring": RingPass, "hybrid": RingPass, "allgather": GatherPass}
-        self.inner = passes[impl](comm, ring, window) if impl in passes else LocalPass(window)
+        self.inner = passes[impl](comm, ring, window, scale) if impl in passes else LocalPass(window, scale)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None) -> Tensor:
         return self.with_lse(q, k, v, want_lse=False, docs_BS=docs_BS)[0]
@@ -327,7 +348,8 @@ def apply_context_parallel(
     ulysses = {"ring": None, "allgather": None, "alltoall": cp}.get(impl, ulysses)
     window = model.cfg.sliding_window
     for block in model.layers.values():
-        block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, window)
+        scale = block.attention.scale
+        block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, window, scale)
         if block.moe is not None:
             block.moe.token_sum = lambda stats: comm.all_reduce(stats, cp)
     return SequenceLayout(seq_len, ring.size if ring else 1, ulysses.size if ulysses else 1)

@@ -49,8 +49,9 @@ from meshtron.comm.timing import TIMES
 from meshtron.config.schema import SPLIT_BACKWARD, PipelineSchedule
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.documents import MicroBatchLayout
-from meshtron.models.llama import Transformer, output_logits, rope_cos_sin
+from meshtron.models.llama import Transformer, output_logits
 from meshtron.models.loss import StepLoss
+from meshtron.models.rope import rope_cos_sin
 from meshtron.pipeline.pairs import run_pair
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 from meshtron.schedules.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
@@ -87,7 +88,7 @@ class PipelineChunk(nn.Module):
         self.tok_embeddings = model.tok_embeddings if self.is_first or tied_head else None
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
-        self.rope_inv_freq = model.rope_inv_freq
+        self.rope_inv_freq, self.rope_factor = model.rope_inv_freq, model.rope_factor
 
     def forward(
         self, x: torch.Tensor, positions_BS: torch.Tensor, docs_BS: torch.Tensor | None = None
@@ -95,7 +96,7 @@ class PipelineChunk(nn.Module):
         """(tokens [B, S] or activations [B, S, D]) -> (activations, or logits when last; summed MoE aux).
         `docs_BS`: each token's document, when attention stays within documents."""
         h = self.tok_embeddings(x) if self.is_first else x
-        cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype, self.rope_factor)
         aux = torch.zeros((), device=h.device)
         for block in self.blocks:
             h, block_aux = block(h, cos, sin) if docs_BS is None else block(h, cos, sin, None, docs_BS)
