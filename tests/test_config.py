@@ -101,7 +101,7 @@ def test_missing_file_and_malformed_toml(tmp_path):
             "parallel.cp_impl='ulysses' is not one of ring, allgather, alltoall, hybrid",
         ),
         (["--model.router=topk"], 1, "model.router='topk' is not one of softmax, sigmoid"),
-        (["--model.rope_scaling=yarn"], 1, "model.rope_scaling='yarn' is not one of none, llama3"),
+        (["--model.rope_scaling=linear"], 1, "model.rope_scaling='linear' is not one of none, llama3, yarn"),
         (["--run.device=tpu"], 1, "run.device='tpu' is not one of auto, cpu, cuda"),
         (["--data.tokenizer=wordpiece"], 1, "data.tokenizer='wordpiece' is not one of bpe, byte"),
         (["--model.dim=100", "--model.n_heads=8"], 1, "model.dim=100 is not divisible by model.n_heads=8"),
