@@ -139,10 +139,13 @@ def _listed(names: Sequence[str], limit: int = 20) -> str:
 
 
 def parameter_sources(cfg: ModelConfig, model_type: str, checkpoint: HFCheckpoint) -> dict[str, Source]:
-    """Every meshtron parameter's Source; ValueError naming every missing, unexpected or misshapen tensor
+    """Every meshtron parameter's (and router correction bias's) Source; ValueError naming every missing, unexpected or misshapen tensor
     (from the headers alone, so every rank finds the same problems)."""
     with torch.device("meta"):  # names and shapes only, no memory
-        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+        model = Transformer(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    # The routers' correction biases are buffers, stored in checkpoints all the same.
+    shapes |= {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("expert_bias")}
     names = checkpoint.names()
     sources = {name: _source(name, names, cfg, model_type) for name in shapes}
     missing, bad_shapes, used = [], [], set()

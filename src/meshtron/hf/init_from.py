@@ -96,6 +96,9 @@ def _read_owned(
             return values
 
         fill_owned_(parallel, read, ep)
+        for name, bias in parallel.model.named_buffers():  # whole on every rank that holds the router
+            if name.endswith("expert_bias"):
+                bias.copy_(read_source(checkpoint, sources[name], [(0, n) for n in bias.shape]))
         report = LoadReport(path, len(checkpoint.tensors_read), checkpoint.elements_read)
     return report, problems
 

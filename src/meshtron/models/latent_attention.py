@@ -98,8 +98,9 @@ class LatentAttention(nn.Module):
         cache: LatentKV | None = None,
         docs_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
         q = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x_BSD)))
+        # (Under tensor + sequence parallel x holds this rank's tokens and the latents all of them.)
+        B, S, _ = q.shape
         q_BHSD = q.view(B, S, -1, self.head_dim).transpose(1, 2)
         c_BSC, k_rot = self.wkv_a(x_BSD).split([self.kv_rank, self.rope], dim=-1)
         c_BSC, k_rot_B1SR = self.kv_latent_norm(c_BSC), k_rot[:, None]

@@ -1,7 +1,8 @@
 """The float8 step of `parallelize` (`training.dtype = "fp8"`): the attention and MLP projections of every
 block run as float8 linear layers (models/float8.py), the rest stays in bf16 under autocast.
 
-  float8     wq, wk, wv, wo; the dense FFN's w1, w3, w2; the shared experts' w1, w3, w2
+  float8     wq, wk, wv, wo (MLA: wq or wq_a, wq_b, wkv_a, wkv_b, wo); the dense FFN's w1, w3, w2; the
+             shared experts' w1, w3, w2
   bf16       the embedding and the output head (the logits' range and the loss's precision), the norms,
              the router (a rounding flips a token's expert), the attention core (softmax), the routed
              experts (their grouped matmul has no float8 form on the CPU, and on GPUs torch's grouped
@@ -11,7 +12,9 @@ block run as float8 linear layers (models/float8.py), the rest stays in bf16 und
 Under tensor parallel a linear layer's operands are split: column-parallel layers hold rows of W and
 produce columns of y (so of dy), row-parallel ones hold columns of x and of W. A scale group that spans
 the split is reduced over tp with max before the cast (tensorwise: every split operand; rowwise: those
-whose scale is taken along the split dimension), so every rank casts exactly as one device would.
+whose scale is taken along the split dimension), so every rank casts exactly as one device would. MLA's
+down-projections under sequence parallel are whole but see 1/tp of the tokens: their x and dy are split
+along the tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ FLOAT8_LINEARS = (
     "attention.wq", "attention.wk", "attention.wv", "attention.wo",
     "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
     "moe.shared_experts.w1", "moe.shared_experts.w3", "moe.shared_experts.w2",
+    "attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b",
 )  # fmt: skip
 
 
@@ -65,6 +69,8 @@ def _reducers(linear: nn.Linear, comm: Comm, tp: CommGroup | None) -> tuple[Redu
         return no_reduce, _reducer(comm, tp, 0), _reducer(comm, tp, 1)
     if isinstance(linear, RowParallelLinear):  # columns of x and of W
         return _reducer(comm, tp, 1), _reducer(comm, tp, 1), no_reduce
+    if getattr(linear, "tokens_split", False):  # rows of x and of y: MLA's down-projections under sp
+        return _reducer(comm, tp, 0), no_reduce, _reducer(comm, tp, 0)
     return no_reduce, no_reduce, no_reduce
 
 

@@ -8,6 +8,14 @@ layers' parameter names do not change.
   attention   wq, wk, wv column-parallel (this rank's H/tp query heads and K/tp key/value heads; when
               K < tp, every rank keeps all K key/value heads and uses the one its query heads read),
               wo row-parallel
+  MLA         the up-projections wq_b, wkv_b (or wq) column-parallel: this rank's H/tp heads; wo row-
+              parallel; the down-projections to the latents whole on every rank (the latents are small
+              and every head reads all of them). With q_lora_rank > 0 nothing else reads the block's
+              input, so the latents, not the input, enter the region, as Megatron-Core does: under sp
+              each rank projects its own 1/tp of the tokens down and the latents are all-gathered
+              (q_lora_rank + kv_lora_rank + qk_rope_head_dim values per token instead of dim, and no
+              rank repeats another's down-projection); without q_lora_rank the input enters (wq needs
+              it) and every rank projects the whole sequence down
   SwiGLU      w1, w3 column-parallel, w2 row-parallel
   MoE         router replicated; every expert's FFN split like SwiGLU (parallel.etp = tp), or with
               etp = 1 each rank keeps E/tp whole experts and computes only their share of the (gathered)
@@ -198,6 +206,10 @@ def vocab_parallel_cross_entropy(
 #   row          input features split; the partial sums are reduced on the way out (the region's exit)
 #   partial_row  row, left partial: the MoE output reduces the routed and shared parts once, together
 #   replicated   whole on every rank but fed part of the work: gradient summed over tp
+#   on_shards    a norm whose output stays on this rank's tokens (MLA's attention_norm: the latents enter
+#                the region after it); under sp its weight's gradient is summed over tp
+#   entering_linear  whole on every rank, its output enters the region (MLA's down-projections): under sp
+#                it projects this rank's tokens and the latents are gathered, its gradient summed over tp
 #   experts      every expert's SwiGLU split like column, column, row (etp = tp), or E/tp whole experts
 #   moe_exit     the MoE output (partial) leaves the region; its aux losses count 1/tp on each rank
 BLOCK_PLAN: dict[str, str] = {
@@ -219,6 +231,24 @@ BLOCK_PLAN: dict[str, str] = {
     "moe.shared_experts.w2": "partial_row",
     "moe.shared_gate": "replicated",
     "moe": "moe_exit",
+}
+# A latent-attention block with q_lora_rank > 0: the latents enter the region, not the input.
+LATENT_ENTRY_PLAN: dict[str, str] = {
+    **BLOCK_PLAN,
+    "attention_norm": "on_shards",
+    "attention.wq_a": "entering_linear",
+    "attention.q_latent_norm": "replicated",
+    "attention.wq_b": "column",
+    "attention.wkv_a": "entering_linear",
+    "attention.kv_latent_norm": "replicated",
+    "attention.wkv_b": "column",
+}
+# ...and without q_lora_rank: the input enters, the latent's projection and norm replicated.
+LATENT_FULL_Q_PLAN: dict[str, str] = {
+    **BLOCK_PLAN,
+    "attention.wkv_a": "replicated",
+    "attention.kv_latent_norm": "replicated",
+    "attention.wkv_b": "column",
 }
 # Outside the blocks: the vocabulary is split over tp (padded to a multiple of it).
 MODEL_PLAN: dict[str, str] = {"norm": "entering", "tok_embeddings": "vocab_embedding", "output": "vocab_head"}
@@ -297,6 +327,16 @@ class _Sharder:
         norm.register_forward_hook(lambda _m, _i, out: self.enter_region(out, cast))
         if self.sp:
             self.sum_gradient(norm.weight)
+
+    def on_shards(self, norm: RMSNorm, name: str) -> None:
+        if self.sp:
+            self.sum_gradient(norm.weight)
+
+    def entering_linear(self, linear: nn.Linear, name: str) -> None:
+        linear.register_forward_hook(lambda _m, _i, out: self.enter_region(out))
+        if self.sp:
+            self.sum_gradient(linear.weight)
+            linear.tokens_split = True  # (float8: its x and dy span the tp ranks' tokens)
 
     def column(self, linear: nn.Linear, name: str) -> ColumnParallelLinear:
         n, r, out_features = self.n, self.r, linear.out_features
@@ -380,8 +420,10 @@ def apply_tensor_parallel(
     """Shard `model` in place for this rank of `tp` by BLOCK_PLAN and MODEL_PLAN; returns how each
     parameter was cut. `expert_tp`: split each expert's FFN over tp (else whole experts per rank)."""
     sharder = _Sharder(model.cfg, comm, tp, sequence_parallel, expert_tp)
+    cfg = model.cfg
+    plan = BLOCK_PLAN if not cfg.is_mla else LATENT_ENTRY_PLAN if cfg.q_lora_rank else LATENT_FULL_Q_PLAN
     for i, block in model.layers.items():
-        sharder.apply(block, BLOCK_PLAN, f"layers.{i}")
+        sharder.apply(block, plan, f"layers.{i}")
     sharder.apply(model, MODEL_PLAN, "")
     if sequence_parallel:  # (under pp, the pipeline's chunks are hooked: runtime.py)
         SAVED_GATHERS.hook(model)

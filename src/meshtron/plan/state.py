@@ -40,14 +40,35 @@ class RankParameter:
     expert: bool = False
 
 
-def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp: bool) -> list[RankParameter]:
+def _latent_attention_parameters(cfg: ModelConfig, p: str, tp: int) -> list[RankParameter]:
+    """MLA's projections on a tp rank: the latents' down-projections whole, the heads' up-projections and
+    the output split (parallel/tensor.py)."""
+    d, heads, C, qk = cfg.dim, cfg.n_heads // tp, cfg.kv_lora_rank, cfg.head_size
+    a = p + "attention."
+    if cfg.q_lora_rank:
+        query = [
+            RankParameter(a + "wq_a.weight", (cfg.q_lora_rank, d)),
+            RankParameter(a + "q_latent_norm.weight", (cfg.q_lora_rank,)),
+            RankParameter(a + "wq_b.weight", (heads * qk, cfg.q_lora_rank)),
+        ]
+    else:
+        query = [RankParameter(a + "wq.weight", (heads * qk, d))]
+    return query + [
+        RankParameter(a + "wkv_a.weight", (C + cfg.qk_rope_head_dim, d)),
+        RankParameter(a + "kv_latent_norm.weight", (C,)),
+        RankParameter(a + "wkv_b.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), C)),
+        RankParameter(a + "wo.weight", (d, heads * cfg.v_head_dim)),
+    ]
+
+
+def _attention_parameters(cfg: ModelConfig, p: str, tp: int) -> list[RankParameter]:
+    """Grouped-query attention's projections on a tp rank (or MLA's)."""
+    if cfg.is_mla:
+        return _latent_attention_parameters(cfg, p, tp)
     d, hd, t = cfg.dim, cfg.head_size, tp
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     kv_local = kv // t if cfg.kv_heads % t == 0 else kv  # fewer kv heads than tp: all kept
-    p = f"layers.{layer}."
     out = [
-        RankParameter(p + "attention_norm.weight", (d,)),
-        RankParameter(p + "ffn_norm.weight", (d,)),
         RankParameter(p + "attention.wq.weight", (q // t, d)),
         RankParameter(p + "attention.wk.weight", (kv_local, d)),
         RankParameter(p + "attention.wv.weight", (kv_local, d)),
@@ -63,6 +84,17 @@ def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp:
             RankParameter(p + "attention.q_norm.weight", (hd,)),
             RankParameter(p + "attention.k_norm.weight", (hd,)),
         ]
+    return out
+
+
+def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp: bool) -> list[RankParameter]:
+    d, t = cfg.dim, tp
+    p = f"layers.{layer}."
+    out = [
+        RankParameter(p + "attention_norm.weight", (d,)),
+        RankParameter(p + "ffn_norm.weight", (d,)),
+        *_attention_parameters(cfg, p, tp),
+    ]
     if not cfg.is_moe_layer(layer):
         f = cfg.ffn_dim // t
         return out + [

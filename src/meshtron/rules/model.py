@@ -16,8 +16,30 @@ from meshtron.config.presets import PRESETS
 from meshtron.config.schema import ModelConfig
 
 
+def latent_attention_problems(cfg: ModelConfig) -> list[str]:
+    """What multi-head latent attention (kv_lora_rank > 0) needs of its sizes."""
+    problems = []
+    if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
+        problems.append(
+            f"model.qk_rope_head_dim={cfg.qk_rope_head_dim}: latent attention's rotary key needs an even, "
+            "positive size (DeepSeek-V3: 64)"
+        )
+    if cfg.v_head_dim <= 0:
+        problems.append(f"model.v_head_dim={cfg.v_head_dim} must be positive under latent attention")
+    if cfg.qk_norm or cfg.qkv_bias:
+        problems.append("model.qk_norm and model.qkv_bias do not apply to latent attention; set them false")
+    if cfg.n_kv_heads not in (0, cfg.n_heads):
+        problems.append(
+            f"model.n_kv_heads={cfg.n_kv_heads}: under latent attention every head has its own keys and "
+            "values (up-projected from the latent); leave n_kv_heads at 0"
+        )
+    return problems
+
+
 def model_problems(cfg: ModelConfig) -> list[str]:
     """What the attention and rotary embedding need of the model's sizes."""
+    if cfg.is_mla:
+        return latent_attention_problems(cfg) + _rope_problems(cfg)
     problems = []
     if cfg.head_dim == 0 and cfg.dim % cfg.n_heads:
         problems.append(
@@ -34,11 +56,15 @@ def model_problems(cfg: ModelConfig) -> list[str]:
             f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.n_kv_heads}; "
             f"use n_kv_heads in {divisors(cfg.n_heads)}"
         )
+    return problems + _rope_problems(cfg)
+
+
+def _rope_problems(cfg: ModelConfig) -> list[str]:
     if cfg.rope_scaling == "llama3" and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
-        problems.append(
-            "model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 scaling"
-        )
-    return problems
+        return ["model.rope_high_freq_factor must exceed model.rope_low_freq_factor for llama3 scaling"]
+    if cfg.rope_scaling == "yarn" and cfg.rope_beta_fast <= cfg.rope_beta_slow:
+        return ["model.rope_beta_fast must exceed model.rope_beta_slow for YaRN scaling"]
+    return []
 
 
 def moe_problems(cfg: ModelConfig) -> list[str]:

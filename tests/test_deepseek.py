@@ -1,0 +1,154 @@
+"""DeepSeek-V3's architecture against transformers' DeepseekV3ForCausalLM, the independent reference:
+multi-head latent attention (q and kv latents, the shared rotary key, YaRN, interleaved rotary pairs),
+its routing (sigmoid scores, a correction bias, group-limited top-k, scaled gates, shared experts, the
+first layer dense). A tiny random checkpoint's first loss through `model.init_from` equals the loss
+transformers computes on the same batch within 1e-5 in every layout; the export loads back into
+transformers with the same greedy tokens; decoding caches the latents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron import hf
+from meshtron.data.dataset import PreparedData, prepare_data
+from meshtron.data.sampler import BatchSampler
+from meshtron.models.generate import generate
+from meshtron.models.llama import KVCache, build_model
+from meshtron.rules.checks import load_config
+from meshtron.testing.parity import relative, trainer_for
+from meshtron.testing.tiny import perturb
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 263, 32, 4
+TRAINING = [
+    f"--training.seq_len={SEQ}",
+    f"--training.global_batch={BATCH}",
+    "--training.micro_batch=1",
+    "--training.steps=1",
+    "--run.plot=false",
+]
+# 4 layers (the first dense), 4 heads, q and kv latents, 8 experts in 4 groups, top-4 from the best 2,
+# YaRN at 4x over 16 positions (the training windows of 32 are in the stretched range).
+CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16,
+    q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
+    num_experts_per_tok=4, first_k_dense_replace=1, max_position_embeddings=64,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0},
+)  # fmt: skip
+
+
+def deepseek_model(**changes: Any) -> torch.nn.Module:
+    """A tiny DeepseekV3ForCausalLM with weights on the scale of a trained one, and a correction bias
+    that changes which experts are chosen."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**CONFIG, **changes})
+    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    perturb(model, seed=1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
+@torch.no_grad()
+def transformers_loss(model: torch.nn.Module, data: Path) -> float:
+    """The mean cross-entropy transformers computes on the trainer's first global batch."""
+    dataset = PreparedData.open(data)
+    inputs, targets = BatchSampler(dataset.n_tokens, SEQ, BATCH, seed=0).rank_batch(dataset, 0, 0, 1)
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("deepseek")
+    text = root / "text.txt"
+    text.write_text(" ".join(f"w{(i * 7919) % 1009}" for i in range(6000)))
+    prepare_data([text], root / "data", tokenizer="byte")
+    model = deepseek_model()
+    model.save_pretrained(root / "hf")
+    return {
+        "path": root / "hf",
+        "data": root / "data",
+        "model": model,
+        "loss": transformers_loss(model, root / "data"),
+    }
+
+
+def first_loss(overrides: list[str]) -> float:
+    trainer = trainer_for(overrides)
+    try:
+        return trainer.step(0)["loss"]
+    finally:
+        trainer.close()
+
+
+LAYOUTS = {
+    "one_device": (1, []),
+    "tp2_sp": (2, ["--parallel.tp=2", "--parallel.sp=true"]),
+    "ep2": (2, ["--parallel.ep=2"]),
+    "ep2_over_cp2": (2, ["--parallel.ep=2", "--parallel.cp=2", "--parallel.dp_shard=1"]),
+    "pp2_1f1b": (2, ["--parallel.pp=2"]),
+    "pp2_interleaved": (2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.vpp=2"]),
+    "pp2_zero_bubble": (2, ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble"]),
+    "pp2_dualpipev": (2, ["--parallel.pp=2", "--parallel.pp_schedule=dualpipev"]),
+    "cp2_ring": (2, ["--parallel.cp=2"]),
+    "cp2_allgather": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather"]),
+    "cp2_alltoall": (2, ["--parallel.cp=2", "--parallel.cp_impl=alltoall"]),
+    "cp4_hybrid": (4, ["--parallel.cp=4", "--parallel.cp_impl=hybrid", "--parallel.cp_ulysses=2"]),
+    "zero3": (2, ["--parallel.dp_shard=2", "--parallel.zero=3", "--training.micro_batch=2"]),
+    "compiled": (1, ["--training.compile=true"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_first_loss_in_every_layout_is_transformers(workers, checkpoint, layout, tmp_path):
+    world, parallel = LAYOUTS[layout]
+    overrides = [f"--model.init_from={checkpoint['path']}", f"--data.path={checkpoint['data']}", *TRAINING]
+    overrides += [f"--run.dir={tmp_path}", *parallel]
+    pool = workers(world)
+    with pool.waiting_up_to(600):
+        losses = pool.run(first_loss, overrides)
+    assert relative(losses[0], checkpoint["loss"]) <= 1e-5, (losses, checkpoint["loss"])
+
+
+def test_logits_routing_and_export_equal_transformers(checkpoint, tmp_path):
+    """The loaded model's logits equal transformers' (1e-5), its export loads back into transformers
+    with the same logits, and greedy decoding through the latent cache gives transformers' tokens."""
+    reference = checkpoint["model"]
+    ours = hf.load(checkpoint["path"])
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = reference(tokens).logits
+        assert (ours(tokens) - want).abs().max() <= 1e-5 * want.abs().max()
+    hf.save(ours, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").float().eval()
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, want)
+    prompt = tokens[:1, :8]
+    theirs = back.generate(prompt, max_new_tokens=12, do_sample=False)[0, 8:].tolist()
+    assert generate(ours, prompt[0].tolist(), max_new_tokens=12)[0].tolist() == theirs
+
+
+def test_the_decoding_cache_holds_latents():
+    """Per token and layer, the cache holds the latent and the rotary key (16 + 8 values), not every
+    head's keys and values (4 · (24 + 12)); decoding through it gives the full forward's logits."""
+    ours = build_model(load_config(None, ["--model.name=tiny-deepseek"]).model, seed=0)
+    cfg = ours.cfg
+    cache = KVCache(cfg, 2, 32)
+    assert cache.token_bytes == cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        parts = [ours(tokens[:, a:b], cache=cache) for a, b in ((0, 9), (9, 12), (12, 20))]
+        full = ours(tokens)
+    assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5 * full.abs().max()
