@@ -7,6 +7,7 @@ transformers with the same greedy tokens; decoding caches the latents."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,17 @@ from meshtron.data.sampler import BatchSampler
 from meshtron.models.generate import generate
 from meshtron.models.llama import KVCache, build_model
 from meshtron.rules.checks import load_config
-from meshtron.testing.parity import relative, trainer_for
-from meshtron.testing.tiny import perturb
+from meshtron.testing.parity import (
+    assert_losses_match,
+    assert_parity,
+    merged,
+    reference,
+    relative,
+    run_layout,
+    train_rows,
+    trainer_for,
+)
+from meshtron.testing.tiny import TINY, perturb
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,3 +162,69 @@ def test_the_decoding_cache_holds_latents():
         parts = [ours(tokens[:, a:b], cache=cache) for a, b in ((0, 9), (9, 12), (12, 20))]
         full = ours(tokens)
     assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5 * full.abs().max()
+
+
+# Training with latent attention against one device: losses of 4 steps and step-1 gradients (tolerances in
+# testing/parity.py), each layout composing MLA with what touches attention's internals.
+DEEPSEEK = ["--model.name=tiny-deepseek"]
+PARITY = {
+    "tp2": (2, ["--parallel.tp=2"]),
+    "tp2_sp_selective": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.recompute=selective"]),
+    "tp2_sp_full_q": (2, ["--model.q_lora_rank=0", "--parallel.tp=2", "--parallel.sp=true"]),
+    "tp2_sp_op_recompute": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.recompute=op"]),
+    "cp2_ring_full_recompute": (2, ["--parallel.cp=2", "--training.recompute=full"]),
+    "cp2_alltoall_x_tp2": (4, ["--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.tp=2"]),
+    "zero2_x_ep2": (2, ["--parallel.zero=2", "--parallel.ep=2", "--training.micro_batch=4"]),
+    "simple_fsdp2": (2, ["--parallel.fsdp_impl=simple", "--training.micro_batch=4"]),
+    "pp2_zbv_ep2": (4, ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.ep=2",
+                        "--model.n_layers=4", "--parallel.zero=1", "--training.micro_batch=2"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_latent_attention_trains_as_one_device(workers, case):
+    world, layout = PARITY[case]
+    model = [*DEEPSEEK, *(x for x in layout if x.startswith("--model."))]
+    parallel = [x for x in layout if not x.startswith("--model.")]
+    micro = next((int(x.split("=")[1]) for x in parallel if x.startswith("--training.micro_batch")), 8)
+    ref = reference(workers(1), model, micro_batch=micro)
+    result = workers(world).run(run_layout, [*TINY, *model, *parallel])
+    assert_parity(merged(result) if "--parallel.pp=2" in parallel else result[0], ref)
+
+
+def test_float8_latent_attention_tracks_one_device(workers, tmp_path):
+    """fp8 projections (MLA's down- and up-projections too) under tp 2 + sp, where the down-projections
+    see each rank's tokens: losses track the one-device float8 run (bf16 compute: 1e-2)."""
+    fp8 = [*TINY, *DEEPSEEK, "--training.dtype=fp8", "--training.steps=3", "--training.micro_batch=8"]
+    want = workers(1).run(train_rows, [*fp8, f"--run.dir={tmp_path / 'one'}"])[0]
+    layout = ["--parallel.tp=2", "--parallel.sp=true", f"--run.dir={tmp_path / 'tp'}"]
+    assert_losses_match(workers(2).run(train_rows, [*fp8, *layout])[0], want, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Documents of 2-6 words, so that every 32-token window holds several."""
+    root = tmp_path_factory.mktemp("documents")
+    generator = torch.Generator().manual_seed(1)
+    words = ["latent", "rotary", "expert", "group", "token", "head"]
+    lines = []
+    for _ in range(600):
+        picks = torch.randint(0, len(words), (int(torch.randint(2, 7, (1,), generator=generator)),))
+        lines.append(json.dumps({"text": " ".join(words[i] for i in picks.tolist())}))
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_data([root / "docs.jsonl"], root / "prepared", tokenizer="byte")
+    return root / "prepared"
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_documents_over_context_parallel_latent_attention(workers, tmp_path, short_documents, impl):
+    """Attention within documents, its keys and values of different head sizes exchanged over cp 2."""
+    base = [*TINY, *DEEPSEEK, f"--data.path={short_documents}", "--training.steps=3", "--run.sample_tokens=0"]
+    want = workers(1).run(train_rows, [*base, "--data.document_mask=true", f"--run.dir={tmp_path / 'one'}"])[
+        0
+    ]
+    plain = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'plain'}"])[0]
+    assert abs(want[-1]["loss"] - plain[-1]["loss"]) > 1e-3  # the mask changes what is computed
+    layout = ["--data.document_mask=true", "--parallel.cp=2", f"--parallel.cp_impl={impl}"]
+    rows = workers(2).run(train_rows, [*base, *layout, f"--run.dir={tmp_path / impl}"])[0]
+    assert_losses_match(rows, want)
