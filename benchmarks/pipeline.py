@@ -43,7 +43,8 @@ from meshtron.config.layout import ParallelDims
 from meshtron.config.schema import SPLIT_BACKWARD, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
-from meshtron.pipeline.runtime import PipelineChunk, PipelineRuntime, keep_rank_chunks
+from meshtron.pipeline.chunk import PipelineChunk, keep_rank_chunks
+from meshtron.pipeline.runtime import PipelineRuntime
 from meshtron.schedules.actions import chunks_of_rank
 from meshtron.schedules.build import Simulation, build_schedule, simulate, with_p2p
 from meshtron.schedules.split import split_layers

@@ -118,6 +118,13 @@ class FSDPUnit:
             self.unsharded = False
 
 
+def _activations(output: Any) -> list[torch.Tensor]:
+    """The tensors of a module's (possibly nested tuple) output that are activations, not scalars."""
+    if isinstance(output, tuple):
+        return [t for part in output for t in _activations(part)]
+    return [output] if isinstance(output, torch.Tensor) and output.ndim >= 2 else []
+
+
 class FullyShardedDataParallel(DataParallelEngine):
     def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
         """One unit per block and one for the parameters outside them, gathered when one of
@@ -181,11 +188,11 @@ class FullyShardedDataParallel(DataParallelEngine):
             following.start_gather(self.comm, self.shard, self.gathers)
 
     def _post_forward(self, index: int, output: Any) -> None:
-        main = output[0] if isinstance(output, tuple) else output
-        if torch.is_grad_enabled() and main.requires_grad:
-            # Only the main output: an MoE block's aux-loss output gets its gradient as soon as backward
-            # starts, long before the block's turn.
-            main.register_hook(lambda grad, i=index: self._pre_backward(i, grad))
+        # Each activation output (an MTP module returns two, a root with MTP several logits), whichever
+        # backward reaches first; not a scalar aux loss, whose gradient comes as soon as backward starts.
+        for out in _activations(output):
+            if torch.is_grad_enabled() and out.requires_grad:
+                out.register_hook(lambda grad, i=index: self._pre_backward(i, grad))
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will come for it
             self.units[index].reshard()
 

@@ -15,12 +15,18 @@ Attention under `data.document_mask` lets position i see position j when j ≤ i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-# What a micro-batch's attention needs beside its tokens: (RoPE positions [B, S] or None for 0..S-1,
-# document ids [B, S] or None without a document mask).
-MicroBatchLayout = tuple[torch.Tensor | None, torch.Tensor | None]
+
+class MicroBatchLayout(NamedTuple):
+    """What a micro-batch's forward needs beside its tokens (each of this rank's tokens, under cp)."""
+
+    rope: torch.Tensor | None  # RoPE positions [B, S]; None: 0..S-1
+    docs: torch.Tensor | None  # document ids of the whole window [B, S]; None without a document mask
+    mtp_tokens: torch.Tensor | None = None  # [D, B, S]: what each multi-token prediction depth embeds
+    mtp_targets: torch.Tensor | None = None  # [D, B, S]: ...and predicts (models/mtp.py)
 
 
 def document_layout(tokens_BS: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:

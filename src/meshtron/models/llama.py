@@ -10,6 +10,8 @@ key/value heads, Dh head dim, F ffn dim, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,7 @@ from meshtron.models.init import init_weights
 from meshtron.models.latent_attention import LatentAttention, LatentKV
 from meshtron.models.layers import FeedForward, RMSNorm
 from meshtron.models.moe import MoE
+from meshtron.models.mtp import MTPModule
 from meshtron.models.rope import rope_cos_sin, rope_factor, rope_inv_freq
 
 
@@ -90,6 +93,21 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_factor = rope_factor(cfg)
+        # Multi-token prediction (models/mtp.py): depth k's block counts as layer n_layers + k.
+        self.mtp = None
+        if cfg.mtp_depth:
+            depths = {
+                str(k): MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k)) for k in range(cfg.mtp_depth)
+            }
+            self.mtp = nn.ModuleDict(depths)
+
+    def blocks(self) -> Iterator[tuple[str, TransformerBlock]]:
+        """Every transformer block this model (or pipeline stage) holds, with its parameters' prefix: the
+        layers', then the MTP modules' (what each parallelism cuts or wraps block by block)."""
+        for name, block in self.layers.items():
+            yield f"layers.{name}", block
+        for name, module in (self.mtp or {}).items():
+            yield f"mtp.{name}.block", module.block
 
     def forward(
         self,
@@ -98,10 +116,13 @@ class Transformer(nn.Module):
         return_aux: bool = False,
         cache: KVCache | None = None,
         docs_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        mtp_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
         """Logits [B, S, V]; with return_aux also the summed MoE auxiliary loss (0 for dense models).
         With a cache, the tokens follow those it holds (positions offset by its length) and join it.
-        `docs_BS`: each token's document (models/documents.py): attention stays within documents."""
+        `docs_BS`: each token's document (models/documents.py): attention stays within documents.
+        `mtp_tokens` [D, B, S] (models/mtp.py): the MTP depths run too, and the logits are a tuple (the
+        main model's, then each depth's)."""
         if positions_BS is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device)
@@ -118,12 +139,15 @@ class Transformer(nn.Module):
             if block_aux is not None:
                 aux_loss = aux_loss + block_aux
         logits = output_logits(h, self.norm, self.output, self.tok_embeddings)
+        if mtp_tokens is not None and self.mtp is not None:
+            depths, mtp_aux = predict_ahead(self.mtp, h, mtp_tokens, self, (cos, sin, docs_BS))
+            logits, aux_loss = (logits, *depths), aux_loss + mtp_aux
         return (logits, aux_loss) if return_aux else logits
 
     def reset_buffers(self, device: torch.device) -> None:
         """The buffers' initial values on `device` (after a build on the meta device)."""
         self.rope_inv_freq = rope_inv_freq(self.cfg).to(device)
-        for block in self.layers.values():
+        for _, block in self.blocks():
             if block.moe is not None:
                 block.moe.reset_buffers(device)
 
@@ -136,8 +160,29 @@ def output_logits(
     h_BSD: torch.Tensor, norm: nn.Module, output: nn.Module | None, tok_embeddings: nn.Module
 ) -> torch.Tensor:
     """Final norm, then the output head, or the embedding matrix when the two are tied."""
-    h_BSD = norm(h_BSD)
-    return F.linear(h_BSD, tok_embeddings.weight) if output is None else output(h_BSD)
+    return head_logits(norm(h_BSD), output, tok_embeddings)
+
+
+def head_logits(
+    normed_BSD: torch.Tensor, output: nn.Module | None, tok_embeddings: nn.Module
+) -> torch.Tensor:
+    """The output head, or the embedding matrix when the two are tied."""
+    return F.linear(normed_BSD, tok_embeddings.weight) if output is None else output(normed_BSD)
+
+
+def predict_ahead(
+    mtp: nn.ModuleDict, h_BSD: torch.Tensor, mtp_tokens_DBS: torch.Tensor, heads: nn.Module, attend: tuple
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each MTP depth's logits and the depths' summed MoE aux loss (models/mtp.py), from the main model's
+    last block output; `heads` holds the embedding and the output head (the model, or a pipeline's last
+    chunk), `attend` is (cos, sin, document ids or None)."""
+    depths, aux = [], torch.zeros((), device=h_BSD.device)
+    for module, tokens_BS in zip(mtp.values(), mtp_tokens_DBS, strict=True):
+        h_BSD, normed, block_aux = module(h_BSD, heads.tok_embeddings(tokens_BS), *attend)
+        depths.append(head_logits(normed, heads.output, heads.tok_embeddings))
+        if block_aux is not None:
+            aux = aux + block_aux
+    return depths, aux
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:

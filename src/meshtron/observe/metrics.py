@@ -141,7 +141,9 @@ class MetricsLogger:
     @staticmethod
     def console_line(row: dict[str, Any]) -> str:
         return (
-            f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad norm "
+            f"step {row['step']:>5} | loss {row['loss']:.4f}"
+            + (f" (MTP {row['mtp_loss']:.4f})" if "mtp_loss" in row else "")
+            + f" | lr {row['lr']:.2e} | grad norm "
             f"{row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | MFU {format_mfu(row['mfu'], row.get('mfu_note'))} | "
             f"peak mem {_human(row['peak_mem_bytes'])}B | comm {_human(row['comm_bytes'])}B"
             + (f" | bubble {100 * row['pp_bubble']:.0f}%" if "pp_bubble" in row else "")

@@ -51,5 +51,5 @@ def compile_blocks(model: Transformer, backend: str = "inductor", bucket_collect
     """Replace each block's forward by its compiled version, in place (names and state dicts unchanged);
     `bucket_collectives`: with inductor's collective bucketing and reordering passes on."""
     options = collective_passes() if bucket_collectives and backend == "inductor" else None
-    for block in model.layers.values():
+    for _, block in model.blocks():
         block.forward = torch.compile(block.forward, backend=backend, options=options)

@@ -347,7 +347,7 @@ def apply_context_parallel(
     ring = {"ring": cp, "allgather": cp, "alltoall": None}.get(impl, ring)
     ulysses = {"ring": None, "allgather": None, "alltoall": cp}.get(impl, ulysses)
     window = model.cfg.sliding_window
-    for block in model.layers.values():
+    for _, block in model.blocks():
         scale = block.attention.scale
         block.attention.attend = ContextParallelAttention(comm, impl, ring, ulysses, window, scale)
         if block.moe is not None:

@@ -50,7 +50,8 @@ def apply_data_parallel(
     is not the model (a pipeline stage's chunks that hold the embedding or the head). With expert
     parallel, the experts get an engine of their own over edp (engines/expert.py)."""
     shard_dim, whole_dim = mesh.with_cp(Dim.DP_SHARD), mesh.with_cp(Dim.DP)
-    blocks = list(model.layers.values())
+    # One unit (ZeRO-1/2/3) per block, an MTP depth's norms and projection with its block.
+    blocks = [*model.layers.values(), *(model.mtp.values() if model.mtp is not None else ())]
     experts = expert_parameter_names(model) if mesh.size(Dim.EP) > 1 else frozenset()
     if not experts:
         return _engine(
@@ -60,7 +61,7 @@ def apply_data_parallel(
         model=ParameterSubset(model, experts, keep=False), blocks=blocks, roots=roots or [model]
     )
     dense = _engine(dense_params, comm, mesh, settings, shard_dim, whole_dim)
-    expert_modules = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
+    expert_modules = [block.moe.experts for _, block in model.blocks() if block.moe is not None]
     expert_params = EngineModel(model=ParameterSubset(model, experts, keep=True), blocks=expert_modules)
     expert_engine = _engine(expert_params, comm, mesh, settings, Dim.EDP, Dim.DP_REPLICATE)
     return ExpertDataParallel(model, dense, expert_engine, mesh.group(Dim.EP))

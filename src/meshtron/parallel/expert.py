@@ -159,7 +159,7 @@ def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, dispatc
     if ep.size == 1:
         return
     dispatch = (AllToAllDispatch if dispatch_by == "alltoall" else AllGatherDispatch)(comm, ep)
-    for block in model.layers.values():
+    for _, block in model.blocks():
         moe = getattr(block, "moe", None)
         if moe is None:
             continue

@@ -88,7 +88,7 @@ def apply_float8(model: Transformer, recipe: Float8Recipe, comm: Comm, tp: CommG
     """Make FLOAT8_LINEARS of every block float8 linear layers (on the instances); returns how many.
     `tp`: the tensor-parallel group the layers are split over (None: one device)."""
     count = 0
-    for block in model.layers.values():
+    for _, block in model.blocks():
         for path in FLOAT8_LINEARS:
             try:
                 linear = block.get_submodule(path)

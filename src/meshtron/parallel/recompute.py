@@ -147,7 +147,7 @@ def apply_recompute(
     `keep_attention` (mode "op"): keep the attention kernel's outputs (False under context parallel)."""
     if mode not in typing.get_args(Recompute):
         raise ValueError(f"training.recompute={mode!r} is not one of {', '.join(typing.get_args(Recompute))}")
-    for block in model.layers.values():
+    for _, block in model.blocks():
         if mode == "full":
             block.forward = _checkpointed(block.forward)
         elif mode == "selective":

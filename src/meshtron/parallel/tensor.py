@@ -206,8 +206,9 @@ def vocab_parallel_cross_entropy(
 #   row          input features split; the partial sums are reduced on the way out (the region's exit)
 #   partial_row  row, left partial: the MoE output reduces the routed and shared parts once, together
 #   replicated   whole on every rank but fed part of the work: gradient summed over tp
-#   on_shards    a norm whose output stays on this rank's tokens (MLA's attention_norm: the latents enter
-#                the region after it); under sp its weight's gradient is summed over tp
+#   on_shards    whole weights on the residual stream, outside any region (MLA's attention_norm: the
+#                latents enter the region after it; an MTP depth's norms and projection): under sp each
+#                rank sees its own tokens, so their gradients are summed over tp
 #   entering_linear  whole on every rank, its output enters the region (MLA's down-projections): under sp
 #                it projects this rank's tokens and the latents are gathered, its gradient summed over tp
 #   experts      every expert's SwiGLU split like column, column, row (etp = tp), or E/tp whole experts
@@ -249,6 +250,14 @@ LATENT_FULL_Q_PLAN: dict[str, str] = {
     "attention.wkv_a": "replicated",
     "attention.kv_latent_norm": "replicated",
     "attention.wkv_b": "column",
+}
+# A multi-token prediction depth around its block: its input norms and projection work on the residual
+# stream (whole weights, every rank's tokens under sp); its final norm enters the head's region.
+MTP_PLAN: dict[str, str] = {
+    "enorm": "on_shards",
+    "hnorm": "on_shards",
+    "eh_proj": "on_shards",
+    "norm": "entering",
 }
 # Outside the blocks: the vocabulary is split over tp (padded to a multiple of it).
 MODEL_PLAN: dict[str, str] = {"norm": "entering", "tok_embeddings": "vocab_embedding", "output": "vocab_head"}
@@ -328,9 +337,10 @@ class _Sharder:
         if self.sp:
             self.sum_gradient(norm.weight)
 
-    def on_shards(self, norm: RMSNorm, name: str) -> None:
+    def on_shards(self, module: nn.Module, name: str) -> None:
         if self.sp:
-            self.sum_gradient(norm.weight)
+            for param in module.parameters():
+                self.sum_gradient(param)
 
     def entering_linear(self, linear: nn.Linear, name: str) -> None:
         linear.register_forward_hook(lambda _m, _i, out: self.enter_region(out))
@@ -422,8 +432,10 @@ def apply_tensor_parallel(
     sharder = _Sharder(model.cfg, comm, tp, sequence_parallel, expert_tp)
     cfg = model.cfg
     plan = BLOCK_PLAN if not cfg.is_mla else LATENT_ENTRY_PLAN if cfg.q_lora_rank else LATENT_FULL_Q_PLAN
-    for i, block in model.layers.items():
-        sharder.apply(block, plan, f"layers.{i}")
+    for name, block in model.blocks():
+        sharder.apply(block, plan, name)
+    for name, module in (model.mtp or {}).items():
+        sharder.apply(module, MTP_PLAN, f"mtp.{name}")
     sharder.apply(model, MODEL_PLAN, "")
     if sequence_parallel:  # (under pp, the pipeline's chunks are hooked: runtime.py)
         SAVED_GATHERS.hook(model)

@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm.collectives import Comm
@@ -49,65 +48,15 @@ from meshtron.comm.timing import TIMES
 from meshtron.config.schema import SPLIT_BACKWARD, PipelineSchedule
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.documents import MicroBatchLayout
-from meshtron.models.llama import Transformer, output_logits
+from meshtron.models.llama import Transformer
 from meshtron.models.loss import StepLoss
-from meshtron.models.rope import rope_cos_sin
+from meshtron.pipeline.chunk import PipelineChunk, keep_rank_chunks, shares_embedding
 from meshtron.pipeline.pairs import run_pair
 from meshtron.pipeline.zero_bubble import DeferWeightGrads
 from meshtron.schedules.actions import ACTION_PHASES, Action, Kind, action_span, chunks_of_rank, rank_of_chunk
 from meshtron.schedules.build import build_schedule, busy_seconds, send_release_points
 
 TIED_WEIGHT = "tok_embeddings.weight"
-
-
-def keep_rank_chunks(model: Transformer, chunks: list[int], layer_split: list[list[int]]) -> None:
-    """Delete every block, and the embedding / final norm / head, that none of `chunks` uses. The last
-    chunk keeps the embedding module when the head is tied to it (its weight is the head's)."""
-    last = len(layer_split) - 1
-    keep = {str(i) for c in chunks for i in layer_split[c]}
-    for name in list(model.layers):
-        if name not in keep:
-            del model.layers[name]
-    if 0 not in chunks and not (model.cfg.tie_embeddings and last in chunks):
-        model.tok_embeddings = None
-    if last not in chunks:
-        model.norm = None
-        model.output = None
-
-
-class PipelineChunk(nn.Module):
-    """One model chunk: a run of the model's blocks, with the embedding in front when it is the first
-    chunk and the final norm and head behind when it is the last (the model's own modules, grouped)."""
-
-    def __init__(self, model: Transformer, index: int, layers: list[int], n_chunks: int):
-        super().__init__()
-        self.index = index
-        self.is_first, self.is_last = index == 0, index == n_chunks - 1
-        self.blocks = nn.ModuleList([model.layers[str(i)] for i in layers])
-        tied_head = self.is_last and model.cfg.tie_embeddings
-        self.tok_embeddings = model.tok_embeddings if self.is_first or tied_head else None
-        self.norm = model.norm if self.is_last else None
-        self.output = model.output if self.is_last else None
-        self.rope_inv_freq, self.rope_factor = model.rope_inv_freq, model.rope_factor
-
-    def forward(
-        self, x: torch.Tensor, positions_BS: torch.Tensor, docs_BS: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [B, S] or activations [B, S, D]) -> (activations, or logits when last; summed MoE aux).
-        `docs_BS`: each token's document, when attention stays within documents."""
-        h = self.tok_embeddings(x) if self.is_first else x
-        cos, sin = rope_cos_sin(self.rope_inv_freq, positions_BS, h.dtype, self.rope_factor)
-        aux = torch.zeros((), device=h.device)
-        for block in self.blocks:
-            h, block_aux = block(h, cos, sin) if docs_BS is None else block(h, cos, sin, None, docs_BS)
-            if block_aux is not None:
-                aux = aux + block_aux
-        if self.is_last:
-            h = output_logits(h, self.norm, self.output, self.tok_embeddings)
-        return h, aux
-
-    def holds_non_block_params(self) -> bool:
-        return self.is_first or self.is_last
 
 
 def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) -> None:
@@ -236,12 +185,12 @@ class _Step:
         x = tokens if a.chunk == 0 else self.inputs[key]
         defer = DeferWeightGrads() if self.split and a.chunk > 0 else contextlib.nullcontext()
         with defer, self.loss.autocast():
-            out, aux = self.rt.chunks[a.chunk](x, *self.layouts[a.mb])
+            out, aux = self.rt.chunks[a.chunk](x, *self.layouts[a.mb][:3])
         if self.split and a.chunk > 0:
             self.deferred[key] = defer
         one = torch.ones((), device=self.device)
         if a.chunk == last:
-            loss, ce = self.loss.of(out, aux, targets, a.mb)
+            loss, ce = self.loss.of(out, aux, targets, a.mb, self.layouts[a.mb].mtp_targets)
             self.ce_sum += ce.detach()
             roots, grads = [loss], [one]
         else:
@@ -339,14 +288,15 @@ class PipelineRuntime:
     ) -> list[MicroBatchLayout]:
         """Each micro-batch's (RoPE positions, document ids or None), positions 0..S-1 where None."""
         default = torch.arange(seq, device=device).expand(batch, -1)
-        return [(default if rope is None else rope, docs) for rope, docs in layouts or [(None, None)] * n]
+        given = layouts or [MicroBatchLayout(None, None)] * n
+        return [layout._replace(rope=default if layout.rope is None else layout.rope) for layout in given]
 
     def boundary_chunks(self) -> list[PipelineChunk]:
         """The chunks of this rank holding the embedding or the head (both, on rank 0 of a V)."""
         return [c for c in self.chunks.values() if c.holds_non_block_params()]
 
     def holds_tied_weight(self) -> bool:
-        return self.model.cfg.tie_embeddings and self.model.tok_embeddings is not None
+        return shares_embedding(self.model.cfg) and self.model.tok_embeddings is not None
 
     def tied_across_ranks(self) -> bool:
         """This rank holds one of two copies of a tied embedding (its gradient is summed with the other)."""
@@ -444,7 +394,7 @@ class PipelineRuntime:
                     pending, x = self.comm.irecv(shape, torch.float32, device, self.pp, rank_of(c - 1))
                     pending.wait()
                 with loss.autocast():
-                    out, aux = chunk(x, *layouts[mb])
+                    out, aux = chunk(x, *layouts[mb][:3])
                 if c == last:
                     ce_sum += loss.of(out, aux, targets, mb)[1]
                 elif rank_of(c + 1) != self.pp.rank:

@@ -276,7 +276,8 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
     )
     autocast = partial(autocast_context, place.device, t.dtype)
-    loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast)
+    mtp_coef = t.mtp_loss_coef if cfg.model.mtp_depth else 0.0
+    loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast, mtp_coef)
     experts = expert_parameter_names(model) if dims.ep > 1 else frozenset()
     tp_blocks = None
     if parallel.tp_plan is not None or experts:

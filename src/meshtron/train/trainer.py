@@ -94,22 +94,26 @@ class Trainer:
 
     def compute_gradients(self) -> torch.Tensor:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
-        rank's share of the mean cross-entropy."""
+        rank's share of the mean cross-entropy (with multi-token prediction followed by each depth's)."""
         job, t = self.job, self.cfg.training
         counted = job.sampler.counted_targets(job.dataset, job.sampler.step)
         # A mixture keeps each sequence's loss, for the loss per source (`_by_source`).
         self.sequence_sums = {} if isinstance(job.sampler, MixtureSampler) else None
+        mtp_sums: dict[int, torch.Tensor] | None = {} if self.cfg.model.mtp_depth else None
         batches = job.sampler.next_micro_batches(job.dataset, self.dp.rank, self.dp.size, t.micro_batch)
         loss_sum = run_micro_batches(
             self.parallel,
             batches,
-            job.loss.for_step(counted, self.sequence_sums),
+            job.loss.for_step(counted, self.sequence_sums, mtp_sums),
             device=job.place.device,
             documents=job.documents,
             before_grads=self.engine.prepare_micro_batch,
         )
         with TIMES.phase("backward", "gradient reductions"):
             finish_gradients(self.parallel)
+        if mtp_sums is not None:  # (none on a pipeline's other stages)
+            depths = sum(mtp_sums.values(), torch.zeros(self.cfg.model.mtp_depth, device=loss_sum.device))
+            loss_sum = torch.cat([loss_sum[None], depths])
         if self.parallel.pipeline is not None:  # the loss is on the last stage only
             return self.comm.all_reduce_(loss_sum, job.place.mesh.group(Dim.PP))
         return loss_sum
@@ -129,7 +133,8 @@ class Trainer:
             with TIMES.phase("optimizer", "clip gradients"):
                 grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             # The step's one read of the device (docs/performance.md), the same on every rank.
-            loss_value, norm_value = torch.stack([loss_sum.double(), grad_norm.double()]).tolist()
+            values = torch.cat([loss_sum.double().flatten(), grad_norm.double().flatten()]).tolist()
+            loss_value, mtp_values, norm_value = values[0], values[1:-1], values[-1]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             first_bad = None
             if finite:
@@ -171,6 +176,11 @@ class Trainer:
             **extra,
             **skipped,
             **by_source,
+            **(
+                {"mtp_loss": sum(mtp_values) / len(mtp_values), "mtp_loss_by_depth": mtp_values}
+                if mtp_values
+                else {}
+            ),
         }
 
     def _by_source(self, step: int) -> dict[str, Any]:
