@@ -10,7 +10,16 @@ import os
 import pytest
 
 from meshtron.comm.workers import WorkerPool
-from meshtron.testing.peak_memory import FIXED_MMAP_THRESHOLD, MID_MODEL, measure_peak, predicted_stages
+from meshtron.plan.gpu_memory import MemoryOverhead, start_up_memory
+from meshtron.testing.peak_memory import (
+    FIXED_MMAP_THRESHOLD,
+    MID_MODEL,
+    measure_peak,
+    measure_start_up,
+    model_overrides,
+    predicted_stages,
+    resolved_config,
+)
 
 MODEL = [*MID_MODEL, "--training.micro_batch=1"]
 LAYOUT = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3"]
@@ -32,6 +41,31 @@ def test_each_stages_peak_is_within_15_percent_of_the_planner(monkeypatch, tmp_p
         predicted = sum(stages[r["pp_rank"]].values())
         measured = r["peak"] - r["fixed"]
         assert measured == pytest.approx(predicted, rel=0.15), (r["pp_rank"], measured / predicted)
+
+
+# 213M parameters: a ZeRO-3 share of 426 MB on each of 2 ranks, well above set-up's own noise (the meta
+# build, the data, gloo: about 40 MB).
+BIG = model_overrides(1024, 16, 16, 8, 2816, 4096, 128, 4, 1)
+
+
+def test_set_up_holds_the_parameter_share_and_nothing_more(monkeypatch, tmp_path):
+    """Before step 1 a ZeRO-3 rank holds its parameter share (its gradient shard is touched by the first
+    backward, not before; the initialisation's temporaries are handed back), as the planner's start-up
+    figure says; set-up's peak stays within one parameter block of it."""
+    for key, value in FIXED_MMAP_THRESHOLD.items():
+        monkeypatch.setenv(key, value)
+    overrides = [*BIG, "--parallel.dp_shard=2", "--parallel.zero=3", f"--run.dir={tmp_path}"]
+    pool = WorkerPool(2, timeout_s=300)
+    try:
+        results = pool.run(measure_start_up, overrides)
+    finally:
+        pool.close()
+    cfg = resolved_config(overrides, 2)
+    planned = start_up_memory(cfg, 2, 0, MemoryOverhead(context_bytes=0.0))
+    largest_block = 3 * 1024 * 2816 * 4  # a layer's FFN weights, fp32: what one draw holds at most
+    for r in results:
+        assert r["resident"] == pytest.approx(sum(planned.values()), rel=0.15), (r, planned)
+        assert r["peak"] <= sum(planned.values()) * 1.15 + largest_block, (r, planned)
 
 
 def _child_peak(queue) -> None:  # noqa: ANN001 - a multiprocessing queue

@@ -19,6 +19,7 @@ from meshtron.commands.memory_check import ranks_per_node, too_big
 from meshtron.config.schema import Config
 from meshtron.observe.records import config_text, environment, environment_text
 from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.gpu_memory import start_up_memory
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
@@ -122,6 +123,11 @@ def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
         f"({100 * est.memory_bytes_per_gpu / limit:.0f}%): {verdict}",
     ]
     lines += [f"  {part:<12} {_size(n):>12}" for part, n in est.memory.items()]
+    first = start_up_memory(cfg, cluster.gpus, 0, cluster.memory)
+    lines.append(
+        f"  before step 1: {_size(sum(first.values()))} on the first stage (parameters "
+        f"{_size(first['params'])}, gradient buffers {_size(first['grads'])}, reserved {_size(first['reserved'])})"
+    )
     lines.append("step by part (the slowest stage; the parts add up to the step time):")
     order = [p for p in TIME_PARTS if p in est.time] + [p for p in est.time if p not in TIME_PARTS]
     for part in (p for p in order if est.time[p] != 0):  # a zero part is a dim this layout does not use

@@ -33,7 +33,7 @@ from meshtron.comm.group import CommGroup
 from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.fsdp_float8 import Float8Gather
-from meshtron.engines.materialize import is_meta, materialize_
+from meshtron.engines.materialize import is_meta, materialize_, untouched_zeros
 from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
@@ -62,7 +62,9 @@ class FSDPUnit:
             self.layout.pack_local([p.data for p in params], self.master_flat)
         # Padding rows have zero gradients, so AdamW leaves them at zero: they never leak into the model.
         self.master = [nn.Parameter(v) for v in self.layout.local_views(self.master_flat)]
-        self.grad_flat = torch.zeros_like(self.master_flat)
+        # Zero until the first backward writes it: resident from then, not from start-up (a parameter
+        # share's worth of memory before step 1).
+        self.grad_flat = untouched_zeros(self.layout.shard_numel, torch.float32, device)
         for m, g in zip(self.master, self.layout.local_views(self.grad_flat), strict=True):
             m.grad = g
         materialize_(params, device, param_dtype, empty=True)

@@ -16,6 +16,7 @@ the table starts afresh and they are registered again.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -52,3 +53,17 @@ def materialize_(
         p._backward_hooks = None
         for hook in attributes.get("grad_hooks", []):
             p.register_hook(hook)
+
+
+def untouched_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`numel` zeros that take no memory until written, on a CPU: an anonymous private mapping, whose
+    pages the kernel zeroes as each is first written (reads of an unwritten page cost nothing).
+    `torch.zeros` writes every page at once, so a buffer that stays zero until the first backward (a
+    gradient shard) would be resident from start-up; elsewhere (a GPU) `torch.zeros`."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(numel, dtype=dtype, device=device)
+    # The tensor keeps the mapping alive and unmaps it when it is freed. Private, so that no other process
+    # (a forked one) shares it and reads are served from the zero page.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype)

@@ -82,8 +82,9 @@ def _read_owned(
         sources = parameter_sources(cfg, model_type, checkpoint)
         compare_head = cfg.tie_embeddings and HEAD in checkpoint.handles
 
-        def read(name: str, _shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        def read(name: str, _shape: tuple[int, ...], region: Region, out: torch.Tensor) -> None:
             values = read_source(checkpoint, sources[name], region)
+            out.copy_(values)
             if (
                 name == TIED_WEIGHT
                 and compare_head
@@ -93,7 +94,6 @@ def _read_owned(
                     "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; set "
                     "tie_word_embeddings=false in config.json to train a separate output head"
                 )
-            return values
 
         fill_owned_(parallel, read, ep)
         for name, bias in parallel.model.named_buffers():  # whole on every rank that holds the router

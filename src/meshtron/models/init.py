@@ -12,8 +12,9 @@ The normal draws view the tensor as rows of its last dim (leading dims flattened
 about 2^16 elements (BLOCK_ELEMENTS // last dim rows): block b's values come from a generator seeded by
 (seed, name, b). A region costs the blocks its rows touch, so a rank holding 1/n of a tensor's rows draws
 about 1/n of it, and one holding a slice of every row (a row-parallel weight under tensor parallel) draws
-the rows once, a block at a time. The single device and every parallel layout call the same `init_region`:
-a layout's shards are slices of the single-device tensors, bit for bit.
+the rows once, a block at a time, each block written straight into the tensor the region fills
+(`init_region_`: no copy of the region is made). The single device and every parallel layout call the
+same `init_region_`: a layout's shards are slices of the single-device tensors, bit for bit.
 """
 
 from __future__ import annotations
@@ -52,40 +53,57 @@ def constant(name: str) -> float | None:
     return 0.0 if leaf == "bias" else None
 
 
-def _rows(name: str, seed: int, width: int, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of the [rows, width] view of `name`'s standard normal draws."""
+def _rows_into(out: torch.Tensor, name: str, seed: int, width: int, start: int, col0: int) -> None:
+    """Rows [start, start + len(out)) of the [rows, width] view of `name`'s standard normal draws, their
+    columns from `col0` (as many as `out` has), written into `out` a block at a time: one block is drawn
+    at once and nothing is concatenated (no copy of the region besides `out` itself)."""
     per_block = max(1, BLOCK_ELEMENTS // width)
-    parts = []
+    stop, col1 = start + out.shape[0], col0 + out.shape[1]
     for block in range(start // per_block, (stop - 1) // per_block + 1):
         generator = torch.Generator().manual_seed(parameter_seed(seed, name, block))
         drawn = torch.randn(per_block, width, generator=generator)
         first, last = block * per_block, (block + 1) * per_block
-        parts.append(drawn[max(start, first) - first : min(stop, last) - first])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        lo, hi = max(start, first), min(stop, last)
+        out[lo - start : hi - start].copy_(drawn[lo - first : hi - first, col0:col1])
+
+
+def init_region_(
+    out: torch.Tensor, name: str, shape: Sequence[int], region: Region, cfg: ModelConfig, seed: int
+) -> None:
+    """Write parameter `name`'s initial values in `region` of its logical tensor of `shape` into `out` (of
+    the region's shape): drawn straight into it when it is contiguous fp32 on the CPU, so that a rank
+    initialising its shards makes no copy of them (the start-up peak); else (another dtype or device)
+    through an fp32 copy on the CPU, converted once."""
+    value = constant(name)
+    if value is not None:
+        out.fill_(value)
+        return
+    if out.numel() == 0:
+        return
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        out.copy_(init_region(name, shape, region, cfg, seed))
+        return
+    width, lead = shape[-1], list(shape[:-1])
+    *outer, (row0, row1), (col0, col1) = [(0, 1)] * (len(shape) < 2) + list(region)
+    rows, n = out.view(-1, col1 - col0), row1 - row0  # one [n, columns] piece per outer index, in order
+    for i, index in enumerate(itertools.product(*(range(a, b) for a, b in outer))):
+        base = 0
+        for j, size in zip(index, lead[:-1], strict=True):
+            base = base * size + j
+        base *= lead[-1] if lead else 1
+        _rows_into(rows[i * n : (i + 1) * n], name, seed, width, base + row0, col0)
+    out.mul_(init_std(name, cfg))  # in place: the same products as the whole tensor's, bit for bit
 
 
 def init_region(name: str, shape: Sequence[int], region: Region, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """Parameter `name`'s initial values (fp32) in `region` of its logical tensor of `shape`."""
-    out_shape = [stop - start for start, stop in region]
-    value = constant(name)
-    if value is not None:
-        return torch.full(out_shape, value)
-    if math.prod(out_shape) == 0:
-        return torch.zeros(out_shape)
-    width, lead = shape[-1], list(shape[:-1])
-    *outer, (row0, row1), (col0, col1) = [(0, 1)] * (len(shape) < 2) + list(region)
-    pieces = []
-    for index in itertools.product(*(range(a, b) for a, b in outer)):
-        base = 0
-        for i, size in zip(index, lead[:-1], strict=True):
-            base = base * size + i
-        base *= lead[-1] if lead else 1
-        pieces.append(_rows(name, seed, width, base + row0, base + row1)[:, col0:col1])
-    return (torch.cat(pieces) * init_std(name, cfg)).reshape(out_shape)
+    out = torch.empty([stop - start for start, stop in region])
+    init_region_(out, name, shape, region, cfg, seed)
+    return out
 
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Every parameter of a whole (single-device) model at its initial values."""
     for name, param in model.named_parameters():
-        param.copy_(init_region(name, param.shape, [(0, n) for n in param.shape], cfg, seed))
+        init_region_(param, name, param.shape, [(0, n) for n in param.shape], cfg, seed)

@@ -4,7 +4,7 @@ After `parallelize`, a rank holds, of every logical parameter it has any of, a r
 cut a dim (tp_plan.split_dims), expert parallel a range of experts (dim 0), and the data-parallel engine
 holds rows of what is left (`owned_rows`: whole parameters for DDP, a row block for ZeRO-1/2's optimizer
 and ZeRO-3, a DTensor shard for fully_shard). `fill_owned_` asks a source for exactly those rectangles,
-the logical values, and writes them in place: the seeded initialisation (models/init.py) and a Hugging
+the logical values, written in place: the seeded initialisation (models/init.py) and a Hugging
 Face checkpoint (hf/init_from.py) are two sources, so a rank never builds, reads or draws anything it
 does not hold. Rows of the padded vocabulary (tensor parallel rounds it up) are zeros.
 """
@@ -19,14 +19,15 @@ from torch.distributed.tensor import DTensor
 from meshtron.comm.group import CommGroup
 from meshtron.config.schema import ModelConfig
 from meshtron.engines.engine import OwnedRows
-from meshtron.models.init import init_region
+from meshtron.models.init import init_region_
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel
 from meshtron.parallel.tensor import TensorParallelPlan
 
 Region = list[tuple[int, int]]  # (start, stop) per dim of a logical parameter
-# (logical name, logical shape, region) -> the logical values there (any dtype; written as the target's)
-Source = Callable[[str, tuple[int, ...], Region], torch.Tensor]
+# (logical name, logical shape, region, out): writes the logical values there into `out` (of the region's
+# shape, in the target's dtype), so that no source needs a copy of what it fills besides the target itself
+Source = Callable[[str, tuple[int, ...], Region, torch.Tensor], None]
 
 
 def local_rows(entry: OwnedRows) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
@@ -68,21 +69,22 @@ def logical_region(
 
 @torch.no_grad()
 def fill_owned_(parallel: ParallelModel, source: Source, ep: CommGroup) -> int:
-    """Overwrite everything this rank holds (`engine.owned_rows()`) with `source`'s values of it, padding
-    with zeros; returns the elements read. Local: the caller then lets the engine refresh what it derives
-    from them (`engine.load_owned_rows()`, collective: e.g. ZeRO-1/2 gathers the whole parameters)."""
+    """Overwrite everything this rank holds (`engine.owned_rows()`) with `source`'s values of it, which the
+    source writes in place, padding with zeros; returns the elements read. Local: the caller then lets the
+    engine refresh what it derives from them (`engine.load_owned_rows()`, collective: e.g. ZeRO-1/2 gathers
+    the whole parameters)."""
     experts = expert_parameter_names(parallel.model) if ep.size > 1 else frozenset()
     elements = 0
     for entry in parallel.engine.owned_rows():
         target, start, rows, shape = local_rows(entry)
         where = (ep.rank, ep.size) if entry.name in experts else None
         region, logical = logical_region(entry.name, shape, start, rows, parallel.tp_plan, where)
-        target.zero_()
+        held = region[0][1] - region[0][0]
+        target[held:].zero_()  # the padding rows
         if any(stop <= first for first, stop in region):
             continue  # padding only
-        values = source(entry.name, logical, region)
-        target[: region[0][1] - region[0][0]].copy_(values)
-        elements += values.numel()
+        source(entry.name, logical, region, target[:held])
+        elements += target[:held].numel()
     return elements
 
 
@@ -90,5 +92,7 @@ def fill_owned_(parallel: ParallelModel, source: Source, ep: CommGroup) -> int:
 def initialize_(parallel: ParallelModel, cfg: ModelConfig, seed: int, ep: CommGroup) -> None:
     """Collective: every parameter this rank holds at its initial values (models/init.py), each rank
     drawing only its own regions; the same values as the single-device initialisation's, bit for bit."""
-    fill_owned_(parallel, lambda name, shape, region: init_region(name, shape, region, cfg, seed), ep)
+    fill_owned_(
+        parallel, lambda name, shape, region, out: init_region_(out, name, shape, region, cfg, seed), ep
+    )
     parallel.engine.load_owned_rows()

@@ -223,3 +223,16 @@ def stage_memory(
     if in_flight is None and cfg.parallel.pp > 1:
         return stage_total(base, schedule_activation_bytes(cfg, pp_rank, layer_split(cfg)), overhead)
     return stage_total(base, (in_flight or 1) * base.largest, overhead)
+
+
+def start_up_memory(cfg: Config, world_size: int, pp_rank: int, overhead: MemoryOverhead) -> dict[str, float]:
+    """Bytes of stage `pp_rank`'s rank 0 once set up, before step 1: its parameters, and the gradient
+    buffers that DDP and ZeRO-1/2 fill with zeros when they are built (ZeRO-3's gradient shard and
+    fully_shard's gradients become resident in the first backward: engines/materialize.py's
+    `untouched_zeros`), and the context. AdamW's state, the activations and the engines' communication
+    buffers come with step 1."""
+    state, p = state_bytes(cfg, world_size, pp_rank), cfg.parallel
+    sharded = p.zero == 3 and p.dp_shard_for(world_size) * p.cp > 1 and p.fsdp_impl != "simple"
+    out = {"params": float(state["params"]), "grads": 0.0 if sharded else float(state["grads"])}
+    out["reserved"] = overhead.context_bytes
+    return out

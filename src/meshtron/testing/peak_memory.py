@@ -94,13 +94,30 @@ def measure_peak(overrides: list[str], steps: int) -> dict[str, Any]:
     return {"pp_rank": mesh.local_rank(Dim.PP), "first": first, "fixed": fixed, "peak": peak}
 
 
+def measure_start_up(overrides: list[str]) -> dict[str, Any]:
+    """On every rank of a fresh process: what setting the job up made resident, and the peak it reached,
+    before step 1, both beyond what the process held before (bytes)."""
+    from meshtron.train.trainer import Trainer
+
+    before = resident_bytes()
+    trainer = Trainer(load_config(None, overrides))
+    mesh = trainer.job.place.mesh
+    first = all(mesh.local_rank(dim) == 0 for dim in (Dim.DP_SHARD_CP, Dim.DP_REPLICATE, Dim.TP))
+    return {"first": first, "resident": resident_bytes() - before, "peak": resident_peak_bytes() - before}
+
+
+def resolved_config(overrides: list[str], world: int) -> Any:
+    """The config of `overrides` with dp_shard resolved for `world` ranks (as the planner takes it)."""
+    cfg = load_config(None, overrides)
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(world))
+    )
+
+
 def predicted_stages(overrides: list[str], world: int) -> list[dict[str, float]]:
     """The planner's parts (bytes) per pipeline stage of the config on `world` ranks, without the
     reserved context."""
-    cfg = load_config(None, overrides)
-    cfg = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(world))
-    )
+    cfg = resolved_config(overrides, world)
     dtype = cfg.training.dtype if cfg.training.dtype != "fp32" else "bf16"
     memory = MemoryOverhead(context_bytes=0.0, fragmentation=0.0, in_place_reduce=True)
     cluster = dataclasses.replace(Cluster(accelerator("h100"), world, dtype), memory=memory)

@@ -61,6 +61,7 @@ from meshtron.plan.state import layer_split
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
 from meshtron.train.optim import build_optimizer
+from meshtron.utils.resident import release_freed_memory
 from meshtron.utils.words import plural
 
 
@@ -301,17 +302,25 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         started=started,
     )
     resume_if_asked(job)
-    if job.resumed_from is not None:  # a resumed run keeps its own weights
-        return job
+    if job.resumed_from is None:  # a resumed run keeps its own weights
+        _initialise(job)
+    # What start-up freed (the build's, a checkpoint's or the initialisation's temporaries) goes back to
+    # the system rather than staying in malloc's arenas until the steps happen to reuse it.
+    release_freed_memory()
+    return job
+
+
+def _initialise(job: Job) -> None:
+    """Steps 11-12: this rank's parameters from model.init_from, else the seeded initialisation."""
+    cfg, place, parallel = job.cfg, job.place, job.parallel
     ep = place.mesh.group(Dim.EP)
     if cfg.model.init_from:
-        say(rank, f"loading the Hugging Face checkpoint {cfg.model.init_from}")
+        say(place.rank, f"loading the Hugging Face checkpoint {cfg.model.init_from}")
         job.init_report = load_hf_weights(cfg.model.init_from, parallel, cfg.model, ep, place.world)
         read = job.init_report.elements
-        say(rank, f"initialised from {cfg.model.init_from} ({read:,} values read by rank 0)")
+        say(place.rank, f"initialised from {cfg.model.init_from} ({read:,} values read by rank 0)")
     else:
-        initialize_(parallel, cfg.model, t.seed, ep)
-    return job
+        initialize_(parallel, cfg.model, cfg.training.seed, ep)
 
 
 def earlier_run(cfg: Config, metrics: bool = True) -> str | None:

@@ -1,4 +1,5 @@
-"""This process's resident peak, measured so that it is this process's own; the host's memory.
+"""This process's resident peak, measured so that it is this process's own; the host's memory; handing
+the memory malloc keeps after frees back to the system.
 
 `getrusage`'s ru_maxrss survives exec: in a process started by spawn (a test worker, a launched rank) it
 is at least the parent's resident size at the fork (an 800 MB test runner makes every worker's peak
@@ -9,6 +10,7 @@ address space.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import sys
@@ -32,3 +34,16 @@ def host_memory_bytes() -> int:
         with contextlib.suppress(OSError, ValueError):
             total = min(total, int(Path(limit).read_text().strip()))
     return int(total)
+
+
+def release_freed_memory() -> None:
+    """Return to the system the pages glibc's malloc keeps after frees (`malloc_trim`): its arenas hold
+    freed chunks for reuse, so a phase whose temporaries are gone (start-up's) stays resident until
+    the process reuses them. A no-op off Linux and where the C library has no malloc_trim (musl)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
