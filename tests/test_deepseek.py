@@ -178,6 +178,14 @@ PARITY = {
     "simple_fsdp2": (2, ["--parallel.fsdp_impl=simple", "--training.micro_batch=4"]),
     "pp2_zbv_ep2": (4, ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.ep=2",
                         "--model.n_layers=4", "--parallel.zero=1", "--training.micro_batch=2"]),
+    # The latents travel instead of the keys and values (parallel/context_latent.py)
+    "cp2_ring_latent": (2, ["--parallel.cp=2", "--parallel.cp_exchange=latent"]),
+    "cp2_allgather_latent_zero3": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather",
+                                       "--parallel.cp_exchange=latent", "--training.micro_batch=4"]),
+    "cp2_ring_latent_x_tp2_sp": (4, ["--parallel.cp=2", "--parallel.cp_exchange=latent", "--parallel.tp=2",
+                                     "--parallel.sp=true", "--training.recompute=selective"]),
+    "cp4_ring_latent_full_recompute": (4, ["--parallel.cp=4", "--parallel.cp_exchange=latent",
+                                           "--training.recompute=full"]),
 }  # fmt: skip
 
 
@@ -217,8 +225,10 @@ def short_documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
-def test_documents_over_context_parallel_latent_attention(workers, tmp_path, short_documents, impl):
-    """Attention within documents, its keys and values of different head sizes exchanged over cp 2."""
+@pytest.mark.parametrize("exchange", ["kv", "latent"])
+def test_documents_over_context_parallel_latent_attention(workers, tmp_path, short_documents, impl, exchange):
+    """Attention within documents over cp 2, MLA's keys and values (of different head sizes) or its
+    latents exchanged."""
     base = [*TINY, *DEEPSEEK, f"--data.path={short_documents}", "--training.steps=3", "--run.sample_tokens=0"]
     want = workers(1).run(train_rows, [*base, "--data.document_mask=true", f"--run.dir={tmp_path / 'one'}"])[
         0
@@ -226,5 +236,6 @@ def test_documents_over_context_parallel_latent_attention(workers, tmp_path, sho
     plain = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'plain'}"])[0]
     assert abs(want[-1]["loss"] - plain[-1]["loss"]) > 1e-3  # the mask changes what is computed
     layout = ["--data.document_mask=true", "--parallel.cp=2", f"--parallel.cp_impl={impl}"]
-    rows = workers(2).run(train_rows, [*base, *layout, f"--run.dir={tmp_path / impl}"])[0]
+    layout += [f"--parallel.cp_exchange={exchange}", f"--run.dir={tmp_path / impl}"]
+    rows = workers(2).run(train_rows, [*base, *layout])[0]
     assert_losses_match(rows, want)

@@ -51,6 +51,9 @@ ZeroStage = Literal[1, 2, 3]  # what dp_shard shards: 1 optimizer state, 2 + gra
 # ZeRO-3 implementation: meshtron's unit hooks, PyTorch's fully_shard, or SimpleFSDP's parametrization
 FsdpImpl = Literal["meshtron", "torch", "simple"]
 CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
+# What context parallel's ring and all-gather send of MLA: every head's keys and values, or the latents
+# (parallel/context_latent.py); "auto": the planner's choice.
+CpExchange = Literal["auto", "kv", "latent"]
 EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
@@ -215,6 +218,7 @@ class ParallelConfig:
     cp: int = positive(1)
     cp_impl: CpImpl = "ring"
     cp_ulysses: int = positive(1)  # cp_impl="hybrid": the all-to-all ranks inside each ring rank
+    cp_exchange: CpExchange = "auto"  # MLA under a ring or all-gather: keys and values, or latents
     pp: int = positive(1)
     pp_schedule: PipelineSchedule = "1f1b"
     vpp: int = positive(1)

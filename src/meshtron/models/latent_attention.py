@@ -15,7 +15,7 @@ and values. With C = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, D
 The latents' norms keep RMSNorm's eps of 1e-6 (DeepSeek's and transformers' code), whatever the model's
 norm_eps. Selective recompute reruns `core`: the rotary embedding, the key assembly and the attention
 (the up-projection is kept). Context parallel exchanges either the up-projected keys and values (`attend`
-replaced) or the latents themselves (`latent_attend` set by context parallel), which up-projects
+replaced) or the latents themselves (`latent_attend` set: parallel/context_latent.py), which up-projects
 each arriving block.
 
 Decoding caches c and the rotated k_rot per token (C + R values per layer, `LatentKV`) and computes with

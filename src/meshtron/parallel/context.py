@@ -97,7 +97,7 @@ def ring_block(r: int, j: int, local_len: int) -> tuple[slice, slice]:
     return (whole, slice(0, half)) if j < r else (slice(half, None), whole)
 
 
-class _Flight:
+class RingHop:
     """One ring hop in progress: `x` sent to the next rank, the previous rank's tensor arriving."""
 
     def __init__(self, comm: Comm, group: CommGroup, x: torch.Tensor):
@@ -143,7 +143,7 @@ class RingPass:
     blocks: int = 0
     blocks_skipped: int = 0
 
-    def land(self, flight: _Flight) -> torch.Tensor:
+    def land(self, flight: RingHop) -> torch.Tensor:
         start = time.perf_counter()
         out = flight.result()
         self.exposed_s += time.perf_counter() - start
@@ -165,7 +165,7 @@ class RingPass:
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for i in range(n):
             j = (r - i) % n
-            flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
+            flight = RingHop(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
             block = self.block(r, j, S, docs_BS)
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
@@ -184,10 +184,10 @@ class RingPass:
         kv = torch.cat([k, v], dim=-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # rank r's own K/V's, at i = 0
-        accumulator: _Flight | None = None
+        accumulator: RingHop | None = None
         for i in range(n):
             j = (r - i) % n
-            flight = _Flight(self.comm, self.group, kv) if i < n - 1 else None
+            flight = RingHop(self.comm, self.group, kv) if i < n - 1 else None
             block = self.block(r, j, S, docs_BS)
             grads = None
             if block is not None:
@@ -212,7 +212,7 @@ class RingPass:
             if grads is not None:
                 dkv[:, :, keys, :Dk] += grads[1]
                 dkv[:, :, keys, Dk:] += grads[2]
-            accumulator = _Flight(self.comm, self.group, dkv)  # on to the next rank, home after n hops
+            accumulator = RingHop(self.comm, self.group, dkv)  # on to the next rank, home after n hops
             if flight is not None:
                 kv = self.land(flight)
         dkv = self.land(accumulator)

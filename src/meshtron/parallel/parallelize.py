@@ -39,6 +39,7 @@ from meshtron.models.llama import Transformer
 from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.compile import compile_blocks
 from meshtron.parallel.context import apply_context_parallel
+from meshtron.parallel.context_latent import apply_latent_exchange
 from meshtron.parallel.data_parallel import DataParallelSettings, apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.float8 import apply_float8
@@ -104,7 +105,10 @@ def parallelize(
     hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
     ring, ulysses = (mesh.group(Dim.CP_RING), mesh.group(Dim.CP_ULYSSES)) if hybrid else (None, None)
     seq_len = cfg.training.seq_len
-    layout = apply_context_parallel(model, comm, mesh.group(Dim.CP), p.cp_impl, seq_len, ring, ulysses)
+    cp = mesh.group(Dim.CP)
+    layout = apply_context_parallel(model, comm, cp, p.cp_impl, seq_len, ring, ulysses)
+    if p.cp_exchange == "latent":  # MLA's latents travel instead of its keys and values
+        apply_latent_exchange(model, comm, cp, p.cp_impl)
     apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")

@@ -69,25 +69,35 @@ def _dp_bytes(
     return volume * _ring(shard), 2 * reduce * (padded / shard) * _ring(replicate)
 
 
+def cp_token_bytes(cfg: Config, element: int = 4) -> int:
+    """What a ring hop or an all-gather carries per token of a layer: every key/value head's key and
+    value (after the tp cut), or with cp_exchange = "latent" MLA's latent and rotary key."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp_exchange == "latent":
+        return (m.kv_lora_rank + m.qk_rope_head_dim) * element
+    return m.kv_heads_per_rank(p.tp) * (m.head_size + m.value_size) * element
+
+
 def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
     """Context parallel per step (docs/context-parallel.md#communication), b sequences of s tokens per
-    micro-batch, k and q the key/value and query widths in bytes per token (k after the tp cut):
-      ring       K and V sent and received around the ring forward and again backward, 2·2·b·s·k·(cp−1)/cp
-                 each way, plus the fp32 dK/dV accumulators' cp hops of 2·b·(s/cp)·k each way
-      allgather  K and V all-gathered forward and backward, their gradients reduce-scattered
-      alltoall   q, k, v, o and their gradients, 2·b·(s/cp)·(2q + 2k')·(cp−1)/cp, k' with the key/value
+    micro-batch, kv and q the widths in bytes per token of what travels (cp_token_bytes: keys and
+    values, or MLA's latents) and of the queries (after the tp cut):
+      ring       kv sent and received around the ring forward and again backward, 2·2·b·s·kv·(cp−1)/cp
+                 each way, plus the fp32 gradient accumulators' cp hops of 2·b·(s/cp)·kv each way
+      allgather  kv all-gathered forward and backward, its gradient reduce-scattered
+      alltoall   q, k, v, o and their gradients, 2·b·(s/cp)·(q + o + kv')·(cp−1)/cp, kv' with the key/value
                  heads replicated up to cp"""
     p, m, t = cfg.parallel, cfg.model, cfg.training
-    cp, b, s, hd = p.cp, t.micro_batch, t.seq_len, m.head_size
-    k = m.kv_heads_per_rank(p.tp) * hd * 4
-    q = m.n_heads // p.tp * hd * 4
+    cp, b, s = p.cp, t.micro_batch, t.seq_len
+    kv = cp_token_bytes(cfg)
+    q_and_o = m.n_heads // p.tp * (m.head_size + m.value_size) * 4
     if p.cp_impl == "ring":
-        per_layer = 2 * (2 * 2 * b * s * k * _ring(cp) + cp * 2 * b * (s // cp) * k)
+        per_layer = 2 * (2 * b * s * kv * _ring(cp) + cp * b * (s // cp) * kv)
     elif p.cp_impl == "allgather":
-        per_layer = 3 * 2 * b * s * k * _ring(cp)
+        per_layer = 3 * b * s * kv * _ring(cp)
     elif p.cp_impl == "alltoall":
-        k_rep = max(k, hd * 4 * cp)
-        per_layer = 2 * b * (s // cp) * (2 * q + 2 * k_rep) * _ring(cp)
+        kv_rep = max(kv, (m.head_size + m.value_size) * 4 * cp)
+        per_layer = 2 * b * (s // cp) * (q_and_o + kv_rep) * _ring(cp)
     else:
         return 0.0  # hybrid: not modelled yet
     return micro * layers * per_layer

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config.schema import Config
+from meshtron.plan.comm import cp_token_bytes
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
@@ -172,20 +173,20 @@ def _cp_comm(cfg: Config, group: Group, net: Network, attention_time: float, act
     """Context parallel of one layer: the exchanges of plan/comm.py's `_cp_bytes`, timed."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     cp, tokens = p.cp, t.micro_batch * t.seq_len // p.cp
-    kv = m.kv_heads_per_rank(p.tp) * m.head_size * act
-    q = m.n_heads // p.tp * m.head_size * act
+    kv = cp_token_bytes(cfg, act)  # keys and values, or MLA's latents
+    q_and_o = m.n_heads // p.tp * (m.head_size + m.value_size) * act
     if p.cp_impl in ("ring", "hybrid"):
-        hop = collective_time("p2p", 2 * tokens * kv, group, net.gpu, net.eff)
-        accumulator = collective_time("p2p", 2 * tokens * kv * 4 / act, group, net.gpu, net.eff)
+        hop = collective_time("p2p", tokens * kv, group, net.gpu, net.eff)
+        accumulator = collective_time("p2p", tokens * kv * 4 / act, group, net.gpu, net.eff)
         forward, backward = (cp - 1) * hop, (cp - 1) * hop + cp * accumulator
         if net.overlap.cp_ring:  # each step's exchange runs behind the previous step's attention
             return PassTimes(f=max(0.0, forward - attention_time), b=max(0.0, backward - 2 * attention_time))
         return PassTimes(f=forward, b=backward)
     if p.cp_impl == "allgather":
-        gather = collective_time("all_gather", 2 * cp * tokens * kv, group, net.gpu, net.eff)
+        gather = collective_time("all_gather", cp * tokens * kv, group, net.gpu, net.eff)
         return PassTimes(f=gather, b=2 * gather)
-    heads = max(kv, m.head_size * act * cp)
-    exchange = collective_time("all_to_all", tokens * (2 * q + 2 * heads), group, net.gpu, net.eff)
+    heads = max(kv, (m.head_size + m.value_size) * act * cp)
+    exchange = collective_time("all_to_all", tokens * (q_and_o + heads), group, net.gpu, net.eff)
     return PassTimes(f=exchange, b=exchange)
 
 

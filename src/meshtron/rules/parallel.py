@@ -103,6 +103,12 @@ def context_parallel_problems(cfg: Config) -> list[str]:
             f"({why}); use seq_len={seq_len - seq_len % step or step}"
         )
     problems += _heads_problems(cfg)
+    if p.cp_exchange == "latent" and not (cfg.model.is_mla and p.cp_impl in ("ring", "allgather")):
+        problems.append(
+            f"parallel.cp_exchange='latent' sends multi-head latent attention's latents around a ring or "
+            f"all-gather; this run has {'MLA' if cfg.model.is_mla else 'no MLA (model.kv_lora_rank=0)'} and "
+            f"cp_impl={p.cp_impl!r}: use cp_exchange='kv' (or 'auto')"
+        )
     if p.cp > 1 and cfg.model.is_moe and cfg.model.capacity_factor > 0:
         problems.append(
             "model.capacity_factor > 0 with parallel.cp > 1: which tokens overflow an expert's capacity "
