@@ -21,6 +21,7 @@ from meshtron.config.schema import ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.loss import cross_entropy_per_token
 from meshtron.parallel.context import apply_context_parallel
+from meshtron.parallel.context_latent import apply_latent_exchange
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -42,12 +43,19 @@ MODEL = ["--model.name=tiny", "--model.n_layers=2", "--model.vocab_size=512"]
 
 
 def saved_bytes_of_second_layer(
-    tp: int, sp: bool, recompute: str, cp: int = 1, cp_impl: str = "ring", kv_heads: int = 2
+    tp: int,
+    sp: bool,
+    recompute: str,
+    cp: int = 1,
+    cp_impl: str = "ring",
+    kv_heads: int = 2,
+    model_keys: tuple[str, ...] = tuple(MODEL),
+    exchange: str = "kv",
 ) -> int:
     """Storages (not parameters) that block 1 saves for backward and block 0 does not: shared tensors
     such as the rotary tables count for the model, not for a layer. Under cp, this rank's tokens."""
     overrides = [
-        *MODEL,
+        *model_keys,
         f"--model.n_kv_heads={kv_heads}",
         f"--parallel.cp={cp}",
         f"--parallel.cp_impl={cp_impl}",
@@ -64,6 +72,8 @@ def saved_bytes_of_second_layer(
         if cp > 1
         else None
     )
+    if exchange == "latent":
+        apply_latent_exchange(model, Comm(), mesh.group("cp"), cfg.parallel.cp_impl)
     apply_recompute(model, recompute)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
@@ -143,6 +153,47 @@ def test_context_parallel_keeps_the_formula_share(workers, cp, impl, tp, sp, rec
         cfg, BATCH, SEQ, tp=tp, sp=sp, recompute=recompute, cp=cp, ulysses=ulysses
     )
     print(f"cp={cp} {impl} tp={tp} sp={sp} {recompute}: measured {measured}, formula {expected} B/layer/rank")
+    assert measured == [expected] * len(measured)
+
+
+# Multi-head latent attention (dense): latents whole or sequence-sharded, q and k of N + R dims and
+# narrower values (padded for SDPA's kernel), each cp exchange's own saves.
+MLA = ("--model.name=tiny-deepseek", "--model.n_experts=0", "--model.n_layers=2", "--model.vocab_size=512")
+MLA_CASES = {
+    # name: (tp, sp, recompute, cp, cp_impl, exchange, extra model keys)
+    "one_device": (1, False, "none", 1, "ring", "kv", ()),
+    "selective_full_q": (1, False, "selective", 1, "ring", "kv", ("--model.q_lora_rank=0",)),
+    "full": (1, False, "full", 1, "ring", "kv", ()),
+    "tp2": (2, False, "none", 1, "ring", "kv", ()),
+    "tp2_sp": (2, True, "none", 1, "ring", "kv", ()),
+    "tp2_sp_selective_full_q": (2, True, "selective", 1, "ring", "kv", ("--model.q_lora_rank=0",)),
+    "cp2_ring_kv": (1, False, "none", 2, "ring", "kv", ()),
+    "cp2_alltoall": (1, False, "none", 2, "alltoall", "kv", ()),
+    "cp2_ring_latent": (1, False, "none", 2, "ring", "latent", ()),
+    "cp2_allgather_latent_selective": (1, False, "selective", 2, "allgather", "latent", ()),
+}
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_latent_attention_matches_the_formula(workers, case):
+    tp, sp, recompute, cp, impl, exchange, extra = MLA_CASES[case]
+    keys = (*MLA, *extra)
+    run = partial(saved_bytes_of_second_layer, model_keys=keys, exchange=exchange, kv_heads=0)
+    measured = (
+        workers(tp * cp).run(run, tp, sp, recompute, cp, impl) if tp * cp > 1 else [run(1, False, recompute)]
+    )
+    cfg = load_config(None, list(keys)).model
+    expected = layer_activation_bytes(
+        cfg,
+        BATCH,
+        SEQ,
+        tp=tp,
+        sp=sp,
+        recompute=recompute,
+        cp=cp,
+        ulysses=cp if impl == "alltoall" else 1,
+        exchange=exchange,
+    )
     assert measured == [expected] * len(measured)
 
 

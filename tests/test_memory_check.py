@@ -15,9 +15,10 @@ import torch
 from meshtron.commands import memory_check
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.main import main
-from meshtron.commands.memory_check import MARGIN, memory_cluster, rank_counts, too_big
+from meshtron.commands.memory_check import MARGIN, rank_counts, too_big
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import GiB, accelerator
+from meshtron.probe.cluster import run_cluster
 from meshtron.rules.checks import check, load_config
 from meshtron.utils.resident import host_memory_bytes
 
@@ -103,14 +104,14 @@ def test_the_check_measures_nothing_and_shares_the_host_among_its_ranks(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cfg = load_config(DEMO, [])
-    cluster = memory_cluster(cfg, 4)
+    cluster = run_cluster(cfg, 4)
     assert cluster.gpus == 4 and cluster.gpu.memory_bytes == host_memory_bytes() // 4
     assert too_big(resolved(cfg, 4), 4) is None  # the demo fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 of the 4 ranks on this host
-    assert memory_cluster(cfg, 4).gpu.memory_bytes == host_memory_bytes() // 2
+    assert run_cluster(cfg, 4).gpu.memory_bytes == host_memory_bytes() // 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     big = resolved(load_config(None, LLAMA_8B), 1)
-    if estimate(big, memory_cluster(big, 1)).memory_bytes_per_gpu <= MARGIN * host_memory_bytes():
+    if estimate(big, run_cluster(big, 1)).memory_bytes_per_gpu <= MARGIN * host_memory_bytes():
         pytest.skip("this host holds Llama 3 8B's training state")
     assert f"and this host has {host_memory_bytes() / GiB:,.1f} GiB (" in too_big(big, 1)
 

@@ -53,6 +53,19 @@ def test_training_flops_are_six_times_active_params_plus_attention(overrides):
     assert training_flops_per_token(cfg, SEQ) == 6 * active + attention
 
 
+@pytest.mark.parametrize("overrides", [[], ["--model.q_lora_rank=0"], ["--model.mtp_depth=2"]])
+def test_latent_attention_and_mtp_flops_are_six_times_active_params_plus_attention(overrides):
+    """MLA's projections and MTP's depths from the real model's matrices: the head runs 1 + D times; the
+    core reads each head's Dk key and Dv value dims over s/2 keys (causal), in every block."""
+    cfg = load_config(None, ["--model.name=tiny-deepseek", *overrides]).model
+    params, routed = _matmul_params(cfg)
+    active = params - routed * (cfg.n_experts - cfg.top_k) // cfg.n_experts
+    active += cfg.mtp_depth * cfg.dim * cfg.vocab_size  # the head again for each depth
+    blocks = cfg.n_layers + cfg.mtp_depth
+    core = 3 * 2 * cfg.n_heads * (cfg.head_size + cfg.v_head_dim) * SEQ / 2 * blocks
+    assert training_flops_per_token(cfg, SEQ) == pytest.approx(6 * active + core, rel=1e-12)
+
+
 def _gpt(h: int, layers: int, heads: int, vocab: int) -> ModelConfig:
     """A GPT block in meshtron's terms: MHA, SwiGLU of 8h/3 (3 matmuls of h·8h/3 = GELU's 2 of h·4h)."""
     assert 8 * h % 3 == 0

@@ -15,14 +15,15 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from meshtron.commands.memory_check import ranks_per_node, too_big
+from meshtron.commands.memory_check import too_big
 from meshtron.config.schema import Config
 from meshtron.observe.records import config_text, environment, environment_text
-from meshtron.plan.estimate import Cluster, estimate
+from meshtron.plan.estimate import Cluster, estimate, exchange_choices, resolved_exchange, with_exchange
 from meshtron.plan.gpu_memory import start_up_memory
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
 from meshtron.plan.report import TIME_PARTS
+from meshtron.probe.cluster import ranks_per_node
 
 GiB = 2**30
 MiB = 2**20
@@ -137,6 +138,12 @@ def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
     if cfg.parallel.pp > 1:
         # Over every stage (as `meshtron schedule` prints it), so it differs from the pp_bubble part above.
         lines.append(f"pipeline bubble    {100 * est.bubble_fraction:.1f}% of ranks x time")
+    if len(exchange_choices(cfg)) > 1:
+        times = {x: estimate(with_exchange(cfg, x), cluster).step_time_s for x in exchange_choices(cfg)}
+        said = ", ".join(f"{x} {s:.4g} s" for x, s in times.items())
+        lines.append(
+            f"cp exchange        {resolved_exchange(cfg, cluster).parallel.cp_exchange} (step: {said})"
+        )
     if cfg.parallel.cp_impl == "hybrid":
         lines.append(
             "note: the planner times hybrid context parallel as a ring (its all-to-all is not modelled)"

@@ -17,56 +17,17 @@ only order the layouts listed.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from meshtron.config.schema import Config
 from meshtron.plan.estimate import Cluster, estimate
-from meshtron.plan.gpu_memory import MemoryOverhead
-from meshtron.plan.hardware import Accelerator, accelerator, table_name
 from meshtron.plan.layout import KEYS, Layout
 from meshtron.plan.search import search
+from meshtron.probe.cluster import run_cluster
 
 MARGIN = 1.25  # refused above this many times the memory there is (the planner is within 10%)
 MORE_RANKS = (2, 4, 8)  # the larger worlds searched when no layout fits on this one
 LISTED = 3  # layouts named in the refusal
 GiB = 2**30
-
-
-def ranks_per_node(world_size: int) -> int:
-    """The ranks on this host: meshtron's own launcher starts every rank here; torchrun says."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
-def memory_cluster(cfg: Config, world_size: int) -> Cluster | None:
-    """What each rank of this run has, in the planner's terms, measured by nothing slow; None where the
-    run would stop before allocating (run.device='cuda' without a GPU)."""
-    import torch
-
-    per_node = ranks_per_node(world_size)
-    cuda = torch.cuda.is_available()
-    if cfg.run.device == "cuda" or (cfg.run.device == "auto" and cuda):
-        if not cuda:
-            return None
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        base = accelerator(table_name(props.name, props.total_memory) or "h100")
-        gpu = dataclasses.replace(base, memory_bytes=props.total_memory, gpus_per_node=per_node)
-        return Cluster(gpu, world_size, "bf16")
-    from meshtron.utils.resident import host_memory_bytes, resident_peak_bytes
-
-    # Placeholder rates (a few cores' order of magnitude): they order the layouts listed, nothing else.
-    cpu = Accelerator(
-        name="cpu",
-        bf16_flops_per_s=1e11,
-        fp8_flops_per_s=None,
-        fp32_flops_per_s=1e11,
-        memory_bytes=host_memory_bytes() // per_node,
-        hbm_bytes_per_s=1e10,
-        intra_node_bytes_per_s=1e10,
-        inter_node_bytes_per_s=1e10,
-        gpus_per_node=per_node,
-    )
-    overhead = MemoryOverhead(context_bytes=float(resident_peak_bytes()), in_place_reduce=True)
-    return Cluster(cpu, world_size, "fp32", memory=overhead)
 
 
 def _with_ranks(cluster: Cluster, ranks: int) -> Cluster:
@@ -91,10 +52,10 @@ def rank_counts(cluster: Cluster) -> list[int]:
 def too_big(cfg: Config, world_size: int, cluster: Cluster | None = None) -> str | None:
     """Why `cfg` (dp_shard resolved) cannot run on `world_size` ranks for memory, with what would fit;
     None when it fits within MARGIN, when run.memory_check is off, or when there is no cluster to ask.
-    `cluster`: the hardware a dry run printed (None: memory_cluster's)."""
+    `cluster`: the hardware a dry run printed (None: run_cluster's)."""
     if not cfg.run.memory_check:
         return None
-    cluster = cluster or memory_cluster(cfg, world_size)
+    cluster = cluster or run_cluster(cfg, world_size)
     if cluster is None:
         return None
     needed, limit = estimate(cfg, cluster).memory_bytes_per_gpu, cluster.gpu.memory_bytes

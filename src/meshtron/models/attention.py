@@ -4,7 +4,10 @@
               (Qwen2) and per-head q/k RMSNorm (Qwen3), rotary embedding on the whole head
   attend      causal attention of rotated q [B, H, S, Dh] over k [B, K, S, Dh] and v [B, K, S, Dv]:
               PyTorch's SDPA, or under a document mask on the CPU the blockwise path (no [S, S] mask);
-              context parallel replaces an attention's `attend` with an exchange (parallel/context.py)
+              context parallel replaces an attention's `attend` with an exchange (parallel/context.py).
+              Values narrower than the keys (MLA's) are padded with zeros for SDPA, whose fused kernels
+              (flash, on the CPU and on GPUs) take one head size; its math fallback would keep the
+              [S, S] scores
 
 The part between the projections that selective recompute reruns is each attention's `core` (rotary
 embedding + attend). For decoding, `forward` takes the layer's cache (LayerKV here); training never
@@ -42,10 +45,12 @@ def causal_attention(
     """Causal attention of q [B, H, S, Dh] over k [B, K, S, Dh], v [B, K, S, Dv]; with `docs_BS`, within
     each document of a packed window (models/documents.py); `window`: a sliding window (0: none);
     `scale`: the logits' scale (None: 1/sqrt(Dh))."""
-    S = q.shape[2]
+    S, Dv = q.shape[2], v.shape[-1]
     gqa = q.shape[1] != k.shape[1]
     if docs_BS is not None and q.device.type == "cpu":  # no [S, S] mask: tiles skip other documents
         return attend_blockwise(q, k, v, docs_BS, window, scale)
+    if Dv < q.shape[-1]:  # MLA: the fused (flash) kernels take one head size; zero value dims add nothing
+        return causal_attention(q, k, F.pad(v, (0, q.shape[-1] - Dv)), docs_BS, window, scale)[..., :Dv]
     if docs_BS is not None:
         mask = document_causal_mask(docs_BS, window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)

@@ -98,6 +98,9 @@ class LatentAttention(nn.Module):
         cache: LatentKV | None = None,
         docs_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # One contiguous input both down-projections share: under sequence parallel the residual stream
+        # is a strided view of the reduce-scatter's output, which each linear would otherwise copy.
+        x_BSD = x_BSD.contiguous()
         q = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_latent_norm(self.wq_a(x_BSD)))
         # (Under tensor + sequence parallel x holds this rank's tokens and the latents all of them.)
         B, S, _ = q.shape

@@ -177,7 +177,10 @@ class LatentBlockwiseAttention(torch.autograd.Function):
     ) -> Tensor:
         with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
             out, lse = attention_pass.forward(q, latent, w, docs_BS)
-        out = out.to(q.dtype)
+        # Laid out [B, S, H, Dv] in memory (as BlockwiseAttention's): the output projection reads it
+        # without a copy, and backward keeps that one tensor.
+        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
+        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
         ctx.save_for_backward(q, latent, w, out, lse)
         ctx.attention_pass, ctx.docs_BS = attention_pass, docs_BS
         return out

@@ -128,7 +128,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
         add("pp", 2 * 4 * _ring(p.pp) + 2 * 16 * _ring(p.pp))
     first, last = _holds_ends(cfg, pp_rank)
-    if m.tie_embeddings and p.pp > 1 and first != last:  # the two stages' copies' gradients summed
+    if (m.tie_embeddings or m.mtp_depth) and p.pp > 1 and first != last:  # two copies' gradients summed
         rows = math.ceil(m.vocab_size / p.tp)
         owned = rows if shard == 1 else math.ceil(rows / shard)
         owned = owned if p.zero == 3 or shard == 1 else min(owned, rows)

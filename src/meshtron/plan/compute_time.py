@@ -101,13 +101,39 @@ def matmul_time(m: float, k: float, n: float, rates: Rates) -> float:
     return max(flops, traffic)
 
 
+def _attention_matmuls(cfg: Config, rows: int) -> list[tuple[float, float, float]]:
+    """(m, k, n) of the attention's weight matmuls on one tp rank: wq, wk, wv, wo, or MLA's down-
+    projections (whole, on the latents' tokens: all of them, or this rank's under sp with q_lora_rank),
+    up-projections and wo (its heads)."""
+    m, p = cfg.model, cfg.parallel
+    h, tp = m.dim, p.tp
+    if not m.is_mla:
+        q, kv = m.n_heads * m.head_size // tp, m.kv_heads_per_rank(tp) * m.head_size
+        return [(rows, h, q), (rows, h, kv), (rows, h, kv), (rows, q, h)]
+    heads, ql, C = m.n_heads // tp, m.q_lora_rank, m.kv_lora_rank
+    down_rows = rows // tp if p.sp and ql else rows
+    queries = (
+        [(down_rows, h, ql), (rows, ql, heads * m.head_size)] if ql else [(rows, h, heads * m.head_size)]
+    )
+    keys = [(down_rows, h, C + m.qk_rope_head_dim), (rows, C, heads * (m.qk_nope_head_dim + m.v_head_dim))]
+    return [*queries, *keys, (rows, heads * m.v_head_dim, h)]
+
+
+def latent_exchange_matmuls(cfg: Config, rows: int) -> tuple[float, float]:
+    """How many extra up-projection matmuls (forward, backward) a layer runs under cp_exchange = "latent":
+    each of the cp − 1 blocks that arrive is up-projected (forward), and again with its two gradients'
+    matmuls (backward), and the rank's own block is rerun in backward."""
+    p = cfg.parallel
+    if p.cp_exchange != "latent" or p.cp == 1 or not cfg.model.is_mla:
+        return 0.0, 0.0
+    return float(p.cp - 1), 3.0 * (p.cp - 1) + 1.0
+
+
 def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
     """(m, k, n) of every weight matmul of one layer on one tp rank (see the module docstring)."""
     m, p = cfg.model, cfg.parallel
     h, tp = m.dim, p.tp
-    q = m.n_heads * m.head_size // tp
-    kv = m.kv_heads_per_rank(tp) * m.head_size
-    out = [(rows, h, q), (rows, h, kv), (rows, h, kv), (rows, q, h)]
+    out = _attention_matmuls(cfg, rows)
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
         return out + [(rows, h, f), (rows, h, f), (rows, f, h)]
@@ -128,9 +154,9 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     m, p, t = cfg.model, cfg.parallel, cfg.training
     rows = t.micro_batch * t.seq_len // p.cp
     gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows, imbalance))
-    q = m.n_heads * m.head_size // p.tp
+    width = m.n_heads // p.tp * (m.head_size + m.value_size)  # QKᵀ over the key dims, softmax·V the value's
     keys = keys_per_query(t.seq_len, m.sliding_window)
-    core = rates.attention_time(4.0 * q * keys * rows)
+    core = rates.attention_time(2.0 * width * keys * rows)
     kept = layer_bytes(cfg, layer, "none")
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     forward = gemm + core + elementwise / 4
@@ -141,18 +167,31 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
         + (gemm / 2 if t.op_recompute_saves != "matmuls" else 0.0)
     )
     recompute = {"none": 0.0, "selective": core, "op": rerun, "full": forward}[t.recompute]
+    up_f, up_b = latent_exchange_matmuls(cfg, rows)
+    if up_f:  # the latents up-projected again per arriving block (parallel/context_latent.py)
+        heads = m.n_heads // p.tp
+        up = matmul_time(rows, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), rates)
+        forward, recompute = forward + up_f * up, recompute + (up_f * up if t.recompute == "full" else 0.0)
+        return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute + up_b * up, w=gemm)
     return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute, w=gemm)
 
 
 def head_times(cfg: Config, rates: Rates) -> PassTimes:
-    """The final norm, output head and loss of one micro-batch (the last chunk's extra work)."""
+    """The final norm, output head and loss of one micro-batch (the last chunk's extra work), and the
+    multi-token prediction depths."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     rows = t.micro_batch * t.seq_len // p.cp
     vocab = -(-m.vocab_size // p.tp)
     gemm = matmul_time(rows, m.dim, vocab, rates)
     kept = head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
-    return PassTimes(f=gemm + elementwise / 4, b=gemm + 3 * elementwise / 4, w=gemm)
+    head = PassTimes(f=gemm + elementwise / 4, b=gemm + 3 * elementwise / 4, w=gemm)
+    if not m.mtp_depth:
+        return head
+    # Each multi-token prediction depth: its projection of [embedding; h], its block, the head again.
+    projection = matmul_time(rows, 2 * m.dim, m.dim, rates)
+    depth = head + layer_times(cfg, m.n_layers, rates) + PassTimes(f=projection, b=projection, w=projection)
+    return head + depth * m.mtp_depth
 
 
 def embedding_times(cfg: Config, rates: Rates) -> PassTimes:

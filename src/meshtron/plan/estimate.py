@@ -16,6 +16,7 @@ A step, on the slowest stage:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -308,14 +309,41 @@ def _stage_step(
     return base, parts, busy, sum(tail.values())
 
 
+def exchange_choices(cfg: Config) -> tuple[str, ...]:
+    """The cp exchanges `cfg` can run: MLA's latents too under a ring or all-gather context parallel."""
+    p = cfg.parallel
+    return (
+        ("kv", "latent") if cfg.model.is_mla and p.cp > 1 and p.cp_impl in ("ring", "allgather") else ("kv",)
+    )
+
+
+def with_exchange(cfg: Config, exchange: str) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_exchange=exchange))
+
+
+def resolved_exchange(cfg: Config, cluster: Cluster, imbalance: float = 1.0) -> Config:
+    """`cfg` with parallel.cp_exchange = "auto" made the planner's choice: the exchange whose step it
+    predicts the shorter (the volume the latents save against their up-projection per arriving block)."""
+    if cfg.parallel.cp_exchange != "auto":
+        return cfg
+    choices = exchange_choices(cfg)
+    if len(choices) == 1:
+        return with_exchange(cfg, choices[0])
+    times = {x: estimate(with_exchange(cfg, x), cluster, imbalance=imbalance).step_time_s for x in choices}
+    return with_exchange(cfg, min(times, key=times.__getitem__))
+
+
 def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: float = 1.0) -> Estimate:
     """Predict one step of `cfg` (its layout already in cfg.parallel, dp_shard resolved) on `cluster`;
     `simulated=False` takes the pipeline's closed forms instead of the simulator (the search's screen);
-    `imbalance`: an MoE model's routing, the busiest expert rank's tokens over the mean (1: balanced)."""
+    `imbalance`: an MoE model's routing, the busiest expert rank's tokens over the mean (1: balanced).
+    A cp_exchange of "auto" is priced as what it resolves to (`resolved_exchange`)."""
     if imbalance < 1.0:
         raise ValueError(
             f"routing imbalance is max / mean tokens per expert rank, at least 1; got {imbalance}"
         )
+    if cfg.parallel.cp_exchange == "auto":
+        cfg = resolved_exchange(cfg, cluster, imbalance)
     p, t = cfg.parallel, cfg.training
     world = cluster.gpus
     micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)

@@ -8,11 +8,16 @@ V the vocabulary and n the keys each query attends to on average:
 
   part                     forward FLOPs per token (per layer unless said)
   attention projections    2·(h·q + 2·h·k + q·h)          wq, wk, wv (grouped-query: k ≤ q), wo
-  attention core           2·2·q·n                        QKᵀ and softmax·V over n keys, all query heads
+                           MLA: 2·(h·q_l + q_l·H·Dk + h·(C + R) + C·H·(N + Dv) + H·Dv·h), its down-
+                           projections to the latents, the heads' up-projections and wo (q_l = 0:
+                           h·H·Dk for the queries)
+  attention core           2·H·(Dk + Dv)·n                QKᵀ and softmax·V over n keys, all query heads
+                                                          (Dk = Dv = head_dim but under MLA)
   FFN, dense layer         2·3·h·f                        SwiGLU: gate, up, down
   FFN, MoE layer           2·3·h·(K·f_e + f_s)            top_k routed experts and the shared experts
   router, MoE layer        2·h·E (+ 2·h)                  scores over E experts (+ a shared-expert gate)
   head                     2·h·V, once                    the output projection, tied or not
+  MTP, per depth           2·2h·h + a layer + 2·h·V       its projection, block and the head again
   embedding                0                              a lookup
   training                 3 × the sum                    forward + backward (2×)
 
@@ -100,15 +105,28 @@ class ModelFlops:
         )
 
 
+def projection_params(cfg: ModelConfig) -> int:
+    """The weights one token's attention projections multiply with (one device): wq, wk, wv, wo, or MLA's
+    down-projections to its latents, its up-projections and wo."""
+    h, H = cfg.dim, cfg.n_heads
+    if not cfg.is_mla:
+        q, k = H * cfg.head_size, cfg.kv_heads * cfg.head_size
+        return h * q + 2 * h * k + q * h
+    ql, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    queries = h * ql + ql * H * cfg.head_size if ql else h * H * cfg.head_size
+    keys = h * (C + R) + C * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return queries + keys + H * cfg.v_head_dim * h
+
+
 def layer_flops(
     cfg: ModelConfig, layer: int, seq_len: int, attention: AttentionCount = "causal"
 ) -> ModelFlops:
-    """Forward FLOPs per token of transformer layer `layer` (dense or MoE per `cfg.is_moe_layer`)."""
+    """Forward FLOPs per token of transformer layer `layer` (dense or MoE per `cfg.is_moe_layer`). The
+    core: QKᵀ over the key dims and softmax·V over the value dims of every head (MLA's differ)."""
     h = cfg.dim
-    q = cfg.n_heads * cfg.head_size
-    k = cfg.kv_heads * cfg.head_size
-    projections = 2.0 * (h * q + 2 * h * k + q * h)
-    core = 2.0 * 2 * q * keys_per_query(seq_len, cfg.sliding_window, attention)
+    projections = 2.0 * projection_params(cfg)
+    width = cfg.n_heads * (cfg.head_size + cfg.value_size)
+    core = 2.0 * width * keys_per_query(seq_len, cfg.sliding_window, attention)
     if not cfg.is_moe_layer(layer):
         return ModelFlops(projections, core, 2.0 * 3 * h * cfg.ffn_dim)
     experts = 2.0 * 3 * h * (cfg.top_k * cfg.expert_ffn_dim + cfg.shared_expert_ffn_dim)
@@ -116,9 +134,15 @@ def layer_flops(
     return ModelFlops(projections, core, experts, router)
 
 
-def head_flops(cfg: ModelConfig) -> ModelFlops:
-    """Forward FLOPs per token of the output head (the embedding lookup has none)."""
-    return ModelFlops(head=2.0 * cfg.dim * cfg.vocab_size)
+def head_flops(cfg: ModelConfig, seq_len: int = 0, attention: AttentionCount = "causal") -> ModelFlops:
+    """Forward FLOPs per token of the output head (the embedding lookup has none) and of the multi-token
+    prediction depths behind it (models/mtp.py: each its projection of [embedding; h], one block and the
+    head again), all on the last pipeline stage."""
+    h = cfg.dim
+    out = ModelFlops(head=2.0 * h * cfg.vocab_size * (1 + cfg.mtp_depth))
+    for k in range(cfg.mtp_depth):
+        out = out + layer_flops(cfg, cfg.n_layers + k, seq_len, attention) + ModelFlops(head=2.0 * 2 * h * h)
+    return out
 
 
 def model_flops(
@@ -130,7 +154,7 @@ def model_flops(
 ) -> ModelFlops:
     """Forward FLOPs per token of `layers` (all by default) plus the head if `head`: the whole model, or
     one pipeline stage's share of it."""
-    total = head_flops(cfg) if head else ModelFlops()
+    total = head_flops(cfg, seq_len, attention) if head else ModelFlops()
     for layer in range(cfg.n_layers) if layers is None else layers:
         total = total + layer_flops(cfg, layer, seq_len, attention)
     return total
@@ -140,7 +164,7 @@ def head_layers(cfg: ModelConfig, seq_len: int) -> float:
     """The output head's FLOPs in average layers (to one decimal): how many layers' worth of work the
     last pipeline stage's head is, for a split that balances the stages (parallel.pp_head_layers)."""
     layers = model_flops(cfg, seq_len, head=False).total / cfg.n_layers
-    return round(head_flops(cfg).total / layers, 1)
+    return round(head_flops(cfg, seq_len).total / layers, 1)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention: AttentionCount = "causal") -> float:
@@ -183,5 +207,5 @@ def layer_costs(m: ModelConfig, seq_len: int) -> tuple[list[float], float, float
     """(training FLOPs per token of each layer, of the embedding, of the head and loss)."""
     layers = [TRAINING_PASSES * layer_flops(m, i, seq_len).total for i in range(m.n_layers)]
     embedding = TRAINING_PASSES * m.dim
-    head = TRAINING_PASSES * (head_flops(m).total + 3 * m.vocab_size)
+    head = TRAINING_PASSES * (head_flops(m, seq_len).total + 3 * m.vocab_size * (1 + m.mtp_depth))
     return layers, embedding, head

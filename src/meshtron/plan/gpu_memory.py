@@ -63,7 +63,7 @@ def _cached(key: tuple, compute: Callable[[], int]) -> int:
 def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
     """Bytes layer `layer` keeps for one micro-batch (plan/memory.py; MoE layers at balanced routing)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    kwargs = dict(tp=p.tp, sp=p.sp, recompute=recompute, cp=p.cp)
+    kwargs = dict(tp=p.tp, sp=p.sp, recompute=recompute, cp=p.cp, exchange=p.cp_exchange)
     if recompute == "op":
         kwargs["op_saves"] = t.op_recompute_saves
     if p.cp_impl == "alltoall":
@@ -92,8 +92,18 @@ def chunk_activation_bytes(cfg: Config, pp_rank: int, layers: list[int], last: b
     for layer, count in _kinds(m, layers):
         total += count * layer_bytes(cfg, layer, t.recompute)
     if last:
-        total += head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
+        head = head_activation_bytes(m, t.micro_batch, t.seq_len, tp=p.tp, sp=p.sp, cp=p.cp, dtype=t.dtype)
+        total += head + m.mtp_depth * (head + _mtp_depth_bytes(cfg))
     return total
+
+
+def _mtp_depth_bytes(cfg: Config) -> float:
+    """One multi-token prediction depth's block, and around it (models/mtp.py) its two input norms
+    (input, 1/rms, normalised: 2·h + 1 each) and its projection's input [embedding; h] (2·h)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tokens = t.micro_batch * t.seq_len // p.cp // (p.tp if p.sp else 1)
+    act = 2 if t.dtype != "fp32" else 4
+    return layer_bytes(cfg, m.n_layers, t.recompute) + tokens * (6 * m.dim + 2) * act
 
 
 def loss_transient_bytes(cfg: Config) -> float:

@@ -116,11 +116,54 @@ def _norm_elements(sb: int, h: int, tp: int, sp: bool) -> int:
     return (3 * sb * h + sb) // tp if sp else 3 * sb * h + sb
 
 
+def _latent_attention(
+    cfg: ModelConfig, sb: int, tp: int, sp: bool, recompute: Recompute, where: tuple
+) -> int:
+    """MLA's attention of a block (models/latent_attention.py), `sb` tokens on the rank: its latents' norms
+    (whole under tp, their inputs gathered and kept as the shard under sp when they enter the region), then
+    per head what the kernel keeps. `where` = (cp, ulysses, exchange). Per token, with H/t heads, Dk =
+    N + R:
+      SDPA (cp 1)      q, k, v padded to Dk, the output padded, the output projection's copy of its
+                       unpadded part, the log-sum-exp: H/t·(4·Dk + Dv + 1)
+      cp, keys/values  q, k, the up-projection's output (v is a view of it), the output, lse
+      cp, latents      q, the latents [c, k_rot], the output, lse; wkv_b does not keep its input
+      selective        q and the up-projection's output as the core's inputs, the output"""
+    cp, ulysses, exchange = where
+    H, Dk, Dv, N = cfg.n_heads // tp, cfg.head_size, cfg.v_head_dim, cfg.qk_nope_head_dim
+    ql, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    shard = tp if sp and ql else 1  # the latents enter the tp region: gathered, kept as the shard
+    latent = exchange == "latent" and cp > 1 and ulysses == 1
+    queries = (ql // shard + 1 + 2 * ql) if ql else 0
+    keys = (C + R) // shard + 1 + C + (0 if latent and recompute != "selective" else C)
+    if recompute == "selective":
+        heads = H * Dk + H * Dv + (0 if latent else H * (N + Dv))
+    elif latent:
+        heads = H * Dk + C + R + H * Dv + H
+    elif ulysses > 1:  # exchanged copies of q, k, v; the output head-split and sequence-split
+        heads = H * (2 * Dk + Dv) + 2 * H * Dv + H
+    elif cp > 1:
+        heads = 2 * H * Dk + H * (N + Dv) + H * Dv + H
+    else:
+        heads = H * (4 * Dk + Dv + 1)
+    return sb * (queries + keys + heads)
+
+
 def _attention_and_norms(
-    cfg: ModelConfig, batch: int, seq: int, tp: int, sp: bool, recompute: Recompute, ulysses: int
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    recompute: Recompute,
+    ulysses: int,
+    cp: int = 1,
+    exchange: str = "kv",
 ) -> int:
     """Both norms and the attention of a block (not fully recomputed), `seq` tokens per sequence."""
     sb, h, a = seq * batch, cfg.dim, cfg.n_heads
+    if cfg.is_mla:
+        latent = _latent_attention(cfg, sb, tp, sp, recompute, (cp, ulysses, exchange))
+        return 2 * _norm_elements(sb, h, tp, sp) + latent
     q = cfg.n_heads * cfg.head_size
     kv_heads = cfg.kv_heads_per_rank(tp)
     attention = sb * (2 * q // tp + 2 * kv_heads * cfg.head_size) + batch * (a // tp) * seq
@@ -149,15 +192,16 @@ def layer_activation_elements(
     layer: int | None = None,
     ep: int = 1,
     op_saves: OpRecomputeSaves = "matmuls",
+    exchange: str = "kv",
 ) -> int:
     """Elements one transformer layer keeps for backward on one rank of tp x cp (`ulysses`: the
     all-to-all degree of context parallel, cp for cp_impl="alltoall"). `layer`: which layer (None: an
     MoE layer if the model has any); an MoE layer counts its balanced routing over `ep` ranks, in
     elements of mixed dtypes (`moe_layer_activation_elements` has them by dtype, for bytes). `op_saves`:
-    what recompute = "op" keeps (plan/op_memory.py)."""
+    what recompute = "op" keeps (plan/op_memory.py); `exchange`: parallel.cp_exchange (MLA's latents)."""
     if _is_moe(cfg, layer):
         kept = moe_layer_activation_elements(
-            cfg, batch, seq, tp, sp, recompute, cp, ulysses, ep, op_saves=op_saves
+            cfg, batch, seq, tp, sp, recompute, cp, ulysses, ep, op_saves=op_saves, exchange=exchange
         )
         return kept.elements
     if recompute == "op":
@@ -166,7 +210,7 @@ def layer_activation_elements(
     if recompute == "full":
         return seq * batch * cfg.dim // tp if sp else seq * batch * cfg.dim
     swiglu = 4 * seq * batch * cfg.ffn_dim // tp
-    return _attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses) + swiglu
+    return _attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange) + swiglu
 
 
 def balanced_assignments(cfg: ModelConfig, tokens: int) -> int:
@@ -193,6 +237,7 @@ def moe_layer_activation_elements(
     kept: int | None = None,
     assignments: int | None = None,
     op_saves: OpRecomputeSaves = "matmuls",
+    exchange: str = "kv",
 ) -> SavedElements:
     """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
     given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
@@ -217,7 +262,9 @@ def moe_layer_activation_elements(
         routed = _capacity_slot_elements(
             cfg, tokens, ffn, owners, assignments=None if kept is None else assignments
         )
-        attention = SavedElements(floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses))
+        attention = SavedElements(
+            floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
+        )
         return (
             attention
             + _router_elements(cfg, batch, tokens)
@@ -234,7 +281,9 @@ def moe_layer_activation_elements(
         int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
         int32=3 * cfg.n_experts // (ep * owners),
     )
-    attention = SavedElements(floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses))
+    attention = SavedElements(
+        floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
+    )
     return (
         attention + _router_elements(cfg, batch, tokens) + routed + _shared_expert_elements(cfg, tokens, tp)
     )

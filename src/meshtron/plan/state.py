@@ -23,6 +23,7 @@ The most loaded rank is rank 0 of each group, which holds full blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -179,7 +180,9 @@ def stage_key(cfg: Config, pp_rank: int) -> tuple:
         split, chunks = layer_split(cfg), chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
         layers = tuple(layer for c in chunks for layer in split[c])
         first, last = 0 in chunks, p.pp * p.vpp - 1 in chunks
-        tied_copy = cfg.model.tie_embeddings and last and not first  # the head's copy of the embedding
+        # The last stage's copy of the embedding: the tied head's, or the MTP depths' (pipeline/chunk.py).
+        shares = cfg.model.tie_embeddings or cfg.model.mtp_depth > 0
+        tied_copy = shares and last and not first
         return (model_key(cfg.model), p.tp, p.ep, p.etp, layers, first, last, tied_copy, pp_rank)
 
     return _STAGE_KEYS.get((_split_key(cfg), p.tp, p.ep, p.etp, pp_rank), key)
@@ -227,9 +230,27 @@ def _stage_parameters(
         out += _block_parameters(m, layer, tp, ep, etp in (0, tp))
     if last:
         out.append(RankParameter("norm.weight", (m.dim,)))
-        if not m.tie_embeddings or tied_copy:  # tied: one tensor, unless the last stage keeps a copy
+        if not m.tie_embeddings:
             out.append(RankParameter("output.weight", (vocab_rows, m.dim)))
+        if tied_copy:  # the embedding's copy on the last stage (tied head, or MTP)
+            out.append(RankParameter("tok_embeddings.weight", (vocab_rows, m.dim)))
+        out += _mtp_parameters(m, tp, ep, etp)
     return tuple(out)
+
+
+def _mtp_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> list[RankParameter]:
+    """The multi-token prediction depths' parameters (models/mtp.py), on the last stage."""
+    out = []
+    for k in range(m.mtp_depth):
+        p = f"mtp.{k}."
+        out += [RankParameter(p + name, (m.dim,)) for name in ("enorm.weight", "hnorm.weight", "norm.weight")]
+        out.append(RankParameter(p + "eh_proj.weight", (m.dim, 2 * m.dim)))
+        block = _block_parameters(m, m.n_layers + k, tp, ep, etp in (0, tp))
+        out += [
+            dataclasses.replace(x, name=x.name.replace(f"layers.{m.n_layers + k}.", p + "block."))
+            for x in block
+        ]
+    return out
 
 
 def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import time
@@ -57,7 +58,9 @@ from meshtron.observe.records import write_run_records
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel, parallelize
 from meshtron.parallel.regions import initialize_
+from meshtron.plan.estimate import exchange_choices, resolved_exchange
 from meshtron.plan.state import layer_split
+from meshtron.probe.cluster import run_cluster
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
 from meshtron.train.optim import build_optimizer
@@ -251,10 +254,28 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
     return place, dims
 
 
+def _resolve_exchange(cfg: Config, place: RankPlace) -> Config:
+    """parallel.cp_exchange = "auto" made the planner's choice for this run's hardware (plan/estimate.py
+    `resolved_exchange`; probe/cluster.py); said when it is a choice (MLA under a ring or all-gather)."""
+    if cfg.parallel.cp_exchange != "auto":
+        return cfg
+    cluster = run_cluster(cfg, place.world_size)
+    dims = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(place.world_size))
+    chosen = resolved_exchange(dataclasses.replace(cfg, parallel=dims), cluster) if cluster else None
+    exchange = chosen.parallel.cp_exchange if chosen is not None else "kv"
+    if len(exchange_choices(cfg)) > 1:
+        say(
+            place.rank,
+            f"parallel.cp_exchange='auto': '{exchange}' (the planner's faster step on this hardware)",
+        )
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_exchange=exchange))
+
+
 def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     """Steps 1-11 above on this rank (collective over the job); `mesh` as in `_join`."""
     started = time.perf_counter()
     place, dims = _join(cfg, mesh)
+    cfg = _resolve_exchange(cfg, place)
     rank, t = place.rank, cfg.training
     # Before the long phases, so that a run dying in start-up still says what it was (observe/records.py).
     environment = write_run_records(cfg.run.dir, cfg, place.world_size) if rank == 0 else None
