@@ -239,3 +239,94 @@ def test_documents_over_context_parallel_latent_attention(workers, tmp_path, sho
     layout += [f"--parallel.cp_exchange={exchange}", f"--run.dir={tmp_path / impl}"]
     rows = workers(2).run(train_rows, [*base, *layout])[0]
     assert_losses_match(rows, want)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory: pytest.TempPathFactory, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A tiny DeepSeek-V3 with one multi-token prediction module, exported as DeepSeek ships it (layer
+    num_hidden_layers with enorm, hnorm, eh_proj, shared_head and a decoder layer)."""
+    cfg = load_config(None, ["--model.name=tiny-deepseek", "--model.mtp_depth=1", "--model.vocab_size=263"])
+    model = build_model(cfg.model, seed=0)
+    perturb(model, seed=5)
+    path = tmp_path_factory.mktemp("deepseek_mtp") / "hf"
+    hf.save(model, path)
+    return {"path": path, "model": model, "data": checkpoint["data"]}
+
+
+def first_step_state(overrides: list[str]) -> dict[str, Any]:
+    """The MTP module's initial weights (one device), and the first step's losses."""
+    trainer = trainer_for(overrides)
+    try:
+        named = trainer.job.model.named_parameters()
+        initial = {n: p.detach().clone() for n, p in named if n.startswith("mtp.")}
+        row = trainer.step(0)
+        return {"loss": row["loss"], "mtp_loss": row.get("mtp_loss"), "mtp": initial}
+    finally:
+        trainer.close()
+
+
+def test_mtp_module_loads_from_where_deepseek_ships_it(workers, mtp_checkpoint, tmp_path):
+    """init_from with mtp_depth=1 reads layer num_hidden_layers into the MTP module (one device: every
+    MTP weight equal to the exported one; pp 2: the same first MTP loss); without mtp_depth the module is
+    skipped, and transformers loads the export (its layers past num_hidden_layers ignored)."""
+    base = [f"--model.init_from={mtp_checkpoint['path']}", f"--data.path={mtp_checkpoint['data']}", *TRAINING]
+    one = workers(1).run(first_step_state, [*base, "--model.mtp_depth=1", f"--run.dir={tmp_path / 'one'}"])[0]
+    exported = dict(mtp_checkpoint["model"].named_parameters())
+    assert one["mtp"] and all(torch.equal(p, exported[n].detach()) for n, p in one["mtp"].items())
+    pp = [*base, "--model.mtp_depth=1", "--parallel.pp=2", f"--run.dir={tmp_path / 'pp'}"]
+    assert relative(workers(2).run(first_step_state, pp)[-1]["mtp_loss"], one["mtp_loss"]) <= 1e-5
+    plain = workers(1).run(first_step_state, [*base, f"--run.dir={tmp_path / 'plain'}"])[0]
+    assert plain["mtp_loss"] is None and relative(plain["loss"], one["loss"]) <= 1e-6
+    back = transformers.AutoModelForCausalLM.from_pretrained(mtp_checkpoint["path"]).float().eval()
+    tokens = torch.randint(0, 263, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (back(tokens).logits - mtp_checkpoint["model"](tokens)).abs().max() <= 1e-4
+
+
+def test_generate_says_the_cache_per_token():
+    """DeepSeek-V3 keeps 576 values a token and layer (70,272 bytes over 61 layers in bf16), Llama 3 8B
+    its 8 key/value heads' keys and values (131,072 bytes over 32 layers)."""
+    from meshtron.commands.export import cache_line
+
+    v3 = load_config(None, ["--model.name=deepseek-v3"]).model
+    llama = load_config(None, ["--model.name=llama3-8b"]).model
+    assert "70,272 bytes per token" in cache_line(v3, torch.bfloat16)
+    assert "131,072 bytes per token" in cache_line(llama, torch.bfloat16)
+
+
+def test_routing_balance_loss_and_bias_step_are_deepseek_v3s():
+    """Against transformers' DeepseekV3TopkRouter (the chosen experts and their gates), and against the
+    report's formulas where transformers has none: the sequence-wise balance loss α·Σᵢ fᵢ·Pᵢ with
+    fᵢ = E/(K·T)·(tokens choosing i), Pᵢ the mean of sᵢ/Σⱼsⱼ over the sequence, averaged over sequences;
+    the bias step bᵢ += γ·sign(mean load − loadᵢ), kept centred (which changes no choice)."""
+    from meshtron.models.moe import Router, router_losses
+
+    cfg = load_config(None, ["--model.name=tiny-deepseek"]).model
+    gen = torch.Generator().manual_seed(7)
+    ours = Router(cfg)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(ours.weight.shape, generator=gen))
+        ours.expert_bias.copy_(0.3 * torch.randn(cfg.n_experts, generator=gen))
+    config = transformers.DeepseekV3Config(**{**CONFIG, "hidden_size": cfg.dim, "n_routed_experts": 8})
+    theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+        theirs.e_score_correction_bias.copy_(ours.expert_bias)
+    B, S = 3, 16
+    x = torch.randn(B * S, cfg.dim, generator=gen)
+    weights, experts, scores, logits = ours(x)
+    _, their_weights, their_experts = theirs(x)
+    ours_sorted, order = experts.sort(dim=-1)
+    assert torch.equal(ours_sorted, their_experts.sort(dim=-1).values)
+    torch.testing.assert_close(weights.gather(1, order), their_weights.gather(1, their_experts.argsort(-1)))
+    balance, _ = router_losses(scores, experts, logits, "sigmoid", n_sequences=B)
+    E, K = cfg.n_experts, cfg.top_k
+    chosen = torch.zeros(B * S, E).scatter_(1, experts, 1.0).view(B, S, E)
+    f = E / (K * S) * chosen.sum(1)
+    P = (scores / scores.sum(-1, keepdim=True)).view(B, S, E).mean(1)
+    torch.testing.assert_close(balance, (f * P).sum(-1).mean())
+    load = chosen.sum((0, 1))
+    before = ours.expert_bias.clone()
+    ours.update_bias(load)
+    step = before + cfg.router_bias_rate * torch.sign(load.mean() - load)
+    torch.testing.assert_close(ours.expert_bias, step - step.mean())

@@ -29,7 +29,7 @@ from meshtron.checkpoint.save_load import (
     read_model_tensor,
 )
 from meshtron.config.loading import build_config, load_toml
-from meshtron.config.schema import Config, ConfigError
+from meshtron.config.schema import Config, ConfigError, ModelConfig
 from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, write_carried
@@ -240,4 +240,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = model_for_generation(args.checkpoint, args.hf, args.config, args.device)
     text = complete(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
     print(args.prompt + text)
+    print(cache_line(model.cfg, next(model.parameters()).dtype), file=sys.stderr)
     return 0
+
+
+def cache_line(cfg: ModelConfig, dtype: torch.dtype) -> str:
+    """What decoding kept per token: the latents of multi-head latent attention, or every key/value head's
+    keys and values (models/llama.py KVCache)."""
+    from meshtron.models.attention import LayerKV
+    from meshtron.models.latent_attention import LatentKV
+
+    if cfg.is_mla:
+        per_layer, what = (
+            LatentKV.bytes_per_token(cfg, dtype),
+            f"latent {cfg.kv_lora_rank} + rotary key {cfg.qk_rope_head_dim}",
+        )
+    else:
+        per_layer, what = (
+            LayerKV.bytes_per_token(cfg, dtype),
+            f"keys and values of {cfg.kv_heads} heads of {cfg.head_size}",
+        )
+    return f"meshtron: decoding cache {per_layer * cfg.n_layers:,} bytes per token ({what} per layer, {cfg.n_layers} layers)"

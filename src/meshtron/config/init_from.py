@@ -25,9 +25,10 @@ from meshtron.config.huggingface import checkpoint_config
 from meshtron.config.loading import model_preset
 from meshtron.config.schema import ConfigError, ModelConfig
 
-# [model] keys that shape the training but not the weights or the architecture: free with init_from.
+# [model] keys that shape the training but not the weights or the architecture: free with init_from
+# (mtp_depth: how many of the checkpoint's multi-token prediction modules to train, if it ships them).
 TRAINING_KEYS = frozenset(
-    {"capacity_factor", "z_loss_coef", "aux_loss_coef", "balance_loss", "router_bias_rate"}
+    {"capacity_factor", "z_loss_coef", "aux_loss_coef", "balance_loss", "router_bias_rate", "mtp_depth"}
 )
 
 

@@ -30,8 +30,12 @@ from meshtron.hf.weights import (
     GLOBAL_RENAMES,
     IGNORED_KEY_PATTERN,
     MIXTRAL_EXPERT_NAMES,
+    MTP_COPIES,
     QWEN_EXPERT_NAMES,
+    block_location,
     layer_renames,
+    mtp_layer,
+    mtp_name,
 )
 from meshtron.models.llama import Transformer
 
@@ -122,15 +126,34 @@ def _expert_source(names: set[str], layer: str, w: str, cfg: ModelConfig, model_
 
 
 def _source(name: str, names: set[str], cfg: ModelConfig, model_type: str) -> Source:
-    if not name.startswith("layers."):
-        return Source((dict(GLOBAL_RENAMES)[name],))
-    _, i, suffix = name.split(".", 2)
-    layer = f"model.layers.{i}."
+    location = block_location(name, cfg.n_layers)
+    if location is None:
+        return Source(
+            (mtp_name(name, cfg.n_layers) if name.startswith("mtp.") else dict(GLOBAL_RENAMES)[name],)
+        )
+    layer, suffix = location
     if suffix.startswith("moe.experts."):
         return _expert_source(names, layer, suffix.rsplit(".", 1)[1], cfg, model_type)
     mixtral_block = model_type == "mixtral" and f"{layer}mlp.gate.weight" not in names
     renames = layer_renames(model_type, "block_sparse_moe" if mixtral_block else "mlp")
     return Source((layer + renames[suffix],))
+
+
+def _mtp_not_read(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of an MTP module past model.mtp_depth, or a module's copy of the shared embedding or head."""
+    index = mtp_layer(name, cfg.n_layers)
+    return index is not None and (index >= cfg.mtp_depth or name.split(".", 3)[3] in MTP_COPIES)
+
+
+def skipped_mtp_modules(names: set[str], cfg: ModelConfig) -> list[int]:
+    """The checkpoint's MTP modules (layer numbers) a run with model.mtp_depth does not read."""
+    return sorted(
+        {
+            cfg.n_layers + i
+            for n in names
+            if (i := mtp_layer(n, cfg.n_layers)) is not None and i >= cfg.mtp_depth
+        }
+    )
 
 
 def _listed(names: Sequence[str], limit: int = 20) -> str:
@@ -161,7 +184,10 @@ def parameter_sources(cfg: ModelConfig, model_type: str, checkpoint: HFCheckpoin
                 )
     if cfg.tie_embeddings and HEAD in names:
         used.add(HEAD)  # a tied head must equal the embedding: the loader compares what it reads of both
-    unexpected = [n for n in names - used if not IGNORED_KEY_PATTERN.search(n)]
+    # MTP modules: their copies of the shared embedding and head are not read; modules past
+    # model.mtp_depth are skipped (init_from.py says so).
+    skipped = {n for n in names - used if _mtp_not_read(n, cfg)}
+    unexpected = [n for n in names - used - skipped if not IGNORED_KEY_PATTERN.search(n)]
     problems = []
     if missing:
         problems.append(f"missing tensors: {_listed(missing)}")

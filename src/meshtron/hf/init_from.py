@@ -57,6 +57,7 @@ from meshtron.hf.checkpoint import (
     HFCheckpoint,
     parameter_sources,
     read_source,
+    skipped_mtp_modules,
 )
 from meshtron.parallel.parallelize import ParallelModel
 from meshtron.parallel.regions import Region, fill_owned_
@@ -71,6 +72,7 @@ class LoadReport:
     path: Path
     tensors: int  # checkpoint tensors it read from
     elements: int  # elements it read (each only once, except a tied head compared with the embedding)
+    skipped_mtp: tuple[int, ...] = ()  # the layers of MTP modules past model.mtp_depth, not read
 
 
 def _read_owned(
@@ -99,7 +101,8 @@ def _read_owned(
         for name, bias in parallel.model.named_buffers():  # whole on every rank that holds the router
             if name.endswith("expert_bias"):
                 bias.copy_(read_source(checkpoint, sources[name], [(0, n) for n in bias.shape]))
-        report = LoadReport(path, len(checkpoint.tensors_read), checkpoint.elements_read)
+        skipped = tuple(skipped_mtp_modules(checkpoint.names(), cfg))
+        report = LoadReport(path, len(checkpoint.tensors_read), checkpoint.elements_read, skipped)
     return report, problems
 
 

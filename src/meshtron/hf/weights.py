@@ -99,6 +99,39 @@ QWEN_EXPERT_NAMES = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
 MIXTRAL_EXPERT_NAMES = (("w1", "w1"), ("w3", "w3"), ("w2", "w2"))
 # Buffers older transformers wrote into checkpoints; they are recomputed, never loaded.
 IGNORED_KEY_PATTERN = re.compile(r"\.rotary_emb\.inv_freq$")
+# DeepSeek-V3 ships its multi-token prediction modules as layers num_hidden_layers + k: their own norms
+# and projection, a decoder layer, and copies of the main embedding and head (which meshtron shares).
+MTP_RENAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+LAYER_NUMBER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def block_location(name: str, n_layers: int) -> tuple[str, str] | None:
+    """(the HF layer prefix, the name inside the block) of a block's parameter: layers.i.X is layer i, an
+    MTP depth's mtp.k.block.X layer n_layers + k (where DeepSeek ships it); None for any other."""
+    head, index, rest = (name.split(".", 2) + ["", ""])[:3]
+    if head == "layers":
+        return f"model.layers.{index}.", rest
+    if head == "mtp" and rest.startswith("block."):
+        return f"model.layers.{n_layers + int(index)}.", rest.removeprefix("block.")
+    return None
+
+
+def mtp_name(name: str, n_layers: int) -> str:
+    """The HF name of an MTP depth's own parameter mtp.k.X (its norms and projection)."""
+    _, index, rest = name.split(".", 2)
+    return f"model.layers.{n_layers + int(index)}.{MTP_RENAMES[rest]}"
+
+
+def mtp_layer(name: str, n_layers: int) -> int | None:
+    """Which MTP module (0, 1, ...) an HF tensor belongs to (a layer past num_hidden_layers), or None."""
+    match = LAYER_NUMBER.match(name)
+    return int(match.group(1)) - n_layers if match and int(match.group(1)) >= n_layers else None
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -221,7 +254,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transfor
     for name in (n for n in expected if not n.startswith("layers.")):
         state[name] = src.take(global_names[name], expected[name])
 
-    unexpected = [k for k in tensors if k not in src.used and not IGNORED_KEY_PATTERN.search(k)]
+    # The checkpoint's MTP modules are not part of the model `load` gives (transformers ignores them too).
+    unexpected = [
+        k
+        for k in tensors
+        if k not in src.used and not IGNORED_KEY_PATTERN.search(k) and mtp_layer(k, cfg.n_layers) is None
+    ]
     problems = []
     if src.missing:
         problems.append(f"missing tensors: {_names(src.missing)}")
@@ -256,12 +294,22 @@ def hf_entries(cfg: ModelConfig, dtype: str = "float32") -> tuple[dict, list[Ent
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     shapes |= {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("expert_bias")}
     entries = []
+    for k in range(cfg.mtp_depth):  # DeepSeek's copies of the shared embedding and head in each module
+        for theirs, ours in MTP_COPIES.items():
+            source = "tok_embeddings.weight" if cfg.tie_embeddings else ours
+            entries.append(Entry(f"model.layers.{cfg.n_layers + k}.{theirs}", shapes[source], source))
     for name, shape in shapes.items():
-        if not name.startswith("layers."):
-            entries.append(Entry(global_names[name], shape, name))
+        location = block_location(name, cfg.n_layers)
+        if location is None:
+            entries.append(
+                Entry(
+                    mtp_name(name, cfg.n_layers) if name.startswith("mtp.") else global_names[name],
+                    shape,
+                    name,
+                )
+            )
             continue
-        _, i, suffix = name.split(".", 2)
-        layer = f"model.layers.{i}."
+        layer, suffix = location
         if suffix.startswith("moe.experts."):
             w = suffix.rsplit(".", 1)[1]
             expert = f"{layer}{block}.experts.{{}}.{expert_names[w]}.weight"

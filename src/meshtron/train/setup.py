@@ -340,6 +340,13 @@ def _initialise(job: Job) -> None:
         job.init_report = load_hf_weights(cfg.model.init_from, parallel, cfg.model, ep, place.world)
         read = job.init_report.elements
         say(place.rank, f"initialised from {cfg.model.init_from} ({read:,} values read by rank 0)")
+        if job.init_report.skipped_mtp:
+            layers = ", ".join(map(str, job.init_report.skipped_mtp))
+            say(
+                place.rank,
+                f"note: the checkpoint's multi-token prediction module(s) (layer {layers}) not read: "
+                f"model.mtp_depth={cfg.model.mtp_depth}; set model.mtp_depth to train them",
+            )
     else:
         initialize_(parallel, cfg.model, cfg.training.seed, ep)
 
