@@ -150,3 +150,13 @@ def test_pipeline_traffic_equals_the_formula(workers, case):
         assert result["comm"]["pp"] == pytest.approx(
             step_bytes(cfg, world, result["pp_rank"])["pp"], rel=1e-9
         )
+
+
+def test_a_v_schedule_in_a_layout_implies_two_chunks_per_rank():
+    """`--layout "pp=16,pp_schedule=dualpipev"` is a V of two chunks per rank, as a config's is (without
+    it the planner indexed chunks that the split did not have)."""
+    from meshtron.plan.layout import parse_layout
+
+    assert parse_layout("pp=4,pp_schedule=dualpipev")["vpp"] == 2
+    assert parse_layout("pp=4,pp_schedule=zbv,vpp=2") == {"pp": 4, "pp_schedule": "zbv", "vpp": 2}
+    assert "vpp" not in parse_layout("pp=4,pp_schedule=1f1b")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.config.layout import ParallelDims
-from meshtron.config.schema import Config, ConfigError
+from meshtron.config.schema import V_SCHEDULES, Config, ConfigError
 from meshtron.utils.words import suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
@@ -133,4 +133,6 @@ def parse_layout(text: str) -> dict[str, Any]:
             fixed[key] = value
     if problems:
         raise ConfigError(problems)
+    if fixed.get("pp_schedule") in V_SCHEDULES:  # a V holds two chunks per rank, as configs imply
+        fixed.setdefault("vpp", 2)
     return fixed
