@@ -151,8 +151,8 @@ def spread_experts(moe: MoE, comm: Comm, world: int, dispatch: str) -> ParallelM
     """`moe`'s experts spread over `world` ep ranks by the expert-parallel step (the layer standing in for
     a model), tokens exchanged by `dispatch`; returns the mesh."""
     mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
-    layers = types.SimpleNamespace(layers={"0": types.SimpleNamespace(moe=moe)})
-    apply_expert_parallel(layers, comm, mesh.group("ep"), dispatch)
+    model = types.SimpleNamespace(blocks=lambda: iter([("layers.0", types.SimpleNamespace(moe=moe))]))
+    apply_expert_parallel(model, comm, mesh.group("ep"), dispatch)
     return mesh
 
 
