@@ -22,27 +22,18 @@ from meshtron.models.generate import generate
 from meshtron.models.llama import KVCache, build_model
 from meshtron.rules.checks import load_config
 from meshtron.testing.parity import (
+    assert_layout_trains_as_one_device,
     assert_losses_match,
-    assert_parity,
-    merged,
-    reference,
     relative,
-    run_layout,
     train_rows,
     trainer_for,
 )
-from meshtron.testing.tiny import TINY, perturb
+from meshtron.testing.tiny import ONE_STEP, ONE_STEP_BATCH, ONE_STEP_SEQ, TINY, perturb
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, BATCH = 263, 32, 4
-TRAINING = [
-    f"--training.seq_len={SEQ}",
-    f"--training.global_batch={BATCH}",
-    "--training.micro_batch=1",
-    "--training.steps=1",
-    "--run.plot=false",
-]
+VOCAB, SEQ, BATCH = 263, ONE_STEP_SEQ, ONE_STEP_BATCH
+TRAINING = ONE_STEP
 # 4 layers (the first dense), 4 heads, q and kv latents, 8 experts in 4 groups, top-4 from the best 2,
 # YaRN at 4x over 16 positions (the training windows of 32 are in the stretched range).
 CONFIG = dict(
@@ -192,12 +183,7 @@ PARITY = {
 @pytest.mark.parametrize("case", list(PARITY))
 def test_latent_attention_trains_as_one_device(workers, case):
     world, layout = PARITY[case]
-    model = [*DEEPSEEK, *(x for x in layout if x.startswith("--model."))]
-    parallel = [x for x in layout if not x.startswith("--model.")]
-    micro = next((int(x.split("=")[1]) for x in parallel if x.startswith("--training.micro_batch")), 8)
-    ref = reference(workers(1), model, micro_batch=micro)
-    result = workers(world).run(run_layout, [*TINY, *model, *parallel])
-    assert_parity(merged(result) if "--parallel.pp=2" in parallel else result[0], ref)
+    assert_layout_trains_as_one_device(workers, DEEPSEEK, world, layout)
 
 
 def test_float8_latent_attention_tracks_one_device(workers, tmp_path):

@@ -24,22 +24,15 @@ from meshtron.hf.checkpoint import HFCheckpoint, parameter_sources
 from meshtron.models.llama import build_model
 from meshtron.rules.checks import load_config, validate
 from meshtron.testing.parity import relative, trainer_for
-from meshtron.testing.tiny import perturb
+from meshtron.testing.tiny import ONE_STEP, ONE_STEP_BATCH, ONE_STEP_SEQ, perturb
 from meshtron.train.setup import check_data
 from meshtron.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 263  # above the byte tokenizer's 257, and odd: tensor parallel pads it
-SEQ, BATCH = 32, 4
-# Common to every run: one step of 4 x 32 tokens, one sequence per micro-batch.
-TRAINING = [
-    f"--training.seq_len={SEQ}",
-    f"--training.global_batch={BATCH}",
-    "--training.micro_batch=1",
-    "--training.steps=1",
-    "--run.plot=false",
-]
+SEQ, BATCH = ONE_STEP_SEQ, ONE_STEP_BATCH
+TRAINING = ONE_STEP
 DENSE = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=VOCAB
 )

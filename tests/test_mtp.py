@@ -16,7 +16,7 @@ from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.models.mtp import depth_inputs
 from meshtron.models.rope import rope_cos_sin
 from meshtron.rules.checks import load_config
-from meshtron.testing.parity import assert_parity, merged, reference, run_layout
+from meshtron.testing.parity import assert_layout_trains_as_one_device
 from meshtron.testing.tiny import TINY, perturb
 
 MTP = ["--model.mtp_depth=2", "--training.mtp_loss_coef=0.5"]
@@ -85,12 +85,6 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(LAYOUTS))
-def test_every_layout_trains_as_one_device(workers, case):
-    world, layout = LAYOUTS[case]
-    model = [*MTP, *(x for x in layout if x.startswith("--model."))]
-    parallel = [x for x in layout if not x.startswith("--model.")]
-    micro = next((int(x.split("=")[1]) for x in parallel if x.startswith("--training.micro_batch")), 8)
-    ref = reference(workers(1), model, micro_batch=micro)
-    result = workers(world).run(run_layout, [*TINY, *model, *parallel])
-    assert_parity(merged(result) if "pp" in case else result[0], ref)
+@pytest.mark.parametrize(("world", "layout"), LAYOUTS.values(), ids=list(LAYOUTS))
+def test_every_layout_trains_as_one_device(workers, world, layout):
+    assert_layout_trains_as_one_device(workers, MTP, world, layout)

@@ -10,11 +10,8 @@ import shutil
 import pytest
 
 from meshtron.testing.parity import (
+    assert_layout_trains_as_one_device,
     assert_losses_match,
-    assert_parity,
-    merged,
-    reference,
-    run_layout,
     train_rows,
 )
 from meshtron.testing.tiny import MOE, TINY
@@ -39,8 +36,7 @@ def v_pipeline(pp: int, schedule: str, micro_batch: int, *extra: str) -> list[st
 def test_v_schedules_match_single_device(workers, schedule, pp):
     """8 layers in 2·pp chunks; dualpipev needs 2·pp micro-batches, so both run 8 // micro_batch."""
     micro_batch = 1 if pp == 4 else 2
-    results = workers(pp).run(run_layout, [*TINY, *MODEL, *v_pipeline(pp, schedule, micro_batch)])
-    assert_parity(merged(results), reference(workers(1), MODEL))
+    assert_layout_trains_as_one_device(workers, MODEL, pp, v_pipeline(pp, schedule, micro_batch))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -48,8 +44,7 @@ def test_v_schedules_match_single_device(workers, schedule, pp):
 def test_moe_under_v_schedules(workers, schedule, pp):
     model = MOE_4 if pp == 2 else [*MOE, "--model.n_layers=8"]  # 2·pp chunks of layers
     micro_batch = 2 if pp == 2 else 1
-    results = workers(pp).run(run_layout, [*TINY, *model, *v_pipeline(pp, schedule, micro_batch)])
-    assert_parity(merged(results), reference(workers(1), model, micro_batch=micro_batch))
+    assert_layout_trains_as_one_device(workers, model, pp, v_pipeline(pp, schedule, micro_batch))
 
 
 @pytest.mark.parametrize("pp, schedule", [(2, "zbv"), (4, "dualpipev"), (4, "zbv"), (2, "dualpipev")])
@@ -57,8 +52,7 @@ def test_tied_embeddings_on_the_first_rank(workers, pp, schedule):
     """Embedding and head are chunks of rank 0: one matrix, no sum across stages (the losses would drift
     if its gradient were counted twice or the clipping norm missed it)."""
     model = [*MODEL, "--model.tie_embeddings=true"]
-    results = workers(pp).run(run_layout, [*TINY, *model, *v_pipeline(pp, schedule, 8 // (2 * pp))])
-    assert_parity(merged(results), reference(workers(1), model))
+    assert_layout_trains_as_one_device(workers, model, pp, v_pipeline(pp, schedule, 8 // (2 * pp)))
 
 
 COMPOSED = {
@@ -76,16 +70,14 @@ def test_v_schedules_composed(workers, schedule, composed):
     """pp=2 is the outermost mesh dim: ranks 0 and 1 hold the V's first rank, 2 and 3 its second. Under
     ZeRO-3 the first rank's two boundary chunks both gather the root unit (embedding, norm, head)."""
     layout = v_pipeline(2, schedule, 1, *COMPOSED[composed])
-    results = workers(4).run(run_layout, [*TINY, *MODEL, *layout])
-    assert_parity(merged([results[0], results[2]]), reference(workers(1), MODEL))
+    assert_layout_trains_as_one_device(workers, MODEL, 4, layout)
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedules_with_expert_parallel(workers, schedule):
     """MoE experts split over ep=2 inside each stage of a V pipeline."""
     layout = v_pipeline(2, schedule, 1, "--parallel.ep=2", "--parallel.dp_shard=2")
-    results = workers(4).run(run_layout, [*TINY, *MOE_4, *layout])
-    assert_parity(merged([results[0], results[2]]), reference(workers(1), MOE_4, micro_batch=1))
+    assert_layout_trains_as_one_device(workers, MOE_4, 4, layout)
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from meshtron.config.schema import ModelConfig
 from meshtron.models.blockwise_attention import attend_blockwise
@@ -26,7 +26,7 @@ from meshtron.models.layers import RMSNorm
 from meshtron.models.rope import apply_rope
 
 
-def document_causal_mask(docs_BS: torch.Tensor, window: int = 0) -> torch.Tensor:
+def document_causal_mask(docs_BS: Tensor, window: int = 0) -> Tensor:
     """[B, 1, S, S]: position i sees j when j <= i, both in one document (and i - j < window, if set)."""
     i = torch.arange(docs_BS.shape[1], device=docs_BS.device)
     distance = i[:, None] - i[None, :]
@@ -35,13 +35,13 @@ def document_causal_mask(docs_BS: torch.Tensor, window: int = 0) -> torch.Tensor
 
 
 def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    docs_BS: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    docs_BS: Tensor | None = None,
     window: int = 0,
     scale: float | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Causal attention of q [B, H, S, Dh] over k [B, K, S, Dh], v [B, K, S, Dv]; with `docs_BS`, within
     each document of a packed window (models/documents.py); `window`: a sliding window (0: none);
     `scale`: the logits' scale (None: 1/sqrt(Dh))."""
@@ -63,13 +63,13 @@ def causal_attention(
 
 
 def cached_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
     start: int,
     window: int = 0,
     scale: float | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """The queries of the new tokens (at positions start onwards) over every cached key, themselves
     included. The mask is explicit: SDPA's is_causal aligns a short query block with the first keys,
     not the last, and the sliding window counts from each query's own position."""
@@ -90,7 +90,7 @@ class LayerKV:
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
 
-    def extend(self, k_BKSDh: torch.Tensor, v_BKSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, k_BKSDh: Tensor, v_BKSDh: Tensor) -> tuple[Tensor, Tensor]:
         """Append the new tokens' (rotated) keys and values; returns every cached one so far."""
         end = self.length + k_BKSDh.shape[2]
         if end > self.keys.shape[2]:
@@ -122,12 +122,12 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
         cache: LayerKV | None = None,
-        docs_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        docs_BS: Tensor | None = None,
+    ) -> Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
@@ -143,32 +143,24 @@ class Attention(nn.Module):
 
     def core(
         self,
-        q_BHSDh: torch.Tensor,
-        k_BKSDh: torch.Tensor,
-        v_BKSDh: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        q_BHSDh: Tensor,
+        k_BKSDh: Tensor,
+        v_BKSDh: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        docs_BS: Tensor | None = None,
+    ) -> Tensor:
         """Rotary embedding and attention: the part selective recompute recomputes in backward."""
         q, k = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BKSDh, cos, sin)
         return self.attend(q, k, v_BKSDh, docs_BS)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs_BS: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None) -> Tensor:
         """`causal_attention` with this layer's window; context parallel replaces it on the instance."""
         return causal_attention(q, k, v, docs_BS, self.sliding_window)
 
     def cached_core(
-        self,
-        q_BHSDh: torch.Tensor,
-        k_BKSDh: torch.Tensor,
-        v_BKSDh: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: LayerKV,
-    ) -> torch.Tensor:
+        self, q_BHSDh: Tensor, k_BKSDh: Tensor, v_BKSDh: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV
+    ) -> Tensor:
         """The S new tokens (at positions cache.length onwards, which cos/sin carry) over the cached
         ones and themselves."""
         start = cache.length

@@ -356,6 +356,13 @@ class LocalPass:
         return block_backward(q, k, v, pos, pos, out, lse, dout, self.window, docs=docs, scale=self.scale)
 
 
+def heads_last_in_memory(out_BHSD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`out_BHSD` in `dtype`, laid out [B, S, H, D] in memory as a fused kernel's output is: the output
+    projection reads it as [B, S, H·D] without a copy, and backward keeps that one tensor."""
+    out_BSHD = torch.empty(out_BHSD.transpose(1, 2).shape, dtype=dtype, device=out_BHSD.device)
+    return out_BSHD.copy_(out_BHSD.transpose(1, 2)).transpose(1, 2)
+
+
 class BlockwiseAttention(torch.autograd.Function):
     """Autograd around a pass: forward keeps q, k, v, the output (in q's dtype) and the fp32 log-sum-exp;
     backward asks the pass for dQ, dK, dV (a ring pass reruns its ring with the saved K/V, never a stale
@@ -367,10 +374,7 @@ class BlockwiseAttention(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
             out, lse = attention_pass.forward(q, k, v, docs_BS)
-        # Laid out [B, S, H, Dh] in memory, as a fused kernel's output is, so that the output projection
-        # reads it as [B, S, H·Dh] without a copy: backward keeps one tensor for both (in q's dtype).
-        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
-        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
+        out = heads_last_in_memory(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.attention_pass, ctx.docs_BS = attention_pass, docs_BS
         ctx.mark_non_differentiable(lse)

@@ -20,7 +20,7 @@ with them is left to inference engines.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from meshtron.config.schema import ModelConfig
 from meshtron.data import IGNORE_INDEX
@@ -39,13 +39,8 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(
-        self,
-        h_BSD: torch.Tensor,
-        embedded_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        docs_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, h_BSD: Tensor, embedded_BSD: Tensor, cos: Tensor, sin: Tensor, docs_BS: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(hₖ, norm(hₖ) for the head, the block's MoE aux loss or None) from h_{k−1} and the embedded
         tokens k places on. (The final norm runs here, inside the module's forward: a ZeRO-3 unit's
         weights are gathered only while its forward runs.)"""
@@ -54,7 +49,7 @@ class MTPModule(nn.Module):
         return h, self.norm(h), aux
 
 
-def shifted(x_BS: torch.Tensor, depth: int, fill: int) -> torch.Tensor:
+def shifted(x_BS: Tensor, depth: int, fill: int) -> Tensor:
     """x moved `depth` places to the left, the last `depth` positions set to `fill`."""
     out = torch.roll(x_BS, -depth, dims=1)
     out[:, x_BS.shape[1] - depth :] = fill
@@ -62,8 +57,8 @@ def shifted(x_BS: torch.Tensor, depth: int, fill: int) -> torch.Tensor:
 
 
 def depth_inputs(
-    tokens_BS: torch.Tensor, targets_BS: torch.Tensor, depths: int, docs_BS: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens_BS: Tensor, targets_BS: Tensor, depths: int, docs_BS: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(tokens [D, B, S], targets [D, B, S]) of every depth, from a micro-batch's whole sequences: depth k
     reads t_{i+k} and predicts targets_{i+k} (= t_{i+k+1}); targets without such a token, or (under a
     document mask) with t_{i+k} in another document than position i, are ignored."""

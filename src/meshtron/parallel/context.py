@@ -34,6 +34,7 @@ documents (blockwise_attention.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,8 @@ class RingHop:
 
 # (query rows, key columns, their positions, their document ids or None) of one ring step.
 RingStep = tuple[slice, slice, Positions, Positions, Documents | None]
+# (a ring message, the positions wanted) -> their keys [B, K, s, Dk] and values [B, K, s, Dv]
+KeysValues = Callable[[Tensor, slice], tuple[Tensor, Tensor]]
 
 
 def ring_step(r: int, j: int, ring: int, local_len: int, docs_BS: Tensor | None = None) -> RingStep | None:
@@ -159,23 +162,34 @@ class RingPass:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        n, r, S, Dk = self.group.size, self.group.rank, q.shape[2], k.shape[-1]
+        Dk = k.shape[-1]
         kv = torch.cat([k, v], dim=-1)  # one message per hop: [B, K, S/cp, Dk + Dv]
-        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
+
+        def split(kv_j: Tensor, keys: slice) -> tuple[Tensor, Tensor]:
+            return kv_j[:, :, keys, :Dk], kv_j[:, :, keys, Dk:]
+
+        return self.ring_forward(q, kv, split, v.shape[-1], docs_BS)
+
+    def ring_forward(
+        self, q: Tensor, message: Tensor, keys_values: KeysValues, v_dim: int, docs_BS: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The forward ring over any message: `keys_values(message, keys)` gives the keys and values of
+        those of its positions (a slice of K/V, or latents up-projected on arrival)."""
+        n, r, S = self.group.size, self.group.rank, q.shape[2]
+        out = torch.zeros((*q.shape[:-1], v_dim), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for i in range(n):
-            j = (r - i) % n
-            flight = RingHop(self.comm, self.group, kv) if i < n - 1 else None  # overlaps this block
-            block = self.block(r, j, S, docs_BS)
+            flight = RingHop(self.comm, self.group, message) if i < n - 1 else None  # overlaps this block
+            block = self.block(r, (r - i) % n, S, docs_BS)
             if block is not None:
                 rows, keys, q_pos, k_pos, docs = block
-                k_j, v_j = kv[:, :, keys, :Dk], kv[:, :, keys, Dk:]
+                k_j, v_j = keys_values(message, keys)
                 part, part_lse = block_forward(
                     q[:, :, rows], k_j, v_j, q_pos, k_pos, self.window, docs=docs, scale=self.scale
                 )
                 merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
             if flight is not None:
-                kv = self.land(flight)
+                message = self.land(flight)
         return out, lse
 
     def backward(self, saved: Saved, dout: Tensor, docs_BS: Tensor | None = None) -> tuple[Tensor, ...]:

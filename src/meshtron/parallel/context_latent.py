@@ -37,7 +37,13 @@ from torch import Tensor
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
-from meshtron.models.blockwise_attention import block_backward, block_forward, docs_at, merge_, one_dtype
+from meshtron.models.blockwise_attention import (
+    block_backward,
+    block_forward,
+    docs_at,
+    heads_last_in_memory,
+    one_dtype,
+)
 from meshtron.models.llama import Transformer
 from meshtron.parallel.context import GatherPass, RingHop, RingPass
 
@@ -79,22 +85,10 @@ class LatentRingPass(RingPass):
     def forward(
         self, q: Tensor, latent: Tensor, w: Tensor, docs_BS: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        n, r, S = self.group.size, self.group.rank, q.shape[2]
-        out = torch.zeros((*q.shape[:-1], self.shape.v_dim), dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        for i in range(n):
-            flight = RingHop(self.comm, self.group, latent) if i < n - 1 else None  # overlaps this block
-            block = self.block(r, (r - i) % n, S, docs_BS)
-            if block is not None:
-                rows, keys, q_pos, k_pos, docs = block
-                k, v = self.shape.up(latent[:, keys], w)
-                part, part_lse = block_forward(
-                    q[:, :, rows], k, v, q_pos, k_pos, self.window, docs=docs, scale=self.scale
-                )
-                merge_(out[:, :, rows], lse[:, :, rows], part, part_lse)
-            if flight is not None:
-                latent = self.land(flight)
-        return out, lse
+        def up(latent_j: Tensor, keys: slice) -> tuple[Tensor, Tensor]:
+            return self.shape.up(latent_j[:, keys], w)
+
+        return self.ring_forward(q, latent, up, self.shape.v_dim, docs_BS)
 
     def backward(
         self, saved: tuple[Tensor, ...], dout: Tensor, docs_BS: Tensor | None = None
@@ -177,10 +171,7 @@ class LatentBlockwiseAttention(torch.autograd.Function):
     ) -> Tensor:
         with torch.autocast(q.device.type, enabled=False):  # the passes choose their own precision
             out, lse = attention_pass.forward(q, latent, w, docs_BS)
-        # Laid out [B, S, H, Dv] in memory (as BlockwiseAttention's): the output projection reads it
-        # without a copy, and backward keeps that one tensor.
-        out_BSHD = torch.empty(out.transpose(1, 2).shape, dtype=q.dtype, device=q.device)
-        out = out_BSHD.copy_(out.transpose(1, 2)).transpose(1, 2)
+        out = heads_last_in_memory(out, q.dtype)
         ctx.save_for_backward(q, latent, w, out, lse)
         ctx.attention_pass, ctx.docs_BS = attention_pass, docs_BS
         return out

@@ -10,6 +10,7 @@ device (computed once per model and data config and reused); `assert_parity` com
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,21 @@ def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
                 assert torch.equal(grads[name], grad), f"{name}: the stages' copies differ"
             grads[name] = grad
     return {**results[-1], "grads": grads}
+
+
+def assert_layout_trains_as_one_device(
+    workers: Callable[[int], WorkerPool], model: list[str], world: int, layout: list[str]
+) -> None:
+    """`layout` on `world` ranks against one device, both on `model` plus the layout's own --model.* flags
+    and with the layout's micro-batch (8 unless it says; MoE's balance loss depends on it): losses and
+    step-1 gradients (a pipeline's stages' merged) match."""
+    model = [*model, *(x for x in layout if x.startswith("--model."))]
+    parallel = [x for x in layout if not x.startswith("--model.")]
+    micro = next((int(x.split("=")[1]) for x in parallel if x.startswith("--training.micro_batch")), 8)
+    ref = reference(workers(1), model, micro_batch=micro)
+    result = workers(world).run(run_layout, [*TINY, *model, *parallel])
+    pipelined = any(x.startswith("--parallel.pp=") and x != "--parallel.pp=1" for x in parallel)
+    assert_parity(merged(result) if pipelined else result[0], ref)
 
 
 def assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:

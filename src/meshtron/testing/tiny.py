@@ -18,6 +18,16 @@ TINY = [
     "--training.steps=10",
     "--run.plot=false",
 ]
+# One step of 4 x 32 tokens, one sequence per micro-batch: a checkpoint's first loss against another
+# framework's (the model and the data come from the checkpoint).
+ONE_STEP_SEQ, ONE_STEP_BATCH = 32, 4
+ONE_STEP = [
+    f"--training.seq_len={ONE_STEP_SEQ}",
+    f"--training.global_batch={ONE_STEP_BATCH}",
+    "--training.micro_batch=1",
+    "--training.steps=1",
+    "--run.plot=false",
+]
 # Its mixture-of-experts sibling with every routing option switched on: 4 experts, top 2, a gated
 # shared expert and the router z-loss.
 MOE = ["--model.name=tiny-moe", "--model.shared_expert_gate=true", "--model.z_loss_coef=0.001"]
