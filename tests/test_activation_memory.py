@@ -221,8 +221,17 @@ def saved_bytes_by_part(
     model = build_model(cfg.model, seed=0)
     mesh = ParallelMesh(ParallelDims(tp=tp, dp_shard=ep, ep=ep), "cpu") if tp * ep > 1 else None
     plan = apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp, etp in (0, tp)) if tp > 1 else None
+    comm, pairs = Comm(), []
     if ep > 1:
-        apply_expert_parallel(model, Comm(), mesh.group("ep"), cfg.parallel.ep_dispatch)
+        apply_expert_parallel(model, comm, mesh.group("ep"), cfg.parallel.ep_dispatch)
+        exchange = comm.all_to_all_v
+
+        def counted_exchange(x, group, output_splits, input_splits):
+            if x.is_floating_point() and x.shape[-1] == cfg.model.dim:  # tokens there, partial sums back
+                pairs.append(x.shape[0])
+            return exchange(x, group, output_splits, input_splits)
+
+        comm.all_to_all_v = counted_exchange
     apply_recompute(model, recompute)
     rank = torch.distributed.get_rank() if mesh is not None else 0
     generator = torch.Generator().manual_seed(rank // tp)  # the ep ranks route different tokens
@@ -265,6 +274,7 @@ def saved_bytes_by_part(
         "total": sum(every.values()),
         "assignments": rows,
         "kept": rows if ep == 1 else [int(m.loads_2E[1].sum()) for m in moe],
+        "pairs": pairs[::2],  # the dedup dispatch's (token, rank) rows sent, per MoE layer
     }
 
 
@@ -286,6 +296,8 @@ def model_bytes(cfg: ModelConfig, measured: dict, tp: int, sp: bool, **layer_kwa
         if cfg.is_moe_layer(layer):
             moe_index = sum(cfg.is_moe_layer(i) for i in range(layer))
             routing = dict(kept=measured["kept"][moe_index], assignments=measured["assignments"][moe_index])
+            if layer_kwargs.get("ep_dispatch") == "dedup":
+                routing["pairs"] = measured["pairs"][moe_index]
         layers += layer_activation_bytes(
             cfg, BATCH, SEQ, tp=tp, sp=sp, layer=layer, **layer_kwargs, **routing
         )
@@ -318,6 +330,9 @@ MOE_CASES = [
     (1, False, 2, "alltoall", 0, "none", MOE_VARIANT),
     (1, False, 2, "alltoall", 0, "selective", ["--model.capacity_factor=1.5"]),
     (1, False, 2, "allgather", 0, "none", []),
+    (1, False, 2, "dedup", 0, "none", []),
+    (1, False, 2, "dedup", 0, "selective", MOE_VARIANT),
+    (2, False, 2, "dedup", 1, "none", []),
 ]
 
 
@@ -333,6 +348,8 @@ def test_moe_layer_matches_the_formula_given_its_routing(
     kw = dict(recompute=recompute, ep=ep, ep_dispatch=dispatch, expert_tp=etp in (0, tp))
     for rank in measured:
         routing = dict(kept=rank["kept"][1], assignments=rank["assignments"][1])
+        if dispatch == "dedup":
+            routing["pairs"] = rank["pairs"][1]
         layer = layer_activation_bytes(cfg, BATCH, SEQ, tp=tp, sp=sp, layer=1, **kw, **routing)
         _, head, total = model_bytes(cfg, rank, tp, sp, **kw)
         print(

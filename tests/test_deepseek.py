@@ -99,6 +99,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["--parallel.tp=2", "--parallel.sp=true"]),
     "ep2": (2, ["--parallel.ep=2"]),
     "ep2_over_cp2": (2, ["--parallel.ep=2", "--parallel.cp=2", "--parallel.dp_shard=1"]),
+    # 4 groups on 4 ranks: each token sent once to each of its (at most 2) groups' ranks
+    "ep4_dedup": (4, ["--parallel.ep=4", "--parallel.ep_dispatch=dedup"]),
     "pp2_1f1b": (2, ["--parallel.pp=2"]),
     "pp2_interleaved": (2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.vpp=2"]),
     "pp2_zero_bubble": (2, ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble"]),

@@ -66,6 +66,28 @@ CASES = {
         ],
         [*EP2, "--training.micro_batch=4"],
     ),
+    # dedup: a token once per rank (its group's rank only, under group-limited routing at ep 2)
+    "ep2_dedup_groups": (
+        2,
+        ["--model.router=sigmoid", "--model.n_expert_groups=2", "--model.topk_expert_groups=1"],
+        [*EP2, "--parallel.ep_dispatch=dedup", "--training.micro_batch=4"],
+    ),
+    "ep4_dedup_capacity": (
+        4,
+        ["--model.capacity_factor=1.25", NEARLY_FROZEN],
+        [*EP4, "--parallel.ep_dispatch=dedup", "--training.micro_batch=2"],
+    ),
+    "ep2_dedup_x_tp2_etp1": (
+        4,
+        [],
+        [
+            *EP2,
+            "--parallel.ep_dispatch=dedup",
+            "--parallel.tp=2",
+            "--parallel.etp=1",
+            "--training.micro_batch=4",
+        ],
+    ),
     # edp = 2: expert gradients summed over the expert-data-parallel group, under each ZeRO stage.
     "ep2_x_zero3_edp2": (4, [], [*EP2, "--training.micro_batch=2"]),
     "ep2_x_zero1_edp2": (4, [], [*EP2, "--parallel.zero=1", "--training.micro_batch=2"]),
@@ -123,11 +145,12 @@ def test_parity_with_single_device(workers, case):
 
 
 def test_bf16_runs_match_the_single_device_bf16_run(workers, tmp_path):
-    """Under bf16 autocast (tokens travel in bf16, gates combine in fp32) both dispatchers train as the
-    ep = 1 run does, to bf16's precision: with FSDP's bf16 parameters and with ZeRO-1's fp32 ones."""
+    """Under bf16 autocast (tokens travel in bf16, gates combine in fp32; dedup's partial sums travel back
+    in bf16) each dispatcher trains as the ep = 1 run does, to bf16's precision: with FSDP's bf16
+    parameters, ZeRO-2's and ZeRO-1's fp32 ones."""
     base = [*TINY, *EP_MOE, "--training.dtype=bf16", "--training.steps=3", "--training.micro_batch=4"]
     want = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'single'}"])[0]
-    for dispatch, zero in [("alltoall", 3), ("allgather", 1)]:
+    for dispatch, zero in [("alltoall", 3), ("dedup", 2), ("allgather", 1)]:
         layout = [*EP2, f"--parallel.ep_dispatch={dispatch}", f"--parallel.zero={zero}"]
         rows = workers(2).run(train_rows, [*base, *layout, f"--run.dir={tmp_path / dispatch}"])[0]
         assert_losses_match(rows, want, rtol=1e-2)
@@ -183,7 +206,7 @@ def run_moe(cfg: ModelConfig, dispatch: str | None, skew: bool) -> dict[str, tor
 @pytest.mark.parametrize("capacity", [0.0, 1.0], ids=["dropless", "capacity"])
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
 def test_dispatchers_match_local_experts(workers, skew, capacity):
-    """alltoall and allgather give the outputs and gradients of the experts run locally (each rank's
+    """alltoall, dedup and allgather give the outputs and gradients of the experts run locally (each rank's
     experts' gradients summed over the ranks, as data parallel would), on 4 ranks; with skewed routing
     three ranks receive no tokens and still finish, with zero gradients for the idle experts. With a
     capacity (skewed: most assignments dropped), alltoall exchanges fixed capacity slots instead."""
@@ -191,7 +214,7 @@ def test_dispatchers_match_local_experts(workers, skew, capacity):
     cfg = dataclasses.replace(MODULE_CFG, capacity_factor=capacity)
     local = pool.run(run_moe, cfg, None, skew)
     summed = {name: sum(r[name] for r in local) for name in ("w1", "w3", "w2")}
-    for dispatch in ("alltoall", "allgather"):
+    for dispatch in ("alltoall", "dedup", "allgather"):
         results = pool.run(run_moe, cfg, dispatch, skew)
         for rank, (got, want) in enumerate(zip(results, local, strict=True)):
             for key in ("out", "x_grad"):  # fp32 sums in another order: relative L2 error <= 1e-5
@@ -252,6 +275,50 @@ def test_capacity_slots_move_the_capacity_bytes_exactly(workers, world):
     per_call = cfg.n_experts * slots * cfg.dim * 4 * (world - 1) / world
     for got in workers(world).run(dispatch_bytes, "alltoall", 1.5):
         assert got == {"all_to_all": 4 * per_call, "calls": 4}
+
+
+# DeepSeek-V3's routing at module scale: 16 experts in 4 groups (one per ep rank at ep 4), a token's 4
+# experts chosen among the 8 of its best 2 groups.
+GROUPED_CFG = dataclasses.replace(
+    MODULE_CFG, n_experts=16, top_k=4, router="sigmoid", n_expert_groups=4, topk_expert_groups=2
+)
+
+
+def routed_bytes(dispatch: str) -> dict:
+    """On every rank: one forward and backward of its 48 tokens through GROUPED_CFG's MoE spread over 4
+    ranks; the ep all-to-alls' bytes and calls, and every rank's expert ids [4, T, k]."""
+    rank = torch.distributed.get_rank()
+    moe, comm = random_moe(GROUPED_CFG), Comm()
+    mesh = spread_experts(moe, comm, 4, dispatch)
+    x = torch.randn(1, 48, GROUPED_CFG.dim, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    out, _ = moe(x)
+    out.sum().backward()
+    experts_Tk = moe.router(x.detach()[0])[1]
+    got = {
+        "bytes": comm.stats.total_bytes(group="ep", op="all_to_all"),
+        "calls": comm.stats.total_calls(group="ep", op="all_to_all"),
+        "experts": comm.all_gather_tensor(experts_Tk[None], mesh.group("ep"), dim=0),
+    }
+    mesh.close()
+    return got
+
+
+def test_dedup_sends_each_token_once_per_rank_within_its_groups(workers):
+    """Under group-limited routing whose groups are the ep ranks, the dedup dispatch sends a token to the
+    distinct ranks of its experts (at most topk_expert_groups = 2, where alltoall sends its 4 rows): each
+    rank's bytes are exactly, with P its (token, other rank) rows and M the rows other ranks send it,
+    P·(x, gates, chosen) + M·(combine) forward and P·(combine's grad) + M·(x's and gates' grads) backward."""
+    D, L = GROUPED_CFG.dim, GROUPED_CFG.n_experts // 4
+    dedup, alltoall = (workers(4).run(routed_bytes, d) for d in ("dedup", "alltoall"))
+    experts = dedup[0]["experts"]  # [source rank, T, k]
+    ranks = [[set((e // L).tolist()) for e in source] for source in experts]
+    assert max(len(r) for source in ranks for r in source) <= GROUPED_CFG.topk_expert_groups
+    for me, (got, flat) in enumerate(zip(dedup, alltoall, strict=True)):
+        sent = sum(len(r - {me}) for r in ranks[me])
+        received = sum(me in r for source, rows in enumerate(ranks) if source != me for r in rows)
+        want = sent * (2 * D * 4 + L * 4 + L) + received * (2 * D * 4 + L * 4)
+        assert (got["bytes"], got["calls"]) == (want, 7), me
+        assert got["bytes"] < 0.6 * flat["bytes"], (got["bytes"], flat["bytes"])
 
 
 def test_sort_and_combine_round_trip_with_empty_experts():

@@ -15,6 +15,7 @@ from meshtron.models.llama import build_model
 from meshtron.models.loss import MicroBatchLoss, cross_entropy_per_token
 from meshtron.models.mtp import depth_inputs
 from meshtron.models.rope import rope_cos_sin
+from meshtron.pictures.experts import _model_order, draw_expert_load
 from meshtron.rules.checks import load_config
 from meshtron.testing.parity import assert_layout_trains_as_one_device
 from meshtron.testing.tiny import TINY, perturb
@@ -88,3 +89,12 @@ LAYOUTS = {
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS.values(), ids=list(LAYOUTS))
 def test_every_layout_trains_as_one_device(workers, world, layout):
     assert_layout_trains_as_one_device(workers, MTP, world, layout)
+
+
+def test_expert_load_picture_orders_the_mtp_blocks_after_the_layers(tmp_path):
+    """An MoE model's MTP block reports its load as "mtp.0.block": the heat map takes it after the layers
+    (it crashed reading the depth's name as a layer index)."""
+    load = {"load": [3, 1], "imbalance": 1.5}
+    rows = [{"step": s, "moe": {"mtp.0.block": load, "layers.10": load, "layers.2": load}} for s in (1, 2)]
+    assert _model_order("layers.2") < _model_order("layers.10") < _model_order("mtp.0.block")
+    assert draw_expert_load(rows, tmp_path / "expert-load.png", "t").exists()

@@ -4,6 +4,8 @@ engine and the cuts of tp, pp, cp and ep."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from meshtron.commands.dry_run import resolved
@@ -13,6 +15,7 @@ from meshtron.plan.comm_time import Overlap
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import LinkEfficiency
+from meshtron.plan.routing import ranks_per_token
 from meshtron.plan.state import state_bytes
 from meshtron.rules.checks import load_config
 from meshtron.testing.parity import trainer_for
@@ -59,6 +62,7 @@ LAYOUTS = {
     "moe_ep2_zero3_edp2": (4, [*MOE, "--parallel.ep=2", "--training.micro_batch=2"]),
     "moe_ep2_zero1_tp2_etp1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--training.micro_batch=4"]),
     "moe_ep2_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--training.micro_batch=4"]),
+    "moe_ep2_dedup_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--parallel.zero=2", "--training.micro_batch=4"]),
     # bf16: whole parameters once in bf16 beside fp32 masters (whole, or owned rows); ZeRO-3 as in fp32
     "bf16_single": (1, ["--training.dtype=bf16"]),
     "bf16_ddp2": (2, ["--training.dtype=bf16", "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
@@ -124,6 +128,8 @@ MESSAGES = {
     "cp2_zero2": lambda c: {"dp": (c["dp_shard_cp"] - 1) * 1 + 2 + c["dp_cp"] * 2, "cp": c["cp"] / 2},
     "tp2_zero3_2": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "tp": (c["tp"] - 1) * 2},
     "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
+    # dedup: per MoE layer the count table's all-gather, 4 all-to-alls forward and 3 backward
+    "moe_ep2_dedup_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
 }
 
 
@@ -160,3 +166,25 @@ def test_a_v_schedule_in_a_layout_implies_two_chunks_per_rank():
     assert parse_layout("pp=4,pp_schedule=dualpipev")["vpp"] == 2
     assert parse_layout("pp=4,pp_schedule=zbv,vpp=2") == {"pp": 4, "pp_schedule": "zbv", "vpp": 2}
     assert "vpp" not in parse_layout("pp=4,pp_schedule=1f1b")
+
+
+@pytest.mark.parametrize(
+    "experts, top_k, groups, best, ep, owners",
+    [(8, 2, 1, 1, 4, 1), (8, 2, 4, 2, 4, 1), (8, 3, 4, 2, 2, 1), (8, 2, 2, 1, 4, 1), (12, 3, 3, 2, 3, 2)],
+)
+def test_ranks_a_token_reaches_by_enumeration(experts, top_k, groups, best, ep, owners):
+    """plan/routing.py's expectation of the ranks the dedup dispatch sends a token to, against the mean
+    over every equally likely routing (each best-groups subset, then each top_k subset of its experts):
+    blocks within a group, blocks spanning groups, no groups, experts split over tp first."""
+    routing = [f"--model.n_experts={experts}", f"--model.top_k={top_k}", f"--model.n_expert_groups={groups}"]
+    cfg = load_config(None, [*MOE, *routing, f"--model.topk_expert_groups={best}"]).model
+    block, share = experts // (ep * owners), experts // owners
+    per_group = experts // groups
+    counts = [
+        len({e // block for e in chosen if e < share})
+        for group_set in itertools.combinations(range(groups), best)
+        for chosen in itertools.combinations(
+            [e for g in group_set for e in range(g * per_group, (g + 1) * per_group)], top_k
+        )
+    ]
+    assert ranks_per_token(cfg, ep, owners) == pytest.approx(sum(counts) / len(counts), rel=1e-12)

@@ -54,7 +54,7 @@ CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 # What context parallel's ring and all-gather send of MLA: every head's keys and values, or the latents
 # (parallel/context_latent.py); "auto": the planner's choice.
 CpExchange = Literal["auto", "kv", "latent"]
-EpDispatch = Literal["alltoall", "allgather"]  # how tokens reach the experts of other ep ranks
+EpDispatch = Literal["alltoall", "dedup", "allgather"]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: parallel.vpp = 2, implied

@@ -14,6 +14,16 @@ routes and keeps; this module moves the tokens):
     assignments in slots found on the device and zeros in the rest, so both all-to-alls are even and
     nothing is read on the host (no counts, no sort by size): GShard's dispatch, at the cost of the
     empty slots' bytes and FLOPs
+  dedup      (each token once per rank, as DeepEP's dispatch)
+    1  which ranks hold one or more of each token's kept experts, and its gate for each of their experts
+    2  all-gather the per-rank row counts [ep, ep]
+    3  all-to-all each (token, rank) row once, with its gates and which experts it chose (uneven)
+    4  local experts as one grouped matmul; each row's outputs weighted and summed on the expert's rank
+    5  the reverse all-to-all (one row per token and rank), summed per token in fp32
+    the dispatch's rows per token are the distinct ranks of its experts, at most top_k and, under
+    group-limited routing whose groups are ranks (n_expert_groups = ep), at most topk_expert_groups;
+    the combine's row is a partial sum in the tokens' dtype (bf16 under autocast, as DeepEP's). A
+    capacity drops the same assignments (decided before the exchange); the exchange stays uneven
   allgather
     1  all-gather every rank's tokens, gate values, expert ids and keep mask over ep
     2  each rank runs its experts on the assignments routed to them and sums them per token (fp32)
@@ -121,6 +131,52 @@ class AllToAllDispatch(ExpertDispatch):
         return weighted.view(*weights_Tk.shape, -1).sum(1)
 
 
+class PerRankDispatch(ExpertDispatch):
+    """Each token sent once to every ep rank that holds one or more of its experts (DeepEP's dispatch),
+    with its gate value for each of that rank's experts; the rank sums its experts' weighted outputs and
+    sends one row back per token. Under group-limited routing whose groups are the ep ranks (or sets of
+    them), a token reaches at most `topk_expert_groups` groups."""
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        n, local = self.ep.size, moe.experts.w1.shape[0]
+        gates_TnL, chosen_TnL = rank_gates(routing, moe.first_expert - self.ep.rank * local, n, local)
+        to_rank_Tn = chosen_TnL.any(-1)
+        dest_P, token_P = to_rank_Tn.t().nonzero(as_tuple=True)  # by destination rank, then token
+        table = self.comm.all_gather_tensor(to_rank_Tn.sum(0), self.ep).view(n, n)  # [source, dest]
+        sent, received = torch.stack([table[self.ep.rank], table[:, self.ep.rank]]).tolist()
+
+        def there(rows: torch.Tensor) -> torch.Tensor:
+            return self.comm.all_to_all_v(rows, self.ep, received, sent)
+
+        x_MD = there(compute_dtype(x_TD)[token_P])
+        gates_ML = there(gates_TnL[token_P, dest_P])
+        chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
+        expert_A, row_A = chosen_ML.t().nonzero(as_tuple=True)  # assignments by local expert, then row
+        y_AD = moe.experts(x_MD[row_A], chosen_ML.sum(0))
+        weighted = (
+            y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)) * gates_ML[row_A, expert_A][:, None]
+        )
+        # One row back per token: its weighted sum over this rank's experts, in the tokens' dtype.
+        y_MD = weighted.new_zeros(x_MD.shape).index_add(0, row_A, weighted).to(x_MD.dtype)
+        y_PD = self.comm.all_to_all_v(y_MD, self.ep, sent, received)
+        y_PD = y_PD.to(torch.promote_types(y_PD.dtype, torch.float32))
+        return y_PD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)
+
+
+def rank_gates(routing: Routing, first: int, n: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate values [T, n, L] of each token for each of the n ranks' L experts, 0 where not chosen;
+    which are chosen [T, n, L]) over the experts [first, first + n·L), the kept assignments only."""
+    weights_Tk, experts_Tk, keep_Tk = routing
+    slot_Tk = experts_Tk - first
+    mine_Tk = keep_Tk & (slot_Tk >= 0) & (slot_Tk < n * local)
+    slot_Tk = torch.where(mine_Tk, slot_Tk, 0)
+    T = weights_Tk.shape[0]
+    gates = weights_Tk.new_zeros(T, n * local).scatter_add(1, slot_Tk, weights_Tk * mine_Tk)
+    chosen = torch.zeros(T, n * local, dtype=torch.int32, device=slot_Tk.device)
+    chosen = chosen.scatter_add(1, slot_Tk, mine_Tk.to(torch.int32)) > 0
+    return gates.view(T, n, local), chosen.view(T, n, local)
+
+
 def capacity_slots(
     experts_Tk: torch.Tensor, keep_Tk: torch.Tensor, first: int, n_experts: int, capacity: int
 ) -> torch.Tensor:
@@ -153,12 +209,19 @@ class AllGatherDispatch(ExpertDispatch):
         return self.comm.reduce_scatter(combine(y_ND, order, weights_all, x_all.shape[0]), self.ep)
 
 
+DISPATCHES: dict[str, type[ExpertDispatch]] = {
+    "alltoall": AllToAllDispatch,
+    "dedup": PerRankDispatch,
+    "allgather": AllGatherDispatch,
+}
+
+
 def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, dispatch_by: EpDispatch) -> None:
     """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer (of the
     ones tensor parallel left it) and route tokens to the others by all-to-all or all-gather."""
     if ep.size == 1:
         return
-    dispatch = (AllToAllDispatch if dispatch_by == "alltoall" else AllGatherDispatch)(comm, ep)
+    dispatch = DISPATCHES[dispatch_by](comm, ep)
     for _, block in model.blocks():
         moe = getattr(block, "moe", None)
         if moe is None:

@@ -10,13 +10,18 @@ import numpy as np
 from meshtron.pictures.figures import pyplot, save_figure
 
 
+def _model_order(name: str) -> tuple[bool, int]:
+    """ "layers.<i>" by i, then the multi-token prediction modules' "mtp.<depth>.block" by depth."""
+    return name.startswith("mtp."), int(name.split(".")[1])
+
+
 def draw_expert_load(rows: list[dict[str, Any]], out_path: Path, title: str) -> Path | None:
     """One heat map per MoE layer: experts (rows) over steps (columns), each expert's load relative to the
     layer's mean that step (1 = balanced). None when the rows hold no MoE metrics."""
     rows = [r for r in rows if "moe" in r]
     if not rows:
         return None
-    layers = sorted(rows[0]["moe"], key=lambda name: int(name.rsplit(".", 1)[-1]))
+    layers = sorted(rows[0]["moe"], key=_model_order)
     plt = pyplot()
     cols = min(len(layers), 4)
     n_rows = -(-len(layers) // cols)

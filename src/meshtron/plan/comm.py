@@ -17,7 +17,9 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   backward (one more all-gather per region, unless full recompute reruns the forward's);
                   the vocab-parallel loss all-reduces 3 numbers per token
   expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
-                  and micro-batch under balanced routing, plus the count table's all-gather
+                  and micro-batch under balanced routing, plus the count table's all-gather; dedup:
+                  the same 4 of r·tokens rows, r the ranks a token reaches (plan/routing.py), with
+                  each row's gates and chosen-mask (and the gates' gradient)
   pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
                   backward (one sent, the other received), plus the loss and clipping's all-reduces
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.schema import Config
+from meshtron.plan.routing import ranks_per_token
 from meshtron.plan.state import rank_parameters
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
@@ -167,6 +170,13 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
             * moe_layers
             * (4 * tokens * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
         )
+    if p.ep > 1 and p.ep_dispatch == "dedup":
+        owners = 1 if p.etp in (0, p.tp) else p.tp
+        rows = tokens * ranks_per_token(m, p.ep, owners) * _ring(p.ep)  # those that leave, each way
+        local = m.n_experts // (p.ep * owners)
+        # tokens, gates and chosen-masks there, the partial sums back; their gradients (no mask's)
+        per_row = 4 * m.dim * 4 + 2 * local * 4 + local
+        add("ep", micro * moe_layers * (rows * per_row + 8 * p.ep * (p.ep - 1)))
     if p.pp > 1:
         seq_shards = p.tp if p.sp else 1
         message = t.micro_batch * t.seq_len // p.cp // seq_shards * m.dim * 4

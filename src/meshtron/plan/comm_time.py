@@ -43,6 +43,7 @@ from meshtron.plan.comm import cp_token_bytes
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
+from meshtron.plan.routing import ranks_per_token
 from meshtron.plan.state import rank_parameters, stage_key
 from meshtron.utils.memo import Memo
 
@@ -149,8 +150,29 @@ def layer_comm(
                 0.0,
             )
         one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
-        out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one) * (0.0 if net.overlap.ep else 1.0)
+        out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one)
+        if p.ep_dispatch == "dedup":
+            out["ep"] = _dedup_comm(cfg, ep, net, imbalance * tokens, act)
+        out["ep"] = out["ep"] * (0.0 if net.overlap.ep else 1.0)
     return out
+
+
+def _dedup_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> PassTimes:
+    """The dedup dispatch (parallel/expert.py): r·tokens rows each way, r the ranks a token reaches
+    (plan/routing.py); forward the row counts, then tokens, gates and chosen-masks, then the partial sums
+    back (4 calls); backward the partial sums' gradient, then the tokens' and the gates' (3 calls)."""
+    m, p = cfg.model, cfg.parallel
+    owners = 1 if p.etp in (0, p.tp) else p.tp
+    local, rows = m.n_experts // (p.ep * owners), tokens * ranks_per_token(m, p.ep, owners)
+
+    def exchange(row_bytes: float, calls: int) -> float:
+        return collective_time("all_to_all", rows * row_bytes, ep, net.gpu, net.eff, calls=calls)
+
+    counts = collective_time("all_gather", 8 * p.ep, ep, net.gpu, net.eff)
+    back = exchange(m.dim * act, 1)
+    return PassTimes(
+        f=counts + exchange(m.dim * act + 5 * local, 3) + back, b=back + exchange(m.dim * act + 4 * local, 2)
+    )
 
 
 def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, PassTimes]:

@@ -82,6 +82,7 @@ from dataclasses import dataclass
 
 from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
 from meshtron.plan.op_memory import op_kept_elements, slot_rows
+from meshtron.plan.routing import ranks_per_token
 
 
 @dataclass(frozen=True)
@@ -238,11 +239,13 @@ def moe_layer_activation_elements(
     assignments: int | None = None,
     op_saves: OpRecomputeSaves = "matmuls",
     exchange: str = "kv",
+    pairs: int | None = None,
 ) -> SavedElements:
     """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
     given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
     etp = 1 (`expert_tp` False) those to its tp rank's experts); `assignments`, those its experts
-    process (`kept` again when balanced: each ep rank receives what it sends)."""
+    process (`kept` again when balanced: each ep rank receives what it sends); `pairs`, under the dedup
+    dispatch the (token, rank) rows it sends (plan/routing.py's expectation when not given)."""
     seq //= cp
     tokens = batch * seq  # every tp rank routes all of them (gathered under sp)
     if recompute == "full":
@@ -271,6 +274,19 @@ def moe_layer_activation_elements(
             + routed
             + _shared_expert_elements(cfg, tokens, tp)
         )
+    if ep > 1 and ep_dispatch == "dedup":
+        if pairs is None:
+            pairs = round(tokens * ranks_per_token(cfg, ep, owners))
+        routed = _dedup_elements(cfg, tokens, ffn, assignments, pairs, cfg.n_experts // (ep * owners))
+        attention = SavedElements(
+            floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
+        )
+        return (
+            attention
+            + _router_elements(cfg, batch, tokens)
+            + routed
+            + _shared_expert_elements(cfg, tokens, tp)
+        )
     # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
     # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
     # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
@@ -286,6 +302,23 @@ def moe_layer_activation_elements(
     )
     return (
         attention + _router_elements(cfg, batch, tokens) + routed + _shared_expert_elements(cfg, tokens, tp)
+    )
+
+
+def _dedup_elements(
+    cfg: ModelConfig, tokens: int, ffn: int, assignments: int, pairs: int, local: int
+) -> SavedElements:
+    """The dedup dispatch (parallel/expert.py): the experts' rows and SwiGLU A·(h + 4·e) and offsets;
+    on the experts' rank the outputs, the weighted outputs A·h each and the gates A in fp32, each
+    assignment's row and expert (2·A, int64); on the tokens' rank the returned partial sums P·h (fp32),
+    each row's token and rank (2·P, int64), and the gates' scatter: its index and mask (T·k each)."""
+    routed = tokens * cfg.top_k
+    return SavedElements(
+        floats=assignments * (cfg.dim + 4 * ffn),
+        fp32=2 * assignments * cfg.dim + assignments + pairs * cfg.dim,
+        int64=routed + 2 * pairs + 2 * assignments,
+        int32=3 * local,
+        bools=routed,
     )
 
 
@@ -381,7 +414,13 @@ def layer_activation_bytes(
     `moe_layer_activation_elements`: the routing counts too); exact in fp32 (`dtype_bytes` 4)."""
     if _is_moe(cfg, layer):
         return moe_layer_activation_elements(cfg, batch, seq, **kwargs).bytes(dtype_bytes)
-    for moe_only in ("ep_dispatch", "expert_tp", "kept", "assignments"):  # a dense layer of an MoE model
+    for moe_only in (
+        "ep_dispatch",
+        "expert_tp",
+        "kept",
+        "assignments",
+        "pairs",
+    ):  # a dense layer of an MoE model
         kwargs.pop(moe_only, None)
     return layer_activation_elements(cfg, batch, seq, layer=layer, **kwargs) * dtype_bytes
 

@@ -60,7 +60,7 @@ def _parallel(rng: random.Random, moe: bool) -> tuple[list[str], int]:
     if moe:
         folded = degrees["dp_shard"] * degrees["cp"]
         p.append(f"--parallel.ep={rng.choice([d for d in (1, 2, 2, 4) if folded % d == 0])}")
-        p.append(f"--parallel.ep_dispatch={rng.choice(['alltoall', 'allgather'])}")
+        p.append(f"--parallel.ep_dispatch={rng.choice(['alltoall', 'dedup', 'allgather'])}")
         if degrees["tp"] > 1:
             p.append(f"--parallel.etp={rng.choice([1, degrees['tp']])}")
     p.append(f"--training.recompute={rng.choice(['none', 'selective', 'full'])}")
