@@ -11,6 +11,8 @@ from meshtron.config.loading import load_toml, model_preset, parse_override
 from meshtron.config.schema import Config, ConfigError
 from meshtron.rules.checks import check, load_config, validate
 
+DEEPSEEK = ["--model.name=tiny-deepseek"]
+
 
 def test_defaults_are_valid():
     assert validate(Config(), 1) == []
@@ -119,6 +121,42 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (["--model.n_experts=4", "--model.dense_layers=[9]"], 1, "model.dense_layers [9] are outside 0..3"),
         (["--model.n_experts=4", "--model.shared_expert_gate=true"], 1, "needs model.n_shared_experts >= 1"),
         (["--model.rope_scaling=llama3", "--model.rope_high_freq_factor=0.5"], 1, "must exceed"),
+        # DeepSeek-V3's architecture: latent attention, context parallel over its latents, routing, MTP
+        (
+            [*DEEPSEEK, "--model.qk_rope_head_dim=7"],
+            1,
+            "latent attention's rotary key needs an even, positive size",
+        ),
+        (
+            [*DEEPSEEK, "--model.v_head_dim=0"],
+            1,
+            "model.v_head_dim=0 must be positive under latent attention",
+        ),
+        ([*DEEPSEEK, "--model.qk_norm=true"], 1, "do not apply to latent attention"),
+        ([*DEEPSEEK, "--model.n_kv_heads=2"], 1, "leave n_kv_heads at 0"),
+        # tensor parallel splits MLA's heads (the latents are replicated or sequence-parallel, any size)
+        (
+            [*DEEPSEEK, "--parallel.tp=3", "--training.global_batch=3"],
+            3,
+            "model.n_heads=4 is not divisible by parallel.tp=3",
+        ),
+        (
+            [*DEEPSEEK, "--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.cp_exchange=latent"],
+            2,
+            "use cp_exchange='kv'",
+        ),
+        (["--parallel.cp=2", "--parallel.cp_exchange=latent"], 2, "no MLA (model.kv_lora_rank=0)"),
+        ([*DEEPSEEK, "--model.n_expert_groups=3"], 1, "not divisible by model.n_expert_groups=3"),
+        (
+            [*DEEPSEEK, "--model.topk_expert_groups=5"],
+            1,
+            "model.topk_expert_groups=5 must be <= model.n_expert_groups=4",
+        ),
+        (
+            [*DEEPSEEK, "--model.mtp_depth=32", "--training.seq_len=32"],
+            1,
+            "model.mtp_depth=32 leaves its last depth no target",
+        ),
         (
             ["--parallel.tp=2"],
             3,

@@ -32,6 +32,7 @@ EIGHT_RANKS = {
         "--parallel.dp_shard=2",
         "--parallel.tp=2",
         "--parallel.ep=2",
+        "--parallel.ep_dispatch=dedup",
         "--parallel.zero=3",
         "--training.micro_batch=2",
         "--training.recompute=op",
@@ -70,7 +71,7 @@ def test_the_seed_list_covers_every_dim_and_option():
     want |= {f"schedule:{s}" for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")}
     want |= {f"cp_impl:{i}" for i in ("ring", "allgather", "alltoall", "hybrid")}
     want |= {f"recompute:{r}" for r in ("none", "selective", "op", "full")}
-    want |= {"ep_dispatch:alltoall", "ep_dispatch:allgather", "kv_heads:4"}
+    want |= {"ep_dispatch:alltoall", "ep_dispatch:dedup", "ep_dispatch:allgather", "kv_heads:4"}
     assert want <= options, want - options
 
 

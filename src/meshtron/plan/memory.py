@@ -265,38 +265,20 @@ def moe_layer_activation_elements(
         routed = _capacity_slot_elements(
             cfg, tokens, ffn, owners, assignments=None if kept is None else assignments
         )
-        attention = SavedElements(
-            floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
-        )
-        return (
-            attention
-            + _router_elements(cfg, batch, tokens)
-            + routed
-            + _shared_expert_elements(cfg, tokens, tp)
-        )
-    if ep > 1 and ep_dispatch == "dedup":
-        if pairs is None:
-            pairs = round(tokens * ranks_per_token(cfg, ep, owners))
+    elif ep > 1 and ep_dispatch == "dedup":
+        pairs = round(tokens * ranks_per_token(cfg, ep, owners)) if pairs is None else pairs
         routed = _dedup_elements(cfg, tokens, ffn, assignments, pairs, cfg.n_experts // (ep * owners))
-        attention = SavedElements(
-            floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
+    else:
+        # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
+        # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
+        # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
+        # outputs (saved by index_add though only its shape is needed), both in fp32.
+        routed = SavedElements(
+            floats=assignments * (cfg.dim + 4 * ffn) + kept,
+            fp32=2 * kept * cfg.dim,
+            int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
+            int32=3 * cfg.n_experts // (ep * owners),
         )
-        return (
-            attention
-            + _router_elements(cfg, batch, tokens)
-            + routed
-            + _shared_expert_elements(cfg, tokens, tp)
-        )
-    # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
-    # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
-    # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
-    # outputs (saved by index_add though only its shape is needed), both in fp32.
-    routed = SavedElements(
-        floats=assignments * (cfg.dim + 4 * ffn) + kept,
-        fp32=2 * kept * cfg.dim,
-        int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
-        int32=3 * cfg.n_experts // (ep * owners),
-    )
     attention = SavedElements(
         floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
     )

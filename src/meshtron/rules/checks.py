@@ -48,6 +48,7 @@ from meshtron.rules.pipeline import pipeline_problems
 from meshtron.rules.training import (
     checkpoint_unsupported,
     float8_problems,
+    mtp_problems,
     profile_problems,
     recompute_problems,
     wandb_problems,
@@ -87,6 +88,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += pipeline_problems(cfg, world_size, device_type)
     problems += validation_problems(cfg) + mixture_problems(cfg)
     problems += wandb_problems(cfg) + recompute_problems(cfg) + float8_problems(cfg, device_type)
+    problems += mtp_problems(cfg)
     problems += profile_problems(cfg)
     return problems
 

@@ -41,6 +41,17 @@ def wandb_problems(cfg: Config) -> list[str]:
     return []
 
 
+def mtp_problems(cfg: Config) -> list[str]:
+    """Multi-token prediction's depth k predicts the token k + 1 places on: some must be in the sequence."""
+    depth, seq_len = cfg.model.mtp_depth, cfg.training.seq_len
+    if depth >= seq_len:
+        return [
+            f"model.mtp_depth={depth} leaves its last depth no target in sequences of training.seq_len="
+            f"{seq_len}; use mtp_depth < seq_len (DeepSeek-V3: 1)"
+        ]
+    return []
+
+
 def recompute_problems(cfg: Config) -> list[str]:
     """Per-operation recompute keeps outputs through a dispatch mode, which compiled blocks bypass."""
     t = cfg.training

@@ -257,17 +257,13 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
 def _resolve_exchange(cfg: Config, place: RankPlace) -> Config:
     """parallel.cp_exchange = "auto" made the planner's choice for this run's hardware (plan/estimate.py
     `resolved_exchange`; probe/cluster.py); said when it is a choice (MLA under a ring or all-gather)."""
-    if cfg.parallel.cp_exchange != "auto":
-        return cfg
+    if cfg.parallel.cp_exchange != "auto" or len(exchange_choices(cfg)) == 1:
+        return cfg  # (nothing to choose: "auto" runs the keys and values, as "kv" does)
     cluster = run_cluster(cfg, place.world_size)
     dims = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(place.world_size))
     chosen = resolved_exchange(dataclasses.replace(cfg, parallel=dims), cluster) if cluster else None
     exchange = chosen.parallel.cp_exchange if chosen is not None else "kv"
-    if len(exchange_choices(cfg)) > 1:
-        say(
-            place.rank,
-            f"parallel.cp_exchange='auto': '{exchange}' (the planner's faster step on this hardware)",
-        )
+    say(place.rank, f"parallel.cp_exchange='auto': '{exchange}' (the planner's faster step on this hardware)")
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_exchange=exchange))
 
 
