@@ -1,4 +1,4 @@
-"""Context parallel against the single-device run (losses over 10 steps, step-1 gradients; tolerances in
+"""Context parallel against the single-device run (losses over 6 steps, step-1 gradients; tolerances in
 parity.py) for every implementation at cp 2 and 4 and composed with every other dim, and its
 communication volume and kept activations against the formulas, exactly."""
 

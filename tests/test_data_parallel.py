@@ -1,4 +1,4 @@
-"""Data parallelism (DDP, ZeRO-1/2/3, HSDP) against the single-device run: losses over 10 steps and
+"""Data parallelism (DDP, ZeRO-1/2/3, HSDP) against the single-device run: losses over 6 steps and
 step-1 gradients, plus memory held per rank, bytes communicated, and overlap with backward.
 
 Tolerances (fp32): loss relative difference <= 1e-5 at every step; per-parameter gradient relative L2

@@ -1,4 +1,4 @@
-"""Expert parallel against the single-device run (losses over 10 steps, step-1 gradients of every
+"""Expert parallel against the single-device run (losses over 6 steps, step-1 gradients of every
 expert, router and other weight; tolerances in parity.py) for both dispatchers at ep 2 and 4, dropless
 and with capacity, and composed with every other dim; the dispatch itself at module level (round trip,
 dispatcher equivalence, skewed routing, exact bytes); HF MoE checkpoints under ep; refusals."""

@@ -1,5 +1,5 @@
 """Every dimension at once: fuzzed layouts (a fixed seed list chosen to cover every mesh dim twice and
-every option once) and the 8-rank compositions, each against the single-device run (10 steps, parity.py's
+every option once) and the 8-rank compositions, each against the single-device run (6 steps, parity.py's
 tolerances). `python -m meshtron.testing.fuzz --layouts N --seed S` draws more."""
 
 from __future__ import annotations

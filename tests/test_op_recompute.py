@@ -1,5 +1,5 @@
 """Per-operation selective recompute (`training.recompute = "op"`, parallel/recompute.py): parity with the
-single-device run without recompute in every layout (losses over 10 steps, step-1 gradients: parity.py's
+single-device run without recompute in every layout (losses over 6 steps, step-1 gradients: parity.py's
 tolerances), both policies; what each block keeps equals plan/memory.py's formula exactly; the planner
 models it."""
 

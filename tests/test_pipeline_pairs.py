@@ -149,7 +149,7 @@ def pairs_and_waits(overrides: list[str]) -> dict:
 
 def test_paired_all_to_alls_run_while_the_other_micro_batch_computes(workers):
     """MoE with ep=2 in each stage of a dualpipev pp=2 (ZeRO-1 over the two dp ranks): the pairs' forwards
-    run in a second thread on the twin groups; 10 steps match one device. In the last step, on every rank,
+    run in a second thread on the twin groups; 6 steps match one device. In the last step, on every rank,
     the all-to-alls of paired forwards (the pair lane's) overlap the backward of the other micro-batch
     while it computes (its spans less its own communication waits)."""
     results = workers(4).run(pairs_and_waits, [*TINY, *MOE_4, *PAIRED, "--training.recompute=full"])
@@ -181,7 +181,7 @@ COMPOSED = {
 def test_overlapped_pairs_compose(workers, composed):
     """A dense model's pairs overlapped alone (no group but pp's: nothing to twin), under tensor +
     sequence parallel, ring context parallel (its point-to-point exchanges on the twin cp group) and
-    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread): 10 steps match one
+    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread): 6 steps match one
     device."""
     world, layout = COMPOSED[composed]
     results = workers(world).run(run_layout, [*TINY, *OVERLAPPED_V, *layout])

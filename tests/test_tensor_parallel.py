@@ -1,5 +1,5 @@
 """Tensor and sequence parallel (and recompute, and tp x data parallel) against the single-device run:
-losses over 10 steps and step-1 gradients gathered back to logical shape (tolerances in parity.py)."""
+losses over 6 steps and step-1 gradients gathered back to logical shape (tolerances in parity.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A drawn layout picks degrees for pp (with vpp and every schedule, V ones included), dp_replicate, dp_shard (ZeRO 1/2/3),
 cp (every implementation), tp (with or without sp), ep (both dispatchers, etp 1 or tp), a recompute mode,
 a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
-config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 10 steps and is
+config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 6 steps and is
 compared with the single-device run by parity.py's tolerances (loss rel <= 1e-5 at every step, step-1
 gradients rel L2 <= 1e-5).
 

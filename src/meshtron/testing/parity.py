@@ -1,6 +1,6 @@
 """Parity with the single-device run, the definition of correct for every parallel layout.
 
-`run_layout` runs a layout for 10 steps on every rank of a worker pool (comm/workers.py) and returns each
+`run_layout` runs a layout for 6 steps on every rank of a worker pool (comm/workers.py) and returns each
 rank's losses and its step-1 gradients gathered back to logical shape; `reference` is the same on one
 device (computed once per model and data config and reused); `assert_parity` compares them in fp32:
 
@@ -25,7 +25,7 @@ from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import TINY
 from meshtron.train.trainer import Trainer
 
-STEPS = 10
+STEPS = 6
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 
