@@ -219,11 +219,13 @@ def saved_bytes_by_part(
         None, [*overrides, f"--training.seq_len={SEQ}", f"--parallel.tp={tp}", f"--parallel.ep={ep}"]
     )
     model = build_model(cfg.model, seed=0)
-    mesh = ParallelMesh(ParallelDims(tp=tp, dp_shard=ep, ep=ep), "cpu") if tp * ep > 1 else None
+    dims = ParallelDims(tp=tp, dp_shard=ep, ep=ep, etp=etp)  # (etp = 1: ep over the tp ranks first)
+    mesh = ParallelMesh(dims, "cpu") if tp * ep > 1 else None
     plan = apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp, etp in (0, tp)) if tp > 1 else None
-    comm, pairs = Comm(), []
-    if ep > 1:
-        apply_expert_parallel(model, comm, mesh.group("ep"), cfg.parallel.ep_dispatch)
+    comm, pairs, kept = Comm(), [], []
+    if dims.experts_apart:
+        shares = mesh.group("tp") if etp == 1 and tp > 1 else None
+        apply_expert_parallel(model, comm, mesh.group("ep"), cfg.parallel.ep_dispatch, shares)
         exchange = comm.all_to_all_v
 
         def counted_exchange(x, group, output_splits, input_splits):
@@ -232,6 +234,20 @@ def saved_bytes_by_part(
             return exchange(x, group, output_splits, input_splits)
 
         comm.all_to_all_v = counted_exchange
+    moe_layers = [block.moe for block in model.layers.values() if block.moe is not None]
+    if moe_layers:  # what each layer's dispatch sorts and combines: its share of the kept assignments
+        holder = moe_layers[0].dispatch if hasattr(moe_layers[0].dispatch, "inner") else None
+        inner = holder.inner if holder is not None else moe_layers[0].dispatch
+
+        def counted_dispatch(moe, x_TD, routing):
+            kept.append(int(routing.keep_Tk.sum()))
+            return inner(moe, x_TD, routing)
+
+        if holder is not None:
+            holder.inner = counted_dispatch
+        else:
+            for moe in moe_layers:
+                moe.dispatch = counted_dispatch
     apply_recompute(model, recompute)
     rank = torch.distributed.get_rank() if mesh is not None else 0
     generator = torch.Generator().manual_seed(rank // tp)  # the ep ranks route different tokens
@@ -266,14 +282,13 @@ def saved_bytes_by_part(
     if mesh is not None:
         mesh.close()
     every = {ptr: n for storages in saved.values() for ptr, n in storages.items()}
-    moe = [block.moe for block in model.layers.values() if block.moe is not None]
     return {
         "embedding": sum(saved.get("embedding", {}).values()),
         "layer": sum(n for ptr, n in saved["1"].items() if ptr not in saved["0"]),
         "head": sum(saved["head"].values()),
         "total": sum(every.values()),
         "assignments": rows,
-        "kept": rows if ep == 1 else [int(m.loads_2E[1].sum()) for m in moe],
+        "kept": kept,
         "pairs": pairs[::2],  # the dedup dispatch's (token, rank) rows sent, per MoE layer
     }
 
@@ -333,6 +348,9 @@ MOE_CASES = [
     (1, False, 2, "dedup", 0, "none", []),
     (1, False, 2, "dedup", 0, "selective", MOE_VARIANT),
     (2, False, 2, "dedup", 1, "none", []),
+    # folded: ep over the tp ranks (whole experts, each tp rank sending its share), capacity slots too
+    (2, True, 2, "alltoall", 1, "none", []),
+    (2, False, 2, "alltoall", 1, "none", ["--model.capacity_factor=1.5"]),
 ]
 
 

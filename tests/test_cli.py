@@ -46,6 +46,7 @@ def test_mesh_json():
         "tp": 2,
         "ep": 4,
         "cp_ulysses": 1,
+        "etp": 2,
         "edp": 1,
         "world_size": 16,
     }

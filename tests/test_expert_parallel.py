@@ -98,8 +98,31 @@ CASES = {
     ),
     "ep2_x_hsdp": (4, [], [*EP2, "--parallel.dp_replicate=2", "--training.micro_batch=2"]),
     "ep2_x_tp2_sp_etp2": (4, [], [*EP2, "--parallel.tp=2", "--parallel.sp=true", "--training.micro_batch=4"]),
-    "ep2_x_tp2_etp1": (4, [], [*EP2, "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=4"]),
-    "tp2_sp_etp1": (2, [], ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1"]),
+    # MoE parallel folding (etp = 1): ep takes tp ranks too, each tp rank sending its share of the tokens
+    "ep2_over_tp2_x_dp2": (4, [], [*EP2, "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=4"]),
+    "ep4_over_tp2_sp_x_dp2": (
+        4,
+        [],
+        [*EP4, "--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--training.micro_batch=4"],
+    ),
+    "ep2_within_tp4": (4, [], [*EP2, "--parallel.tp=4", "--parallel.etp=1", "--parallel.dp_shard=1"]),
+    "tp2_sp_etp1_experts_replicated": (2, [], ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1"]),
+    "ep4_over_tp2_dedup_capacity": (
+        4,
+        ["--model.capacity_factor=1.25", NEARLY_FROZEN],
+        [
+            *EP4,
+            "--parallel.tp=2",
+            "--parallel.etp=1",
+            "--parallel.ep_dispatch=dedup",
+            "--training.micro_batch=4",
+        ],
+    ),
+    "pp2_x_ep2_over_tp2": (
+        4,
+        [],
+        [*EP2, "--parallel.pp=2", "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=2"],
+    ),
     "ep2_x_cp2": (4, [], [*EP2, "--parallel.cp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     "ep2_over_cp2": (2, [], [*EP2, "--parallel.cp=2", "--parallel.ep_dispatch=allgather"]),
     "pp2_x_ep2_1f1b": (4, [], [*EP2, "--parallel.pp=2", "--training.micro_batch=2"]),
@@ -360,17 +383,20 @@ def test_sort_and_combine_round_trip_with_empty_experts():
 
 
 def test_checkpoint_written_under_ep_resumes_on_other_layouts(workers, tmp_path):
-    """Save under ep 2 x ZeRO-3 (edp 2) with the balancing bias on; resume on one device, under ep 4 with
-    allgather, and under tp 2 with whole experts per tp rank (etp 1): each continues as the
-    uninterrupted single-device run does (the bias comes back too)."""
+    """Save under a folded layout (ep 4 over tp 2 x dp_shard 2, whole experts, ZeRO-3) with the balancing
+    bias on; resume on one device, under ep 4 with allgather over dp_shard, under ep 2 x ZeRO-3 (edp 2),
+    and folded again with ep 2 over the tp pair: each continues as the uninterrupted single-device run
+    does (the bias comes back too)."""
     base = [*TINY, *EP_MOE, "--training.steps=6", "--training.micro_batch=2"]
     straight = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'straight'}"])[0]
-    first = [*base, *EP2, "--checkpoint.every=3", "--checkpoint.keep=1", "--training.steps=3"]
+    folded = ["--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1"]
+    first = [*base, *folded, *EP4, "--checkpoint.every=3", "--checkpoint.keep=1", "--training.steps=3"]
     workers(4).run(train_rows, [*first, f"--run.dir={tmp_path / 'first'}"])
     for name, world, layout in [
         ("single", 1, []),
         ("ep4", 4, [*EP4, "--parallel.ep_dispatch=allgather"]),
-        ("tp2_etp1", 4, ["--parallel.tp=2", "--parallel.etp=1"]),
+        ("ep2_zero3", 4, EP2),
+        ("ep2_over_tp2", 4, [*folded, *EP2]),
     ]:
         resumed_dir = tmp_path / name
         resumed = [
@@ -445,7 +471,36 @@ def test_hugging_face_moe_checkpoints_under_expert_parallel(workers, tmp_path, c
         ),
         (["--parallel.ep=2"], 2, "needs an MoE model"),
         ([*MOE, "--parallel.tp=2", "--parallel.etp=3"], 2, "parallel.etp=3 must be 1"),
-        ([*MOE, "--parallel.ep=2", "--parallel.tp=4", "--parallel.etp=1"], 8, "ep*tp (etp=1 spreads experts"),
+        # etp = 1: ep counts every rank splitting the experts, tp ranks included
+        (
+            [*MOE, "--parallel.ep=8", "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=1"],
+            8,
+            "model.n_experts=4 is not divisible by parallel.ep=8",
+        ),
+        (
+            [
+                *MOE,
+                "--model.n_experts=6",
+                "--parallel.ep=3",
+                "--parallel.tp=2",
+                "--parallel.etp=1",
+                "--training.micro_batch=4",
+            ],
+            4,
+            "parallel.ep=3 must divide dp_shard*cp*tp=4",
+        ),
+        (
+            [
+                *MOE,
+                "--parallel.ep=2",
+                "--parallel.tp=2",
+                "--parallel.zero=3",
+                "--parallel.fsdp_impl=simple",
+                "--parallel.etp=1",
+            ],
+            2,
+            "does not shard experts over their own grid",
+        ),
         ([*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=alltoal"], 2, "did you mean 'alltoall'"),
         ([*MOE, "--model.n_expert_groups=3"], 1, "not divisible by model.n_expert_groups=3"),
         ([*MOE, "--model.n_expert_groups=4", "--model.topk_expert_groups=1"], 1, "leave at least top_k=2"),

@@ -18,7 +18,16 @@ def test_tp_is_innermost_and_pp_outermost():
     assert dims.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.groups("dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert dims.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1, "edp": 0, "ep": 0}
+    assert dims.coords(5) == {
+        "pp": 1,
+        "dp_replicate": 0,
+        "dp_shard": 0,
+        "cp": 0,
+        "tp": 1,
+        "edp": 0,
+        "ep": 0,
+        "etp": 1,
+    }
     # Tied embeddings: the first and last stage of each pipeline, middle stages left out.
     assert ParallelDims(pp=4, tp=2).groups("pp_ends") == [[0, 6], [1, 7]]
 
@@ -58,17 +67,38 @@ def test_full_5d_layout_groups_partition_the_world():
             [[0, 1], [2, 3], [4, 5], [6, 7]],
             [[0, 2], [1, 3], [4, 6], [5, 7]],
         ),
+        # Whole experts (etp = 1): ep takes the tp ranks first (Megatron's tp 2 x dp 16 with ep 32, small).
+        (
+            ParallelDims(dp_shard=4, tp=2, ep=8, etp=1),
+            [[0, 1, 2, 3, 4, 5, 6, 7]],
+            [[0], [1], [2], [3], [4], [5], [6], [7]],
+        ),
+        (ParallelDims(dp_shard=2, tp=2, ep=2, etp=1), [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+        # ep inside each tp group: the tp ranks holding the same experts are their edp
+        (
+            ParallelDims(dp_shard=2, tp=4, ep=2, etp=1),
+            [[0, 1], [2, 3], [4, 5], [6, 7]],
+            [[0, 2, 4, 6], [1, 3, 5, 7]],
+        ),
+        # no ep: whole experts replicated over every rank of the stage, tp's included
+        (ParallelDims(pp=2, tp=2, etp=1), [[0], [1], [2], [3]], [[0, 1], [2, 3]]),
     ],
 )
 def test_expert_parallel_folding(dims, ep_groups, edp_groups):
     assert dims.groups("ep") == ep_groups
     assert dims.groups("edp") == edp_groups
-    assert dims.edp * dims.ep == dims.dp_shard * dims.cp
+    assert dims.edp * dims.ep * dims.expert_tp == dims.dp_shard * dims.cp * dims.tp
 
 
 def test_invalid_degrees():
     with pytest.raises(ValueError, match="ep=3 must divide dp_shard\\*cp=4"):
         ParallelDims(dp_shard=4, ep=3)
+    with pytest.raises(ValueError, match="ep=4 must divide dp_shard\\*cp=2 when experts are split over tp"):
+        ParallelDims(dp_shard=2, tp=2, ep=4)
+    with pytest.raises(ValueError, match="ep=3 must divide dp_shard\\*cp\\*tp=4"):
+        ParallelDims(dp_shard=2, tp=2, ep=3, etp=1)
+    with pytest.raises(ValueError, match="etp=2 must be 1"):
+        ParallelDims(dp_shard=2, tp=4, etp=2)
     with pytest.raises(ValueError, match="positive"):
         ParallelDims(tp=0)
 
@@ -118,6 +148,7 @@ def live_groups(layout: dict) -> dict:
         dict(pp=2, cp=2),
         dict(dp_replicate=2, dp_shard=2, ep=2),
         dict(dp_shard=2, cp=2, ep=4),
+        dict(dp_shard=2, tp=2, ep=4, etp=1),
     ],
 )
 def test_device_mesh_groups_equal_the_table(workers, layout):

@@ -169,22 +169,21 @@ def test_a_v_schedule_in_a_layout_implies_two_chunks_per_rank():
 
 
 @pytest.mark.parametrize(
-    "experts, top_k, groups, best, ep, owners",
-    [(8, 2, 1, 1, 4, 1), (8, 2, 4, 2, 4, 1), (8, 3, 4, 2, 2, 1), (8, 2, 2, 1, 4, 1), (12, 3, 3, 2, 3, 2)],
+    "experts, top_k, groups, best, ep",
+    [(8, 2, 1, 1, 4), (8, 2, 4, 2, 4), (8, 3, 4, 2, 2), (8, 2, 2, 1, 4), (12, 3, 3, 2, 3), (12, 3, 3, 2, 6)],
 )
-def test_ranks_a_token_reaches_by_enumeration(experts, top_k, groups, best, ep, owners):
+def test_ranks_a_token_reaches_by_enumeration(experts, top_k, groups, best, ep):
     """plan/routing.py's expectation of the ranks the dedup dispatch sends a token to, against the mean
     over every equally likely routing (each best-groups subset, then each top_k subset of its experts):
-    blocks within a group, blocks spanning groups, no groups, experts split over tp first."""
+    blocks within a group, blocks spanning groups, no groups."""
     routing = [f"--model.n_experts={experts}", f"--model.top_k={top_k}", f"--model.n_expert_groups={groups}"]
     cfg = load_config(None, [*MOE, *routing, f"--model.topk_expert_groups={best}"]).model
-    block, share = experts // (ep * owners), experts // owners
-    per_group = experts // groups
+    block, per_group = experts // ep, experts // groups
     counts = [
-        len({e // block for e in chosen if e < share})
+        len({e // block for e in chosen})
         for group_set in itertools.combinations(range(groups), best)
         for chosen in itertools.combinations(
             [e for g in group_set for e in range(g * per_group, (g + 1) * per_group)], top_k
         )
     ]
-    assert ranks_per_token(cfg, ep, owners) == pytest.approx(sum(counts) / len(counts), rel=1e-12)
+    assert ranks_per_token(cfg, ep) == pytest.approx(sum(counts) / len(counts), rel=1e-12)

@@ -54,13 +54,15 @@ class ShardBlocks:
     """Where every rank of this rank's dp_shard_cp x tp slice of the mesh holds its rows of parameters
     split over tensor parallel and/or expert parallel: `ranks[k][t]` is the global rank at index k of
     dp_shard x cp and t of tp. A dense parameter's rows are sharded over all of dp_shard x cp; an expert
-    parameter's (`experts`) over edp only, index k being (edp k // ep, ep k % ep), and ep rank e holds the
-    e-th dim-0 block of what tensor parallel left."""
+    parameter's (`experts`) over edp only: this rank, at (ep index e, edp index s, edp size) in the
+    experts' grid (`expert_place`, config/layout.py), holds the e-th dim-0 block of what tensor parallel
+    left, and its s-th row shard."""
 
     plan: TensorParallelPlan | None
     ranks: list[list[int]]
     ep: int = 1
     experts: frozenset[str] = frozenset()
+    expert_place: tuple[int, int, int] = (0, 0, 1)
 
     def holds(self, name: str) -> bool:
         """Whether `name` is split over tp or ep (otherwise it is a plain dim-0 shard over dp_shard_cp)."""
@@ -78,10 +80,12 @@ class ShardBlocks:
     def block(
         self, name: str, local_shape: tuple[int, ...], t: int, k: int
     ) -> tuple[list[int], list[int]] | None:
-        """(offsets, sizes) in the logical tensor of the rows rank (k, t) owns of parameter `name`, whose
-        per-rank shape before data-parallel sharding is `local_shape` (None: padding only)."""
-        ep = self.ep if name in self.experts else 1
-        s, e = divmod(k, ep)
+        """(offsets, sizes) in the logical tensor of the rows this rank, (k, t) in `ranks`, owns of
+        parameter `name`, whose per-rank shape before data-parallel sharding is `local_shape` (None:
+        padding only)."""
+        ep, (e, s, shards) = (
+            (self.ep, self.expert_place) if name in self.experts else (1, (0, k, len(self.ranks)))
+        )
         offsets, sizes = [0] * len(local_shape), list(local_shape)
         valid_rows = local_shape[0]
         split = self.plan.split_dims.get(name) if self.plan is not None else None
@@ -92,7 +96,7 @@ class ShardBlocks:
             offsets[dim], sizes[dim] = t * per_tp, valid_tp
             if dim == 0:
                 valid_rows, sizes[0] = min(valid_rows, valid_tp), local_shape[0]
-        start, stop = ShardedShape(local_shape, len(self.ranks) // ep).row_range(s)
+        start, stop = ShardedShape(local_shape, shards).row_range(s)
         stop = min(stop, valid_rows)
         offsets[0] += e * local_shape[0] + start
         sizes[0] = stop - start

@@ -1,7 +1,7 @@
 """The device mesh of a running job: a layout's degrees (layout.ParallelDims) as torch DeviceMeshes and
 process groups, one named group per dim for this rank.
 
-Dense mesh [pp, dp_replicate, dp_shard, cp, tp] and expert mesh [pp, dp_replicate, edp, ep, tp] over the
+Dense mesh [pp, dp_replicate, dp_shard, cp, tp] and expert mesh [pp, dp_replicate, edp, ep, etp] over the
 same ranks, the flattened views (dp, dp_shard_cp, dp_cp), the first and last pipeline stages (pp_ends,
 for tied embeddings), hybrid context parallel's two parts, and the pair lane's twin groups. Every
 parallel piece is handed its groups from here; no module keeps a process group of its own.
@@ -105,7 +105,7 @@ class ParallelMesh:
         if dim in FLAT_DIMS:
             return self._flat[dim]
         if dim not in self._sliced:  # (the training step asks every step)
-            self._sliced[dim] = self.expert[dim] if dim in (Dim.EP, Dim.EDP) else self.world[dim]
+            self._sliced[dim] = self.expert[dim] if dim in (Dim.EP, Dim.EDP, Dim.ETP) else self.world[dim]
         return self._sliced[dim]
 
     def group(self, dim: str) -> CommGroup:

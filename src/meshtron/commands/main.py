@@ -181,7 +181,7 @@ MESH_DEGREES = {
     "dp-shard": "data-parallel ranks sharding the state (ZeRO / FSDP)",
     "cp": "context parallel: ranks splitting each sequence",
     "tp": "tensor parallel: ranks splitting each layer",
-    "ep": "expert parallel: ranks splitting the experts (folded into dp-shard x cp)",
+    "ep": "expert parallel: ranks splitting the experts (over dp-shard x cp; with --etp 1 tp's too)",
 }
 
 
@@ -192,6 +192,13 @@ def _add_picture_parsers(sub: argparse._SubParsersAction) -> None:
         mesh.add_argument(
             f"--{dim}", type=int, default=1, help=f"{what} (parallel.{dim.replace('-', '_')}, default 1)"
         )
+    mesh.add_argument(
+        "--etp",
+        type=int,
+        default=0,
+        help="expert tensor parallel: 0 or tp splits each expert over tp; 1 keeps experts whole, and ep "
+        "may take tp ranks (parallel.etp, default 0)",
+    )
     mesh.add_argument(
         "--cp-ulysses",
         type=int,

@@ -19,6 +19,7 @@ def cmd_mesh(args: argparse.Namespace) -> int:
             cp=args.cp,
             tp=args.tp,
             ep=args.ep,
+            etp=args.etp,
             cp_ulysses=args.cp_ulysses,
         )
     except ValueError as err:

@@ -3,15 +3,19 @@ and the problems of the degrees themselves. Pure arithmetic (numpy, no torch): c
 `meshtron mesh` all read degrees from here.
 
 The world is laid out row-major over [pp, dp_replicate, dp_shard, cp, tp], so tp (the chattiest dim)
-is on neighbouring ranks of one node and pp / dp_replicate span nodes. Expert parallelism borrows its
-ranks from dp_shard x cp: that block is re-read as [edp, ep] with ep innermost, giving the expert
-mesh [pp, dp_replicate, edp, ep, tp]; expert weights are then replicated over dp_replicate x edp.
+is on neighbouring ranks of one node and pp / dp_replicate span nodes. The experts have a grid of their
+own over the same ranks (MoE parallel folding, Liu et al. 2025, as Megatron-Core has it): each stage's
+dp_shard x cp x tp block is re-read as [edp, ep, etp] with etp innermost, giving the expert mesh
+[pp, dp_replicate, edp, ep, etp]. etp = tp splits every expert over the tp ranks, so ep takes its ranks
+from dp_shard x cp; etp = 1 keeps experts whole, so ep may take tp ranks too (tp 2 x dp 16 for
+attention, ep 32 for the experts). Expert weights are replicated over dp_replicate x edp.
 
   degree        what it is                                         resolved how
   world size    pp · dp_replicate · dp_shard · cp · tp             -
   dp_shard      sharded data parallel                              -1: the world size over the others
   dp            dp_replicate · dp_shard (the ranks splitting the batch)
-  ep, edp       ep · edp = dp_shard · cp (experts fold into it)     ep must divide dp_shard · cp
+  etp           expert tensor parallel                             tp (0 or tp) or 1
+  ep, edp       ep · etp · edp = dp_shard · cp · tp                ep · etp must divide dp_shard · cp · tp
   cp_ulysses    hybrid cp: all-to-all ranks inside each ring rank  divides cp (1 unless cp_impl = hybrid)
 
 `mesh.ParallelMesh` turns a `ParallelDims` into torch DeviceMeshes and process groups inside a job.
@@ -40,8 +44,9 @@ class Dim(str, Enum):
     DP_SHARD = "dp_shard"
     CP = "cp"
     TP = "tp"
-    EDP = "edp"  # the experts' data-parallel ranks: dp_shard x cp re-read as [edp, ep]
+    EDP = "edp"  # the experts' data-parallel ranks: dp_shard x cp x tp re-read as [edp, ep, etp]
     EP = "ep"
+    ETP = "etp"  # the experts' tensor-parallel ranks: the tp ranks (etp = tp), or each rank alone
     DP = "dp"  # the whole batch split: dp_replicate x dp_shard
     DP_SHARD_CP = "dp_shard_cp"  # the ranks that shard parameters when cp also splits the sequences
     DP_CP = "dp_cp"  # every rank holding a different part of the batch
@@ -54,7 +59,7 @@ class Dim(str, Enum):
 
 
 DENSE_DIMS = (Dim.PP, Dim.DP_REPLICATE, Dim.DP_SHARD, Dim.CP, Dim.TP)
-EXPERT_DIMS = (Dim.PP, Dim.DP_REPLICATE, Dim.EDP, Dim.EP, Dim.TP)
+EXPERT_DIMS = (Dim.PP, Dim.DP_REPLICATE, Dim.EDP, Dim.EP, Dim.ETP)
 # Views made of several mesh dims.
 FLAT_DIMS: Mapping[Dim, tuple[Dim, ...]] = MappingProxyType(
     {
@@ -67,14 +72,20 @@ PP_ENDS = Dim.PP_ENDS
 CP_PARTS = (Dim.CP_RING, Dim.CP_ULYSSES)
 
 
-def ep_folding_problem(dp_shard: int, cp: int, ep: int) -> str | None:
-    """Expert parallelism re-reads the dp_shard x cp block as [edp, ep], so ep must divide it."""
-    if (dp_shard * cp) % ep == 0:
-        return None
-    return (
-        f"parallel.ep={ep} must divide dp_shard*cp={dp_shard * cp} (experts borrow their ranks from the "
-        "data- and context-parallel dims)"
-    )
+def ep_folding_problem(dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str | None:
+    """The experts' grid re-reads each stage's dp_shard x cp x tp block as [edp, ep, etp]: etp is tp
+    (ep then divides dp_shard x cp) or 1 (ep divides the whole block)."""
+    if etp not in (1, tp):
+        return f"parallel.etp={etp} must be 1 (whole experts) or tp={tp} (experts split like the FFN)"
+    if etp == tp and (dp_shard * cp) % ep:
+        return (
+            f"parallel.ep={ep} must divide dp_shard*cp={dp_shard * cp} when experts are split over tp "
+            f"(etp=tp); with parallel.etp=1 ep may take tp ranks too (ep dividing dp_shard*cp*tp="
+            f"{dp_shard * cp * tp})"
+        )
+    if (dp_shard * cp * tp) % ep:
+        return f"parallel.ep={ep} must divide dp_shard*cp*tp={dp_shard * cp * tp} (the ranks of a stage)"
+    return None
 
 
 def absorbed_dp_shard(dp_shard: int, others: int, world_size: int) -> int:
@@ -123,17 +134,19 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    # Expert tensor parallel: 0 (= tp) or tp splits every expert like the FFN; 1 keeps experts whole.
+    etp: int = 0
     # Hybrid context parallel reads each cp group as [ring, ulysses] with ulysses innermost.
     cp_ulysses: int = 1
 
     def __post_init__(self) -> None:
-        degrees = {f.name: getattr(self, f.name) for f in fields(ParallelDims)}
+        degrees = {f.name: getattr(self, f.name) for f in fields(ParallelDims) if f.name != "etp"}
         bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {bad}")
         if self.cp % self.cp_ulysses:
             raise ValueError(f"cp_ulysses={self.cp_ulysses} must divide cp={self.cp}")
-        folding = ep_folding_problem(self.dp_shard, self.cp, self.ep)
+        folding = ep_folding_problem(self.dp_shard, self.cp, self.tp, self.ep, self.expert_tp)
         if folding:
             raise ValueError(folding)
 
@@ -147,12 +160,25 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def expert_tp(self) -> int:
+        """The etp degree: tp (etp 0 or tp) or 1."""
+        return self.tp if self.etp in (0, self.tp) else self.etp
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts have a grid of their own (ep > 1, or whole experts over the tp ranks), so
+        their own engine reduces and shards them over edp."""
+        return self.ep > 1 or self.expert_tp < self.tp
+
+    @property
     def edp(self) -> int:
-        return self.dp_shard * self.cp // self.ep
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.expert_tp)
 
     def size(self, dim: str) -> int:
         if dim == PP_ENDS:
             return min(self.pp, 2)
+        if dim == Dim.ETP:
+            return self.expert_tp
         if dim in CP_PARTS:
             return self.cp_ulysses if dim == Dim.CP_ULYSSES else self.cp // self.cp_ulysses
         if dim in FLAT_DIMS:
@@ -165,14 +191,14 @@ class ParallelDims:
 
     @cached_property
     def expert_grid(self) -> np.ndarray:
-        return self.dense_grid.reshape(self.pp, self.dp_replicate, self.edp, self.ep, self.tp)
+        return self.dense_grid.reshape(self.pp, self.dp_replicate, self.edp, self.ep, self.expert_tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Index of `rank` along every dense and expert dim."""
         dense = np.argwhere(self.dense_grid == rank)[0]
         expert = np.argwhere(self.expert_grid == rank)[0]
         out = dict(zip(DENSE_DIMS, map(int, dense), strict=True))
-        out.update(edp=int(expert[2]), ep=int(expert[3]))
+        out.update(edp=int(expert[2]), ep=int(expert[3]), etp=int(expert[4]))
         return out
 
     def groups(self, dim: str) -> list[list[int]]:
@@ -186,13 +212,13 @@ class ParallelDims:
             return [g[i::u] for g in self.groups(Dim.CP) for i in range(u)]
         if dim in DENSE_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(dim)]
-        elif dim in (Dim.EP, Dim.EDP):
+        elif dim in (Dim.EP, Dim.EDP, Dim.ETP):
             grid, axes = self.expert_grid, [EXPERT_DIMS.index(dim)]
         elif dim in FLAT_DIMS:
             grid, axes = self.dense_grid, [DENSE_DIMS.index(d) for d in FLAT_DIMS[dim]]
         else:
             raise ValueError(
-                f"unknown mesh dim {dim!r}; known: {', '.join(DENSE_DIMS + ('ep', 'edp') + tuple(FLAT_DIMS))}"
+                f"unknown mesh dim {dim!r}; known: {', '.join(DENSE_DIMS + ('ep', 'edp', 'etp') + tuple(FLAT_DIMS))}"
             )
         others = [a for a in range(grid.ndim) if a not in axes]
         moved = np.transpose(grid, others + axes)
@@ -218,9 +244,11 @@ class ParallelDims:
             if self.cp_ulysses > 1
             else ""
         )
-        return f"mesh {dims}{hybrid}" + (
-            f" (ep{self.ep} x edp{self.edp} over dp_shard x cp)" if self.ep > 1 else ""
-        )
+        over = "dp_shard x cp" if self.expert_tp == self.tp else "dp_shard x cp x tp"
+        experts = f" (ep{self.ep} x edp{self.edp} over {over})" if self.ep > 1 else ""
+        if self.expert_tp == 1 < self.tp:
+            experts = f" (experts: ep{self.ep} x edp{self.edp} over dp_shard x cp x tp, etp1)"
+        return f"mesh {dims}{hybrid}{experts}"
 
     def describe(self, gpus_per_node: int, unit: str = "GPU") -> str:
         """Human-readable layout: dims, each rank's coordinates and node, every group of every dim;
@@ -248,7 +276,7 @@ class ParallelDims:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "dims": {**asdict(self), "edp": self.edp, "world_size": self.world_size},
+                "dims": {**asdict(self), "etp": self.expert_tp, "edp": self.edp, "world_size": self.world_size},
                 "groups": self.group_table(),
             }
         )

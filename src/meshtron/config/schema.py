@@ -232,12 +232,24 @@ class ParallelConfig:
     pp_overlap: bool = False
     ep: int = positive(1)
     ep_dispatch: EpDispatch = "alltoall"
-    etp: int = non_negative(0)  # expert tensor parallel: 0 or tp (experts split like the FFN), or 1
+    # Expert tensor parallel: 0 or tp (every expert split over tp like the FFN), or 1 (whole experts; ep may
+    # then take tp ranks too: config/layout.py's expert grid).
+    etp: int = non_negative(0)
 
     @property
     def expert_tp(self) -> bool:
-        """Whether experts are split over tensor parallel (etp = tp) rather than whole per tp rank."""
+        """Whether experts are split over tensor parallel (etp = tp) rather than kept whole (etp = 1)."""
         return self.etp in (0, self.tp)
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts have a grid of their own (config/layout.py), and so an engine of their own
+        over edp: ep > 1, or whole experts over the tp ranks (etp = 1)."""
+        return self.ep > 1 or not self.expert_tp
+
+    def edp_of(self, shard: int) -> int:
+        """The experts' data-parallel degree when `shard` = dp_shard x cp: the stage's ranks over ep x etp."""
+        return shard * (1 if self.expert_tp else self.tp) // self.ep
 
     @property
     def cp_split(self) -> tuple[int, int]:
@@ -266,6 +278,7 @@ class ParallelConfig:
             cp=self.cp,
             tp=self.tp,
             ep=self.ep,
+            etp=self.etp,
             cp_ulysses=self.cp_ulysses if self.cp_impl == "hybrid" else 1,
         )
 

@@ -14,8 +14,8 @@ them into a region of the logical tensor and reads exactly that region from the 
   tensor         a parameter split over tp (tp_plan.split_dims) is read at this tp rank's columns or
                  rows; the vocabulary's padding rows are left as they are (zeros); key/value heads
                  replicated because there are fewer than tp are read whole
-  expert         ep rank e holds the e-th block of the experts tensor parallel left it (with etp = 1,
-                 tp rank t's E/tp experts first): only those experts' tensors are read
+  expert         ep rank e holds the e-th block of the experts (each split over tp with etp = tp; with
+                 etp = 1 whole, the ep ranks taking tp ranks too): only those experts' tensors are read
   context        cp ranks hold the same weights (FSDP shards them over dp_shard x cp like dp_shard)
   DDP            whole parameters (each replica reads what it holds: everything)
   ZeRO-1/2       the rows this rank's optimizer owns; `load_owned_rows` then all-gathers the whole

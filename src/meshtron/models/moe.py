@@ -245,18 +245,26 @@ class GroupedExperts(nn.Module):
 
 
 class Routing(NamedTuple):
-    """Where a micro-batch's tokens go: gate weights [T,k] (fp32), expert ids [T,k], and which of those
-    assignments are kept [T,k] (all, unless a capacity drops some)."""
+    """Where a micro-batch's tokens go: gate weights [T,k] (fp32), expert ids [T,k], which of those
+    assignments are kept [T,k] (all, unless a capacity drops some), and the capacity per expert they were
+    kept under (None: dropless)."""
 
     weights_Tk: torch.Tensor
     experts_Tk: torch.Tensor
     keep_Tk: torch.Tensor
+    capacity: int | None = None
+
+    def rows(self, start: int, stop: int) -> Routing:
+        """The routing of tokens [start, stop) (under the same capacity). The gates are copied: a view
+        saved for backward would keep every token's gates alive."""
+        weights_Tk = self.weights_Tk[start:stop].clone()
+        return Routing(weights_Tk, self.experts_Tk[start:stop], self.keep_Tk[start:stop], self.capacity)
 
 
 def local_dispatch(moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
     """[T, D] fp32: this rank's experts (all of them, or under expert tensor parallel its share, the
     others' outputs summed by tensor parallel's exit) on this rank's tokens."""
-    weights_Tk, experts_Tk, keep_Tk = routing
+    weights_Tk, experts_Tk, keep_Tk, _ = routing
     order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.experts.w1.shape[0])
     y_ND = moe.experts(x_TD[order // moe.top_k], counts_E)
     return combine(y_ND, order, weights_Tk, x_TD.shape[0])
@@ -314,9 +322,10 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights_Tk, experts_Tk, scores_TE, logits_TE = self.router(x_TD)
-        keep_Tk = capacity_keep(scores_TE, experts_Tk, self.capacity(x_TD.shape[0]))
+        capacity = self.capacity(x_TD.shape[0])
+        keep_Tk = capacity_keep(scores_TE, experts_Tk, capacity)
         self._count(experts_Tk, keep_Tk)
-        y_TD = self.dispatch(self, x_TD, Routing(weights_Tk, experts_Tk, keep_Tk)).to(x_TD.dtype)
+        y_TD = self.dispatch(self, x_TD, Routing(weights_Tk, experts_Tk, keep_Tk, capacity)).to(x_TD.dtype)
 
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)

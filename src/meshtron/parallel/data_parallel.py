@@ -52,7 +52,7 @@ def apply_data_parallel(
     shard_dim, whole_dim = mesh.with_cp(Dim.DP_SHARD), mesh.with_cp(Dim.DP)
     # One unit (ZeRO-1/2/3) per block, an MTP depth's norms and projection with its block.
     blocks = [*model.layers.values(), *(model.mtp.values() if model.mtp is not None else ())]
-    experts = expert_parameter_names(model) if mesh.size(Dim.EP) > 1 else frozenset()
+    experts = expert_parameter_names(model) if mesh.dims.experts_apart else frozenset()
     if not experts:
         return _engine(
             EngineModel(model=model, blocks=blocks, roots=roots), comm, mesh, settings, shard_dim, whole_dim

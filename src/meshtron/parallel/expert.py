@@ -34,15 +34,20 @@ Both are exact: the same assignments reach the same experts as on one device. Ba
 exchanges in reverse (comm/autograd.py's rules), so an expert's gradient sums the contributions of the
 tokens every ep rank sent it. Capacity is decided before the exchange, on each rank's own micro-batch.
 
-With tensor parallel, `parallel.etp` says how experts meet tp: etp = tp (default) splits every expert's
-FFN over tp as the dense FFN; etp = 1 gives each tp rank whole experts (the tp ranks hold the same,
-gathered tokens, and each computes its own experts' share; tensor parallel's exit sums them). Either way
-the ep groups (one per tp rank) exchange only among ranks with the same tp coordinate.
+With tensor parallel, `parallel.etp` says how experts meet tp (the experts' grid, config/layout.py):
+etp = tp (default) splits every expert's FFN over tp as the dense FFN, and the ep groups (one per tp
+rank) exchange among ranks with the same tp coordinate. etp = 1 keeps experts whole and lets ep take tp
+ranks too, as Megatron-Core's MoE parallel folding does (tp 2 x dp 16 for attention, ep 32 for the
+experts): the tp ranks hold the same gathered tokens, so each sends its own 1/tp of them (`TokenShare`)
+to its ep group, and tensor parallel's exit sums the shares with the shared experts' partial output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron.comm.collectives import Comm
@@ -56,6 +61,7 @@ from meshtron.models.moe import (
     combine,
     compute_dtype,
     counts_of,
+    local_dispatch,
     sort_by_expert,
 )
 
@@ -82,9 +88,8 @@ class AllToAllDispatch(ExpertDispatch):
     """Tokens to the ep ranks holding their experts and back, with uneven all-to-alls."""
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        weights_Tk, experts_Tk, keep_Tk = routing
+        weights_Tk, experts_Tk, keep_Tk, capacity = routing
         n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
-        capacity = moe.capacity(x_TD.shape[0])
         if capacity is not None:
             return self.slots(moe, x_TD, weights_Tk, experts_Tk, keep_Tk, capacity)
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
@@ -166,7 +171,7 @@ class PerRankDispatch(ExpertDispatch):
 def rank_gates(routing: Routing, first: int, n: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate values [T, n, L] of each token for each of the n ranks' L experts, 0 where not chosen;
     which are chosen [T, n, L]) over the experts [first, first + n·L), the kept assignments only."""
-    weights_Tk, experts_Tk, keep_Tk = routing
+    weights_Tk, experts_Tk, keep_Tk, _ = routing
     slot_Tk = experts_Tk - first
     mine_Tk = keep_Tk & (slot_Tk >= 0) & (slot_Tk < n * local)
     slot_Tk = torch.where(mine_Tk, slot_Tk, 0)
@@ -199,7 +204,7 @@ class AllGatherDispatch(ExpertDispatch):
     """Every rank's tokens gathered over ep; each rank's experts' weighted outputs reduce-scattered back."""
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        weights_Tk, experts_Tk, keep_Tk = routing
+        weights_Tk, experts_Tk, keep_Tk, _ = routing
         x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
         weights_all = self.comm.all_gather(weights_Tk, self.ep)
         experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
@@ -216,15 +221,39 @@ DISPATCHES: dict[str, type[ExpertDispatch]] = {
 }
 
 
-def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, dispatch_by: EpDispatch) -> None:
-    """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer (of the
-    ones tensor parallel left it) and route tokens to the others by all-to-all or all-gather."""
-    if ep.size == 1:
+class TokenShare:
+    """Under etp = 1 the tp ranks hold the same (gathered) tokens and whole experts: each sends its own
+    1/tp of the rows through `inner` (to experts anywhere in its ep group, tp ranks included) and leaves
+    zeros in the other rows, which tensor parallel's exit fills by summing the shares."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor], share: int, shares: int):
+        self.inner, self.share, self.shares = inner, share, shares
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        n_tokens = x_TD.shape[0]
+        start, stop = n_tokens * self.share // self.shares, n_tokens * (self.share + 1) // self.shares
+        y_SD = self.inner(moe, x_TD[start:stop], routing.rows(start, stop))
+        return F.pad(y_SD, (0, 0, start, n_tokens - stop))
+
+
+def apply_expert_parallel(
+    model: Transformer, comm: Comm, ep: CommGroup, dispatch_by: EpDispatch, tp_shares: CommGroup | None = None
+) -> None:
+    """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer and
+    route tokens to the others by `dispatch_by`. `tp_shares`: under etp = 1, the tp group whose ranks
+    each send their own share of the tokens (the ep group may include them)."""
+    shares = tp_shares.size if tp_shares is not None else 1
+    if ep.size == 1 and shares == 1:
         return
-    dispatch = DISPATCHES[dispatch_by](comm, ep)
+    dispatch = DISPATCHES[dispatch_by](comm, ep) if ep.size > 1 else local_dispatch
+    if shares > 1:
+        dispatch = TokenShare(dispatch, tp_shares.rank, shares)
     for _, block in model.blocks():
         moe = getattr(block, "moe", None)
         if moe is None:
+            continue
+        moe.dispatch = dispatch
+        if ep.size == 1:
             continue
         experts = moe.experts
         per_rank = experts.w1.shape[0] // ep.size
@@ -232,4 +261,3 @@ def apply_expert_parallel(model: Transformer, comm: Comm, ep: CommGroup, dispatc
         for name, weight in list(experts.named_parameters()):
             setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
         moe.first_expert += ep.rank * per_rank
-        moe.dispatch = dispatch

@@ -109,7 +109,8 @@ def parallelize(
     layout = apply_context_parallel(model, comm, cp, p.cp_impl, seq_len, ring, ulysses)
     if p.cp_exchange == "latent":  # MLA's latents travel instead of its keys and values
         apply_latent_exchange(model, comm, cp, p.cp_impl)
-    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch)
+    shares = mesh.group(Dim.TP) if not p.expert_tp and mesh.size(Dim.TP) > 1 else None  # etp = 1
+    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training

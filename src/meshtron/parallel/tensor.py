@@ -18,9 +18,9 @@ layers' parameter names do not change.
               it) and every rank projects the whole sequence down
   SwiGLU      w1, w3 column-parallel, w2 row-parallel
   MoE         router replicated; every expert's FFN split like SwiGLU (parallel.etp = tp), or with
-              etp = 1 each rank keeps E/tp whole experts and computes only their share of the (gathered)
-              tokens; either way the routed and shared outputs are combined while still partial, then
-              reduced once
+              etp = 1 the experts left whole for expert parallel to place over the tp ranks too (each
+              tp rank sends 1/tp of the gathered tokens to them: parallel/expert.py); either way the
+              routed and shared outputs are combined while still partial, then reduced once
   embedding   vocab-parallel: rows [r*V/tp, (r+1)*V/tp) of the (padded) vocabulary
   head        vocab-parallel logits, and `vocab_parallel_cross_entropy` never gathers them
 
@@ -69,6 +69,9 @@ class TensorParallelPlan:
     split_dims: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     vocab_start: int = 0
     vocab_local: int = 0  # real (unpadded) vocabulary entries on this rank
+    # Whole on every tp rank, yet different on each: experts under etp = 1, which expert parallel places
+    # over the tp ranks too (the gradient norm counts them on every tp rank).
+    placed_by_ep: set[str] = field(default_factory=set)
 
     def gather_full(self, grads: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
         """Logical-shape tensors from this rank's shards (for parity checks)."""
@@ -211,7 +214,7 @@ def vocab_parallel_cross_entropy(
 #                rank sees its own tokens, so their gradients are summed over tp
 #   entering_linear  whole on every rank, its output enters the region (MLA's down-projections): under sp
 #                it projects this rank's tokens and the latents are gathered, its gradient summed over tp
-#   experts      every expert's SwiGLU split like column, column, row (etp = tp), or E/tp whole experts
+#   experts      every expert's SwiGLU split like column, column, row (etp = tp), or left whole (etp = 1)
 #   moe_exit     the MoE output (partial) leaves the region; its aux losses count 1/tp on each rank
 BLOCK_PLAN: dict[str, str] = {
     "attention_norm": "entering",
@@ -387,11 +390,8 @@ class _Sharder:
 
     def experts(self, experts: nn.Module, name: str) -> None:
         n, r = self.n, self.r
-        if not self.expert_tp:  # whole experts: this rank's E/tp of them
-            n_experts = experts.w1.shape[0]
-            for w in ("w1", "w3", "w2"):
-                setattr(experts, w, nn.Parameter(_rows(getattr(experts, w), 0, r, n)))
-                self.plan.split_dims[f"{name}.{w}"] = (0, n_experts)
+        if not self.expert_tp:  # whole experts (etp = 1): expert parallel places them, tp ranks included
+            self.plan.placed_by_ep.update(f"{name}.{w}" for w in ("w1", "w3", "w2"))
             return
         ffn = experts.w1.shape[1]
         experts.w1 = nn.Parameter(_rows(experts.w1, 1, r, n))
@@ -403,8 +403,6 @@ class _Sharder:
         # The aux losses are computed identically on every rank, so each contributes 1/tp of their gradient.
         moe.aux_loss_coef /= self.n
         moe.z_loss_coef /= self.n
-        if not self.expert_tp:
-            moe.first_expert = self.r * (moe.n_experts // self.n)
         moe.register_forward_hook(lambda _m, _i, out: (self.exit_region(out[0]), out[1]))
 
     def _vocab_shard(self, weight: torch.Tensor) -> torch.Tensor:

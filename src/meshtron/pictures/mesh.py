@@ -16,7 +16,10 @@ def draw_mesh(dims: ParallelDims, gpus_per_node: int, out_path: str | Path) -> P
     each coloured by its group in that dim; thick lines mark node boundaries."""
     plt = pyplot()
 
-    panels = [d for d in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep") if dims.size(d) > 1] or ["tp"]
+    # The attention's grid, then the experts' (MoE parallel folding: their own groups over the same ranks).
+    dense = [d for d in ("tp", "cp", "dp_shard", "dp_replicate", "pp") if dims.size(d) > 1]
+    experts = [d for d in ("ep", "edp") if dims.experts_apart and dims.size(d) > 1]
+    panels = [*dense, *experts] or ["tp"]
     n_nodes = -(-dims.world_size // gpus_per_node)
     crossing = set(dims.crossing_dims(gpus_per_node))
     cols = min(len(panels), 3)

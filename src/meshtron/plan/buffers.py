@@ -112,9 +112,9 @@ _BUFFERS: Memo[float] = Memo()
 def _engine_buffers(cfg: Config, shard: int, pp_rank: int, in_place: bool) -> float:
     p = cfg.parallel
     params = rank_parameters(cfg, pp_rank)
-    groups = [([x for x in params if not x.expert or p.ep == 1], shard)]
-    if p.ep > 1:
-        groups.append(([x for x in params if x.expert], shard // p.ep))
+    groups = [([x for x in params if not x.expert or not p.experts_apart], shard)]
+    if p.experts_apart:
+        groups.append(([x for x in params if x.expert], p.edp_of(shard)))
     if p.zero == 3:
         return sum(zero3_buffers(cfg, group, n) for group, n in groups)
     return sum(zero12_buffers(cfg, group, n, in_place) for group, n in groups)

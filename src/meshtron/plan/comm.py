@@ -120,7 +120,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
             out[group] = out.get(group, 0.0) + nbytes
 
     cp = "_cp" if p.cp > 1 else ""
-    dense = [x.shape for x in params if not x.expert or p.ep == 1]
+    dense = [x.shape for x in params if not x.expert or not p.experts_apart]
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
     if shard > 1:
         add(f"dp_shard{cp}", on_shard + 2 * 16 * _ring(shard))  # + clipping's two float64 partial sums
@@ -136,9 +136,9 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         owned = rows if shard == 1 else math.ceil(rows / shard)
         owned = owned if p.zero == 3 or shard == 1 else min(owned, rows)
         add("pp_ends", 2 * 4 * owned * m.dim * _ring(2))
-    if p.ep > 1:
+    if p.experts_apart:
         on_edp, on_replicas = _dp_bytes(
-            [x.shape for x in params if x.expert], shard // p.ep, p.dp_replicate, cfg, micro
+            [x.shape for x in params if x.expert], p.edp_of(shard), p.dp_replicate, cfg, micro
         )
         add("edp", on_edp)
         add("dp_replicate", on_replicas)
@@ -163,17 +163,17 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     if p.cp > 1 and not m.is_moe:  # (an MoE layer adds its routing statistics' all-reduce)
         layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
         add("cp", _cp_bytes(cfg, layers, micro))
+    sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
     if p.ep > 1 and p.ep_dispatch == "alltoall":
         add(
             "ep",
             micro
             * moe_layers
-            * (4 * tokens * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
+            * (4 * sent * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
         )
     if p.ep > 1 and p.ep_dispatch == "dedup":
-        owners = 1 if p.etp in (0, p.tp) else p.tp
-        rows = tokens * ranks_per_token(m, p.ep, owners) * _ring(p.ep)  # those that leave, each way
-        local = m.n_experts // (p.ep * owners)
+        rows = sent * ranks_per_token(m, p.ep) * _ring(p.ep)  # those that leave, each way
+        local = m.n_experts // p.ep
         # tokens, gates and chosen-masks there, the partial sums back; their gradients (no mask's)
         per_row = 4 * m.dim * 4 + 2 * local * 4 + local
         add("ep", micro * moe_layers * (rows * per_row + 8 * p.ep * (p.ep - 1)))

@@ -111,8 +111,9 @@ def groups(cfg: Config) -> dict[str, Group]:
     strides = mesh_strides(dense, ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     out = {name: Group(size, strides[name], 0) for name, size in dense.items()}
     out["shard"] = Group(p.dp_shard * p.cp, p.tp, 0)  # dp_shard x cp, flattened
-    out["ep"] = Group(p.ep, p.tp, 0)
-    out["edp"] = Group(p.dp_shard * p.cp // p.ep, p.ep * p.tp, 0)
+    etp = p.tp if p.expert_tp else 1  # the experts' grid [edp, ep, etp] (config/layout.py)
+    out["ep"] = Group(p.ep, etp, 0)
+    out["edp"] = Group(p.dp_shard * p.cp * p.tp // (p.ep * etp), p.ep * etp, 0)
     return out
 
 
@@ -139,20 +140,17 @@ def layer_comm(
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)
     if p.ep > 1 and m.is_moe_layer(layer):
         ep = _on(net, g["ep"])
+        sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends 1/tp of the tokens
         rows, counts = (
-            imbalance * m.top_k * tokens,
+            imbalance * m.top_k * sent,
             collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff),
         )
         if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
-            owners = 1 if p.etp in (0, p.tp) else p.tp
-            rows, counts = (
-                m.n_experts // owners * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts),
-                0.0,
-            )
+            rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
         one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
         out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one)
         if p.ep_dispatch == "dedup":
-            out["ep"] = _dedup_comm(cfg, ep, net, imbalance * tokens, act)
+            out["ep"] = _dedup_comm(cfg, ep, net, imbalance * sent, act)
         out["ep"] = out["ep"] * (0.0 if net.overlap.ep else 1.0)
     return out
 
@@ -162,8 +160,7 @@ def _dedup_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -
     (plan/routing.py); forward the row counts, then tokens, gates and chosen-masks, then the partial sums
     back (4 calls); backward the partial sums' gradient, then the tokens' and the gates' (3 calls)."""
     m, p = cfg.model, cfg.parallel
-    owners = 1 if p.etp in (0, p.tp) else p.tp
-    local, rows = m.n_experts // (p.ep * owners), tokens * ranks_per_token(m, p.ep, owners)
+    local, rows = m.n_experts // p.ep, tokens * ranks_per_token(m, p.ep)
 
     def exchange(row_bytes: float, calls: int) -> float:
         return collective_time("all_to_all", rows * row_bytes, ep, net.gpu, net.eff, calls=calls)
@@ -268,8 +265,8 @@ def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list
 
     def sizes_of() -> tuple[list[tuple[int, int]], int]:
         params = rank_parameters(cfg, pp_rank)
-        groups = [([x.shape for x in params if not x.expert or p.ep == 1], shard)]
-        if p.ep > 1:
+        groups = [([x.shape for x in params if not x.expert or not p.experts_apart], shard)]
+        if p.experts_apart:
             groups.append(([x.shape for x in params if x.expert], edp))
         sizes = [
             (
@@ -280,7 +277,7 @@ def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list
         ]
         return sizes, sum(1 for x in params if x.expert and x.name.endswith("w1"))
 
-    return _SIZES.get((stage_key(cfg, pp_rank), shard, edp, p.ep > 1), sizes_of)
+    return _SIZES.get((stage_key(cfg, pp_rank), shard, edp, p.experts_apart), sizes_of)
 
 
 _SIZES: Memo[tuple[list[tuple[int, int]], int]] = Memo()

@@ -137,10 +137,10 @@ def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
         return out + [(rows, h, f), (rows, h, f), (rows, f, h)]
-    expert_tp = p.expert_tp
-    width = m.expert_ffn_dim // tp if expert_tp else m.expert_ffn_dim
-    local = m.n_experts // p.ep // (1 if expert_tp else tp)
-    per_expert = imbalance * m.top_k * rows * p.ep / m.n_experts
+    # etp = tp: each expert split over tp, all tokens; etp = 1: whole experts, 1/tp of the tokens each.
+    width, share = (m.expert_ffn_dim // tp, 1) if p.expert_tp else (m.expert_ffn_dim, tp)
+    local = m.n_experts // p.ep
+    per_expert = imbalance * m.top_k * rows / share * p.ep / m.n_experts
     out += [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
     out.append((rows, h, m.n_experts))  # the router
     if m.n_shared_experts:

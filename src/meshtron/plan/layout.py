@@ -14,6 +14,8 @@ own rules (checks.validate) deciding what is allowed.
   vpp            chunks per stage (parallel.vpp)                2 and 4 with the interleaved schedule
   pp_schedule    gpipe, 1f1b, interleaved, zero_bubble          1f1b, interleaved, zero_bubble
   ep             expert parallel (parallel.ep; MoE only)        divisors of the experts that fold in
+  etp            expert tensor parallel (parallel.etp)          tp (experts split) and 1 (whole experts,
+                                                                ep over tp ranks too)
   dp_replicate   replicas (parallel.dp_replicate)               1, or the groups of an HSDP shard
   dp_shard       sharded data parallel (parallel.dp_shard)      what the world size leaves
   zero           1, 2, 3 (parallel.zero)                        each
@@ -33,7 +35,7 @@ from meshtron.config.layout import ParallelDims
 from meshtron.config.schema import V_SCHEDULES, Config, ConfigError
 from meshtron.utils.words import suggest
 
-INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "dp_replicate", "dp_shard", "zero", "micro_batch")
+INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "etp", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
 FLOAT_KEYS = ("pp_head_layers",)
 KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
@@ -67,6 +69,7 @@ class Layout(ParallelDims):
             pp_layers=[],
             pp_head_layers=self.pp_head_layers,
             ep=self.ep,
+            etp=self.expert_tp,
             dp_replicate=self.dp_replicate,
             dp_shard=self.dp_shard,
             zero=self.zero,
@@ -87,6 +90,8 @@ class Layout(ParallelDims):
             parts += [f"cp={self.cp}", f"cp_impl={self.cp_impl}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.expert_tp != self.tp:
+            parts.append(f"etp={self.expert_tp}")
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate={self.dp_replicate}")
         parts += [

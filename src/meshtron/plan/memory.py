@@ -250,11 +250,11 @@ def moe_layer_activation_elements(
     tokens = batch * seq  # every tp rank routes all of them (gathered under sp)
     if recompute == "full":
         return SavedElements(floats=tokens * cfg.dim // tp if sp else tokens * cfg.dim)
-    owners = 1 if expert_tp else tp  # the tp ranks that split the experts between them
-    kept = balanced_assignments(cfg, tokens) // owners if kept is None else kept
+    share = 1 if expert_tp else tp  # etp = 1: each tp rank sends 1/tp of the tokens to whole experts
+    kept = balanced_assignments(cfg, tokens) // share if kept is None else kept
     assignments = kept if assignments is None else assignments
     if recompute == "op":
-        slots = slot_rows(cfg, tokens, owners, ep, ep_dispatch)
+        slots = slot_rows(cfg, tokens, ep, ep_dispatch)
         rows = assignments if slots is None or kept is not None else slots
         floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp)
         return SavedElements(floats=floats, fp32=fp32)
@@ -263,11 +263,11 @@ def moe_layer_activation_elements(
     ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp
     if ep > 1 and ep_dispatch == "alltoall" and cfg.capacity_factor > 0:
         routed = _capacity_slot_elements(
-            cfg, tokens, ffn, owners, assignments=None if kept is None else assignments
+            cfg, tokens, ffn, share, assignments=None if kept is None else assignments
         )
     elif ep > 1 and ep_dispatch == "dedup":
-        pairs = round(tokens * ranks_per_token(cfg, ep, owners)) if pairs is None else pairs
-        routed = _dedup_elements(cfg, tokens, ffn, assignments, pairs, cfg.n_experts // (ep * owners))
+        pairs = round(tokens // share * ranks_per_token(cfg, ep)) if pairs is None else pairs
+        routed = _dedup_elements(cfg, tokens // share, ffn, assignments, pairs, cfg.n_experts // ep)
     else:
         # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
         # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
@@ -277,7 +277,7 @@ def moe_layer_activation_elements(
             floats=assignments * (cfg.dim + 4 * ffn) + kept,
             fp32=2 * kept * cfg.dim,
             int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
-            int32=3 * cfg.n_experts // (ep * owners),
+            int32=3 * cfg.n_experts // ep,
         )
     attention = SavedElements(
         floats=_attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange)
@@ -305,16 +305,16 @@ def _dedup_elements(
 
 
 def _capacity_slot_elements(
-    cfg: ModelConfig, tokens: int, ffn: int, owners: int, assignments: int | None
+    cfg: ModelConfig, tokens: int, ffn: int, share: int, assignments: int | None
 ) -> SavedElements:
     """The all-to-all dispatch with a capacity (parallel/expert.py, `slots`): the experts process every
-    slot, M = (E/owners)·C rows, filled or not (`assignments` if measured); every one of the A = T·k
-    assignments is gathered back and weighted: each slot's token id (M + 1, int64), each assignment's
-    slot (A, int64), the experts' rows and SwiGLU M·(h + 4·e), the gathered outputs in fp32 A·h and the
-    gate values A (fp32)."""
+    slot, M = E·C rows, filled or not (`assignments` if measured; C the capacity of all `tokens`); every
+    one of the A = T·k/share assignments this rank sends is gathered back and weighted: each slot's token
+    id (M + 1, int64), each assignment's slot (A, int64), the experts' rows and SwiGLU M·(h + 4·e), the
+    gathered outputs in fp32 A·h and the gate values A (fp32)."""
     capacity = math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
-    rows = cfg.n_experts // owners * capacity if assignments is None else assignments
-    routed = tokens * cfg.top_k
+    rows = cfg.n_experts * capacity if assignments is None else assignments
+    routed = tokens // share * cfg.top_k
     return SavedElements(
         floats=rows * (cfg.dim + 4 * ffn), fp32=routed * cfg.dim + routed, int64=routed + rows + 1
     )

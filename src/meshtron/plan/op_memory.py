@@ -18,7 +18,7 @@ and log-sum-exp b·(a/t)·s (fp32) are kept too; under cp the attention core is 
 (or a tiled path whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The
 input is T·h, or T·h/t under sequence parallel. M comes from the routing as in plan/memory.py: balanced
 by default, the measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
-every capacity slot of the ep group's experts, E/owners·C.
+every capacity slot of the ep group's experts, E·C.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def op_kept_elements(
     return floats, fp32
 
 
-def slot_rows(cfg: ModelConfig, tokens: int, owners: int, ep: int, ep_dispatch: EpDispatch) -> int | None:
+def slot_rows(cfg: ModelConfig, tokens: int, ep: int, ep_dispatch: EpDispatch) -> int | None:
     """The rows every expert pass processes when they are fixed: the capacity slots of the all-to-all
-    dispatch with a capacity (ep > 1); None when they follow the routing."""
+    dispatch with a capacity (ep > 1), E·C with C the capacity of the micro-batch's `tokens` (whatever
+    share of them the rank sends); None when they follow the routing."""
     if ep > 1 and ep_dispatch == "alltoall" and cfg.capacity_factor > 0:
-        return cfg.n_experts // owners * math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
+        return cfg.n_experts * math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
     return None

@@ -43,8 +43,7 @@ def miss_probability(cfg: ModelConfig, block: int) -> float:
     )
 
 
-def ranks_per_token(cfg: ModelConfig, ep: int, owners: int = 1) -> float:
-    """Expected ep ranks (this one included) a token is sent to by the dedup dispatch, the experts split
-    over `owners` tensor-parallel ranks first (etp = 1: each dispatches its own share) and then over ep."""
-    block = cfg.n_experts // (ep * owners)
-    return ep * (1.0 - miss_probability(cfg, block))
+def ranks_per_token(cfg: ModelConfig, ep: int) -> float:
+    """Expected ep ranks (this one included) a token is sent to by the dedup dispatch, each rank of the
+    ep group holding E/ep experts."""
+    return ep * (1.0 - miss_probability(cfg, cfg.n_experts // ep))

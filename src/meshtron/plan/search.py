@@ -127,15 +127,16 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
     if base.pp * base.vpp > m.n_layers:
         yield "pp*vpp must not exceed model.n_layers"
         return
-    eps = _options(
-        fixed,
-        "ep",
-        [e for e in divisors(m.n_experts) if (base.dp_shard * base.cp) % e == 0] if m.is_moe else [1],
-    )
+    # The experts' grid: split over tp (etp = tp, ep over dp_shard x cp) or whole (etp = 1, ep over the
+    # stage's ranks, tp's included: MoE parallel folding).
+    etps = _options(fixed, "etp", list(dict.fromkeys((base.tp, 1))) if m.is_moe else [base.tp])
+    experts = [
+        (etp, ep) for etp in etps for ep in _options(fixed, "ep", divisors(m.n_experts) if m.is_moe else [1])
+    ]
     # In this order the search can skip what cannot win: a larger micro-batch than one that does not
     # fit, and more recompute than a mode that fits (the same layout, only more compute).
-    for ep, micro_batch, recompute in itertools.product(
-        eps, _options(fixed, "micro_batch", MICRO_BATCHES), _options(fixed, "recompute", RECOMPUTE)
+    for (etp, ep), micro_batch, recompute in itertools.product(
+        experts, _options(fixed, "micro_batch", MICRO_BATCHES), _options(fixed, "recompute", RECOMPUTE)
     ):
         if t.global_batch % (micro_batch * base.dp):
             yield "training.global_batch must be a multiple of micro_batch*dp"
@@ -147,10 +148,13 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
         if base.pp_schedule == "interleaved" and micro % base.pp:
             yield "interleaved needs micro-batches per step a multiple of pp"
             continue
-        if ep > 1 and (m.n_experts % ep or (base.dp_shard * base.cp) % ep):
-            yield "ep must divide model.n_experts and dp_shard*cp"
+        block = base.dp_shard * base.cp * (base.tp if etp == 1 else 1)
+        if etp not in (1, base.tp) or (ep > 1 and (m.n_experts % ep or block % ep)):
+            yield "ep must divide model.n_experts and dp_shard*cp (dp_shard*cp*tp with etp=1)"
             continue
-        chosen = dict(micro_batch=micro_batch, recompute=recompute, ep=ep, sp=fixed.get("sp", base.tp > 1))
+        chosen = dict(
+            micro_batch=micro_batch, recompute=recompute, ep=ep, etp=etp, sp=fixed.get("sp", base.tp > 1)
+        )
         # The head counted as its FLOPs in layers, so the split does not make the last stage the slowest.
         chosen["pp_head_layers"] = fixed.get("pp_head_layers", head)
         yield dataclasses.replace(base, **chosen)

@@ -103,11 +103,7 @@ def _block_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int, expert_tp:
             RankParameter(p + "feed_forward.w3.weight", (f, d)),
             RankParameter(p + "feed_forward.w2.weight", (d, f)),
         ]
-    experts, width = cfg.n_experts // ep, cfg.expert_ffn_dim
-    if expert_tp:
-        width //= t
-    else:
-        experts //= t
+    experts, width = cfg.n_experts // ep, cfg.expert_ffn_dim // (t if expert_tp else 1)
     out += [RankParameter(p + "moe.router.weight", (cfg.n_experts, d))]
     out += [
         RankParameter(p + f"moe.experts.{w}", s, expert=True)
@@ -287,10 +283,11 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
     def held() -> dict[str, int]:
         params = rank_parameters(cfg, pp_rank)
         dense = engine_state_bytes(
-            [x.shape for x in params if not x.expert or p.ep == 1], shard, p.zero, mixed
+            [x.shape for x in params if not x.expert or not p.experts_apart], shard, p.zero, mixed
         )
-        if p.ep > 1:
-            experts = engine_state_bytes([x.shape for x in params if x.expert], shard // p.ep, p.zero, mixed)
+        if p.experts_apart:
+            edp = p.edp_of(shard)
+            experts = engine_state_bytes([x.shape for x in params if x.expert], edp, p.zero, mixed)
             dense = {k: dense[k] + experts[k] for k in dense}
         return dense
 

@@ -118,30 +118,29 @@ def context_parallel_problems(cfg: Config) -> list[str]:
 
 
 def expert_parallel_problems(cfg: Config) -> list[str]:
-    """What placing whole experts on ep ranks (and on tp ranks with etp = 1) needs of the model."""
+    """What the experts' grid (config/layout.py: ep x etp x edp over each stage's dp_shard x cp x tp) needs
+    of the model."""
     m, p = cfg.model, cfg.parallel
     problems = []
     if p.etp not in (0, 1, p.tp):
         problems.append(
-            f"parallel.etp={p.etp} must be 1 (whole experts per tensor-parallel rank) or tp={p.tp} (experts "
+            f"parallel.etp={p.etp} must be 1 (whole experts, ep may take tp ranks) or tp={p.tp} (experts "
             "split over tp like the dense FFN)"
         )
     if p.ep == 1 and (p.expert_tp or not m.is_moe):
         return problems
     if not m.is_moe:
         return [*problems, f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); set parallel.ep=1"]
-    owners = p.ep * (1 if cfg.parallel.expert_tp else p.tp)
-    if m.n_experts % owners:
-        what = "parallel.ep" if owners == p.ep else "parallel.ep*tp (etp=1 spreads experts over tp too)"
+    if m.n_experts % p.ep:
         problems.append(
-            f"model.n_experts={m.n_experts} is not divisible by {what}={owners}; use "
-            f"{'ep' if owners == p.ep else 'ep*tp'} in {divisors(m.n_experts)}"
+            f"model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}; use ep in "
+            f"{divisors(m.n_experts)}"
         )
     return problems
 
 
 def expert_parallel_unsupported(cfg: Config) -> list[str]:
-    if cfg.parallel.ep > 1 and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
+    if cfg.parallel.experts_apart and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
         return [
             "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
             "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
@@ -170,9 +169,10 @@ def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
         problems.append(
             f"parallel.fsdp_impl='simple' is ZeRO-3 (parameters sharded); set parallel.zero=3, not {p.zero}"
         )
-    if p.ep > 1:
+    if p.experts_apart:
         problems.append(
-            "parallel.fsdp_impl='simple' does not shard expert-parallel experts yet; use 'meshtron' with ep > 1"
+            "parallel.fsdp_impl='simple' does not shard experts over their own grid yet (ep > 1, or etp=1 "
+            "under tp); use fsdp_impl='meshtron'"
         )
     if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
         problems.append(
@@ -183,10 +183,15 @@ def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
 
 
 def layout_problems(cfg: Config, world_size: int) -> list[str]:
-    """The layout's own rules: the dims multiply to the world size, and ep folds into dp_shard x cp."""
+    """The layout's own rules: the dims multiply to the world size, and the experts' grid (ep x etp)
+    folds into each stage's dp_shard x cp x tp."""
     p = cfg.parallel
     degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp}
     problems = world_size_problems(degrees, p.dp_shard, world_size)
-    # Only for MoE models: with a dense one, ep > 1 is refused by the expert-parallel rules already.
-    folding = ep_folding_problem(p.dp_shard_for(world_size), p.cp, p.ep) if cfg.model.is_moe else None
+    # Only for MoE models: with a dense one, ep > 1 is refused by the expert-parallel rules already; an
+    # etp outside (0, 1, tp) is the expert-parallel rules' to report.
+    etp = p.tp if p.expert_tp else p.etp
+    folding = None
+    if cfg.model.is_moe and etp in (1, p.tp):
+        folding = ep_folding_problem(p.dp_shard_for(world_size), p.cp, p.tp, p.ep, etp)
     return problems + ([folding] if folding else [])

@@ -43,7 +43,8 @@ def clip_grad_norm_(
     `counted_elsewhere`: parameters this rank holds a copy of that another pipeline stage counts."""
     whole = frozenset()
     if tp_plan is not None:
-        whole = frozenset(e.name for e in engine.owned_rows() if e.name not in tp_plan.split_dims)
+        apart = tp_plan.split_dims.keys() | tp_plan.placed_by_ep
+        whole = frozenset(e.name for e in engine.owned_rows() if e.name not in apart)
     parts = engine.grad_norm_sq_parts(whole, counted_elsewhere)
     if engine.norm_group is not None:
         comm.all_reduce_(parts, engine.norm_group)

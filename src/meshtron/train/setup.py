@@ -296,10 +296,17 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     autocast = partial(autocast_context, place.device, t.dtype)
     mtp_coef = t.mtp_loss_coef if cfg.model.mtp_depth else 0.0
     loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast, mtp_coef)
-    experts = expert_parameter_names(model) if dims.ep > 1 else frozenset()
+    experts = expert_parameter_names(model) if dims.experts_apart else frozenset()
     tp_blocks = None
     if parallel.tp_plan is not None or experts:
-        tp_blocks = ShardBlocks(parallel.tp_plan, place.mesh.grid(Dim.DP_SHARD_CP, Dim.TP), dims.ep, experts)
+        at = dims.coords(place.rank)
+        tp_blocks = ShardBlocks(
+            parallel.tp_plan,
+            place.mesh.grid(Dim.DP_SHARD_CP, Dim.TP),
+            ep=dims.ep,
+            experts=experts,
+            expert_place=(at[Dim.EP], at[Dim.EDP], dims.edp),
+        )
     job = Job(
         cfg=cfg,
         place=place,
