@@ -118,6 +118,37 @@ CASES = {
             "--training.micro_batch=4",
         ],
     ),
+    # ep over cp and tp ranks at once (edp 1), recomputing the block in the backward
+    "ep4_over_cp2_tp2_selective": (
+        4,
+        [],
+        [*EP4, "--parallel.cp=2", "--parallel.tp=2", "--parallel.etp=1", "--training.recompute=selective"],
+    ),
+    # edp 2 under the fold: ZeRO-1/2 shard and reduce the experts over the experts' own dp group
+    "ep2_over_tp2_zero1_edp2_op_recompute": (
+        4,
+        [],
+        [
+            *EP2,
+            "--parallel.tp=2",
+            "--parallel.etp=1",
+            "--parallel.zero=1",
+            "--training.recompute=op",
+            "--training.micro_batch=4",
+        ],
+    ),
+    "ep2_over_tp2_sp_zero2_edp2": (
+        4,
+        [],
+        [
+            *EP2,
+            "--parallel.tp=2",
+            "--parallel.sp=true",
+            "--parallel.etp=1",
+            "--parallel.zero=2",
+            "--training.micro_batch=4",
+        ],
+    ),
     "pp2_x_ep2_over_tp2": (
         4,
         [],

@@ -139,6 +139,8 @@ LAYOUTS = {
     "pp2_zero_bubble": (2, ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--training.micro_batch=2"]),
     "cp2_ring_op_recompute": (2, ["--parallel.cp=2", "--training.recompute=op"]),
     "ep2_moe": (2, [*MOE, "--parallel.ep=2", "--training.micro_batch=4"]),
+    "ep2_over_tp2_sp_moe": (4, [*MOE, "--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2",
+                                "--parallel.etp=1", "--training.micro_batch=4"]),
     "compiled": (1, ["--training.compile=true"]),
 }  # fmt: skip
 

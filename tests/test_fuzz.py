@@ -25,13 +25,15 @@ EIGHT_RANKS = {
         "--parallel.dp_shard=1",
         "--training.micro_batch=2",
     ],
-    "pp2_x_dp2_zero3_x_ep2_x_tp2_moe": [
+    # MoE parallel folding: the experts' ep 4 over each stage's dp_shard 2 x tp 2 (etp 1)
+    "pp2_x_dp2_zero3_x_tp2_moe_ep4_folded": [
         *MOE,
         "--model.router_bias_rate=0.01",
         "--parallel.pp=2",
         "--parallel.dp_shard=2",
         "--parallel.tp=2",
-        "--parallel.ep=2",
+        "--parallel.ep=4",
+        "--parallel.etp=1",
         "--parallel.ep_dispatch=dedup",
         "--parallel.zero=3",
         "--training.micro_batch=2",
@@ -59,7 +61,7 @@ EIGHT_RANKS = {
 
 def test_the_seed_list_covers_every_dim_and_option():
     """Each mesh dim at least twice, every other option (schedule, cp_impl, dispatcher, ZeRO stage,
-    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1) at least once, over the seeds' layouts and
+    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1, ep folded over tp) at least once, over the seeds' layouts and
     the 8-rank cases. To repick: draw seeds 0..299, then greedily take the layout covering the most
     still-missing features per rank it needs."""
     drawn = [coverage(draw_layout(random.Random(seed))[0]) for seed in SEEDS]
@@ -67,7 +69,19 @@ def test_the_seed_list_covers_every_dim_and_option():
     for dim in MESH_DIMS:
         assert sum(dim in d for d in drawn) >= 2, dim
     options = set().union(*drawn)
-    want = {"zero1", "zero2", "zero3", "moe", "dense", "tied", "sp", "etp1", "kv_heads:1", "kv_heads:2"}
+    want = {
+        "zero1",
+        "zero2",
+        "zero3",
+        "moe",
+        "dense",
+        "tied",
+        "sp",
+        "etp1",
+        "ep_over_tp",
+        "kv_heads:1",
+        "kv_heads:2",
+    }
     want |= {f"schedule:{s}" for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")}
     want |= {f"cp_impl:{i}" for i in ("ring", "allgather", "alltoall", "hybrid")}
     want |= {f"recompute:{r}" for r in ("none", "selective", "op", "full")}

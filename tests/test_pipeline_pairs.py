@@ -174,19 +174,25 @@ COMPOSED = {
     "tp2_sp": (4, ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.sp=true"]),
     "ring_cp2_zero1": (4, ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.zero=1"]),
     "zero2": (4, ["--parallel.dp_shard=2", "--parallel.zero=2"]),
+    # MoE folded: the experts' ep 2 laid over the stage's tp ranks (etp 1), the pairs' all-to-alls on twins
+    "moe_ep2_over_tp2": (
+        4,
+        [*MOE, "--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.ep=2", "--parallel.etp=1"],
+    ),
 }
 
 
 @pytest.mark.parametrize("composed", list(COMPOSED))
 def test_overlapped_pairs_compose(workers, composed):
     """A dense model's pairs overlapped alone (no group but pp's: nothing to twin), under tensor +
-    sequence parallel, ring context parallel (its point-to-point exchanges on the twin cp group) and
-    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread): 6 steps match one
-    device."""
+    sequence parallel, ring context parallel (its point-to-point exchanges on the twin cp group),
+    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread) and an MoE whose
+    experts are folded over the tp ranks (ep 2, etp 1): 6 steps match one device."""
     world, layout = COMPOSED[composed]
     results = workers(world).run(run_layout, [*TINY, *OVERLAPPED_V, *layout])
     stages = [results[0], results[world // 2]]
-    assert_parity(merged(stages), reference(workers(1), ["--model.n_layers=8"]))
+    model = [o for o in layout if o.startswith("--model.")]  # MoE: the balance loss is per micro-batch
+    assert_parity(merged(stages), reference(workers(1), [*model, "--model.n_layers=8"], micro_batch=1))
 
 
 def test_pair_lane_collectives_are_numbered_apart_for_the_flight_recorder():

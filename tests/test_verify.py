@@ -68,7 +68,14 @@ def verify_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_verify_passes_a_correct_layout(workers, capsys):
-    layout = ["--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--parallel.ep=2"]
+    # the experts folded over dp_shard x tp (ep 4, etp 1): the counted ep bytes are the planner's formula's
+    layout = [
+        "--parallel.tp=2",
+        "--parallel.sp=true",
+        "--parallel.dp_shard=2",
+        "--parallel.ep=4",
+        "--parallel.etp=1",
+    ]
     assert verify(load_config("configs/tiny-moe.toml", layout), 4, steps=3, pools=workers) == 0
     out = capsys.readouterr().out
     assert "meshtron verify: OK" in out and "experts" in out and "router" in out

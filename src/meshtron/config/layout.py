@@ -276,7 +276,12 @@ class ParallelDims:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "dims": {**asdict(self), "etp": self.expert_tp, "edp": self.edp, "world_size": self.world_size},
+                "dims": {
+                    **asdict(self),
+                    "etp": self.expert_tp,
+                    "edp": self.edp,
+                    "world_size": self.world_size,
+                },
                 "groups": self.group_table(),
             }
         )

@@ -1,7 +1,7 @@
 """Layout fuzzing: random valid layouts over every dim, each compared with the single-device run.
 
 A drawn layout picks degrees for pp (with vpp and every schedule, V ones included), dp_replicate, dp_shard (ZeRO 1/2/3),
-cp (every implementation), tp (with or without sp), ep (both dispatchers, etp 1 or tp), a recompute mode,
+cp (every implementation), tp (with or without sp), ep (every dispatcher, etp 1 or tp, ep folded over the tp ranks), a recompute mode,
 a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
 config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 6 steps and is
 compared with the single-device run by parity.py's tolerances (loss rel <= 1e-5 at every step, step-1
@@ -89,7 +89,7 @@ def draw_layout(rng: random.Random, max_world: int = 8) -> tuple[list[str], int]
             check(load_config(None, [*TINY, *overrides]), world)
         except ValueError:
             continue
-        return _with_dedup(rng, overrides), world
+        return _with_fold(rng, _with_dedup(rng, overrides), world), world
 
 
 def _with_dedup(rng: random.Random, overrides: list[str]) -> list[str]:
@@ -100,6 +100,20 @@ def _with_dedup(rng: random.Random, overrides: list[str]) -> list[str]:
     return [
         o.replace("=alltoall", "=dedup") if o.startswith("--parallel.ep_dispatch") else o for o in overrides
     ]
+
+
+def _with_fold(rng: random.Random, overrides: list[str], world: int) -> list[str]:
+    """Half the etp = 1 layouts double ep onto the tp ranks (MoE parallel folding: ep over dp_shard x cp
+    x tp), when the doubled layout is valid; drawn last, like dedup."""
+    if "--parallel.etp=1" not in overrides or rng.random() >= 0.5:
+        return overrides
+    ep = int(next(o for o in overrides if o.startswith("--parallel.ep=")).split("=")[1])
+    folded = [f"--parallel.ep={2 * ep}" if o.startswith("--parallel.ep=") else o for o in overrides]
+    try:
+        check(load_config(None, [*TINY, *folded]), world)
+    except ValueError:
+        return overrides
+    return folded
 
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -123,6 +137,8 @@ def coverage(overrides: list[str]) -> set[str]:
     found |= {f"cp_impl:{value('parallel.cp_impl') or 'ring'}"} if "cp" in found else set()
     found |= {f"ep_dispatch:{value('parallel.ep_dispatch')}"} if "ep" in found else set()
     found |= {"etp1"} if value("parallel.etp") == "1" else set()
+    folded_over = int(value("parallel.dp_shard") or 1) * int(value("parallel.cp") or 1)
+    found |= {"ep_over_tp"} if int(value("parallel.ep") or 1) > folded_over else set()
     return found
 
 
