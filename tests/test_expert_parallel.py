@@ -149,6 +149,24 @@ CASES = {
             "--training.micro_batch=4",
         ],
     ),
+    # hierarchical: ep 4 over 2 "nodes" of 2 ranks (run.gpus_per_node), tokens cross between them once
+    "ep4_hierarchical_two_nodes_capacity": (
+        4,
+        ["--model.capacity_factor=1.25", NEARLY_FROZEN],
+        [*EP4, "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2", "--training.micro_batch=2"],
+    ),
+    "ep4_over_tp2_hierarchical_two_nodes": (
+        4,
+        [],
+        [
+            *EP4,
+            "--parallel.tp=2",
+            "--parallel.etp=1",
+            "--parallel.ep_dispatch=hierarchical",
+            "--run.gpus_per_node=2",
+            "--training.micro_batch=4",
+        ],
+    ),
     "pp2_x_ep2_over_tp2": (
         4,
         [],
@@ -224,12 +242,14 @@ def random_moe(cfg: ModelConfig) -> MoE:
     return moe
 
 
-def spread_experts(moe: MoE, comm: Comm, world: int, dispatch: str) -> ParallelMesh:
+def spread_experts(moe: MoE, comm: Comm, world: int, dispatch: str, per_node: int = 2) -> ParallelMesh:
     """`moe`'s experts spread over `world` ep ranks by the expert-parallel step (the layer standing in for
-    a model), tokens exchanged by `dispatch`; returns the mesh."""
+    a model), tokens exchanged by `dispatch` (hierarchical: over nodes of `per_node` ranks); returns the
+    mesh."""
     mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
     model = types.SimpleNamespace(blocks=lambda: iter([("layers.0", types.SimpleNamespace(moe=moe))]))
-    apply_expert_parallel(model, comm, mesh.group("ep"), dispatch)
+    nodes = mesh.ep_node_groups(per_node) if dispatch == "hierarchical" else None
+    apply_expert_parallel(model, comm, mesh.group("ep"), dispatch, nodes=nodes)
     return mesh
 
 
@@ -349,10 +369,14 @@ def routed_bytes(dispatch: str) -> dict:
     out.sum().backward()
     experts_Tk = moe.router(x.detach()[0])[1]
     got = {
-        "bytes": comm.stats.total_bytes(group="ep", op="all_to_all"),
-        "calls": comm.stats.total_calls(group="ep", op="all_to_all"),
-        "experts": comm.all_gather_tensor(experts_Tk[None], mesh.group("ep"), dim=0),
+        group: (
+            comm.stats.total_bytes(group=group, op="all_to_all"),
+            comm.stats.total_calls(group=group, op="all_to_all"),
+        )
+        for group in ("ep", "ep_intra", "ep_inter")
     }
+    got["bytes"], got["calls"] = got["ep"]
+    got["experts"] = comm.all_gather_tensor(experts_Tk[None], mesh.group("ep"), dim=0)
     mesh.close()
     return got
 
@@ -373,6 +397,46 @@ def test_dedup_sends_each_token_once_per_rank_within_its_groups(workers):
         want = sent * (2 * D * 4 + L * 4 + L) + received * (2 * D * 4 + L * 4)
         assert (got["bytes"], got["calls"]) == (want, 7), me
         assert got["bytes"] < 0.6 * flat["bytes"], (got["bytes"], flat["bytes"])
+
+
+def dedup_bytes(rows_to: list[list[set[int]]], me: int, width: int, per_row: int) -> int:
+    """Bytes rank `me` sends in one forward and backward of a dedup exchange over a group (with `width`
+    experts per member): `rows_to[source]` is, per row of that member, the set of members it goes to.
+    Its own rows to others carry the token, gates and chosen-mask there and the partial sum's gradient
+    back; the rows others send it, the partial sum back and the token's and gates' gradients."""
+    sent = sum(len(to - {me}) for to in rows_to[me])
+    received = sum(me in to for source, rows in enumerate(rows_to) if source != me for to in rows)
+    return sent * (2 * per_row + width * 4 + width) + received * (2 * per_row + width * 4)
+
+
+def test_hierarchical_crosses_the_network_once_per_node(workers):
+    """ep 4 over 2 nodes of 2 ranks, the 4 expert groups on the 4 ranks (a token's experts in 2 groups):
+    a token crosses the network (ep_inter: the rank at its index on the other node) only if the other
+    node holds one of its experts, once, whatever how many; inside the node (ep_intra) each arrived row
+    goes once to each rank holding its experts. Every byte of both is counted against the routing, and
+    the network carries fewer bytes than the flat all-to-all sends off the node."""
+    D, L = GROUPED_CFG.dim, GROUPED_CFG.n_experts // 4
+    hierarchical, flat = (workers(4).run(routed_bytes, d) for d in ("hierarchical", "alltoall"))
+    experts = hierarchical[0]["experts"]  # [source rank, T, k]; rank r on node r // 2
+    ranks = [[set((e // L).tolist()) for e in source] for source in experts]
+    nodes = [[{r // 2 for r in to} for to in source] for source in ranks]
+    for me, (got, alltoall) in enumerate(zip(hierarchical, flat, strict=True)):
+        node, index = divmod(me, 2)
+        # the network: the ranks at this index on nodes 0 and 1, members 0 and 1 of ep_inter
+        inter = dedup_bytes([nodes[index], nodes[2 + index]], node, 2 * L, D * 4)
+        assert got["ep_inter"] == (inter, 7), me
+        # inside node b: the rows that arrived at each of its ranks, from both nodes' ranks at that index
+        arrived = [
+            [to & {2 * node, 2 * node + 1} for source in (i, 2 + i) for to in ranks[source]] for i in (0, 1)
+        ]
+        arrived = [[{r % 2 for r in to} for to in rows if to] for rows in arrived]
+        assert got["ep_intra"] == (dedup_bytes(arrived, index, L, D * 4), 7), me
+        assert got["ep"] == (0, 0)
+        # rows leaving the node: one per token and other node, against the flat dispatch's one per
+        # assignment to an expert there
+        crossing = sum(len(to - {node}) for to in nodes[me])
+        flat_crossing = int(((experts[me] // L) // 2 != node).sum())
+        assert crossing < flat_crossing and got["ep_inter"][0] < alltoall["ep"][0], (crossing, flat_crossing)
 
 
 def test_sort_and_combine_round_trip_with_empty_experts():
@@ -502,6 +566,12 @@ def test_hugging_face_moe_checkpoints_under_expert_parallel(workers, tmp_path, c
         ),
         (["--parallel.ep=2"], 2, "needs an MoE model"),
         ([*MOE, "--parallel.tp=2", "--parallel.etp=3"], 2, "parallel.etp=3 must be 1"),
+        # the two hops need each ep group cut into equal node blocks
+        (
+            [*MOE, "--parallel.ep=4", "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=3"],
+            4,
+            "not cut into equal blocks",
+        ),
         # etp = 1: ep counts every rank splitting the experts, tp ranks included
         (
             [*MOE, "--parallel.ep=8", "--parallel.tp=2", "--parallel.etp=1", "--training.micro_batch=1"],

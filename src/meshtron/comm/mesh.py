@@ -52,6 +52,7 @@ class ParallelMesh:
         self._twins: dict[int, Any] | None = None
         self._twin_groups: list[Any] = []
         self._checkpoint_group: Any = None
+        self._ep_nodes: tuple[CommGroup, CommGroup] | None = None
         self._sliced: dict[str, Any] = {}  # 1-D meshes by dim: slicing a DeviceMesh builds a new one
 
     def pair_lane(self) -> dict[str, Any]:
@@ -76,6 +77,21 @@ class ParallelMesh:
             self._twins = twins
         return self._twins
 
+    def ep_node_groups(self, ranks_per_node: int) -> tuple[CommGroup, CommGroup]:
+        """This rank's ep group cut by node (ParallelDims.ep_node_groups): ("ep_intra", its ep ranks on this
+        node; "ep_inter", the ep ranks at its index on every node). Made on the first call, which every
+        rank makes; destroyed with the mesh."""
+        if self._ep_nodes is None:
+            parts = []
+            for name, groups in zip(
+                ("ep_intra", "ep_inter"), self.dims.ep_node_groups(ranks_per_node), strict=True
+            ):
+                group, _ = dist.new_subgroups_by_enumeration(groups)
+                ranks = next(g for g in groups if self.rank in g)
+                parts.append(CommGroup(name, tuple(ranks), group))
+            self._ep_nodes = (parts[0], parts[1])
+        return self._ep_nodes
+
     def checkpoint_group(self) -> CommGroup:
         """Every rank on a gloo group of its own, for asynchronous checkpoints: DCP writes in a background
         thread whose collectives must not share a group with the training step's (and need a CPU
@@ -92,13 +108,20 @@ class ParallelMesh:
         for dim in (*DENSE_DIMS, Dim.EP, Dim.EDP, *FLAT_DIMS):
             group = self.mesh(dim).get_group()
             groups[id(group)] = group
-        for extra in [self._pp_ends, *self._cp_parts.values(), *self._twin_groups, self._checkpoint_group]:
+        nodes = [part.process_group for part in self._ep_nodes or ()]
+        for extra in [
+            self._pp_ends,
+            *self._cp_parts.values(),
+            *self._twin_groups,
+            self._checkpoint_group,
+            *nodes,
+        ]:
             if extra is not None:
                 groups[id(extra)] = extra
         for group in groups.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
-        self._twins, self._twin_groups, self._checkpoint_group = None, [], None
+        self._twins, self._twin_groups, self._checkpoint_group, self._ep_nodes = None, [], None, None
 
     def mesh(self, dim: str) -> Any:
         """The 1-D DeviceMesh of `dim` that contains this rank."""

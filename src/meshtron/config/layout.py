@@ -230,6 +230,26 @@ class ParallelDims:
             dims[2:2] = CP_PARTS
         return {dim: self.groups(dim) for dim in dims}
 
+    def ep_node_groups(self, ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The ep groups cut by node, for the two-hop dispatch (parallel/expert.py NodeDispatch): (the ranks
+        of each ep group on one node, in ep order; the ranks of each ep group at the same index on every
+        node, in node order). Rank r is on node r // ranks_per_node; every ep group must hold the same
+        number of ranks on each of its nodes, consecutive in ep order (ValueError says what to change)."""
+        intra, inter = [], []
+        for group in self.groups(Dim.EP):
+            nodes = [r // ranks_per_node for r in group]
+            per_node = nodes.count(nodes[0])
+            blocks = [group[i : i + per_node] for i in range(0, len(group), per_node)]
+            cut = all(len(b) == per_node and len({r // ranks_per_node for r in b}) == 1 for b in blocks)
+            if not cut or len(set(nodes)) != len(blocks):
+                raise ValueError(
+                    f"ep group {group} is not cut into equal blocks of consecutive ranks by nodes of "
+                    f"{ranks_per_node} ranks; the hierarchical dispatch needs ep = (ep ranks per node) x (nodes)"
+                )
+            intra += blocks
+            inter += [list(column) for column in zip(*blocks, strict=True)]
+        return intra, inter
+
     def crossing_dims(self, gpus_per_node: int) -> list[str]:
         """Dims (of size > 1; the expert dims only when ep > 1) with a group spanning more than one node."""
         dims = [

@@ -54,7 +54,9 @@ CpImpl = Literal["ring", "allgather", "alltoall", "hybrid"]
 # What context parallel's ring and all-gather send of MLA: every head's keys and values, or the latents
 # (parallel/context_latent.py); "auto": the planner's choice.
 CpExchange = Literal["auto", "kv", "latent"]
-EpDispatch = Literal["alltoall", "dedup", "allgather"]  # how tokens reach the experts of other ep ranks
+EpDispatch = Literal[
+    "alltoall", "dedup", "hierarchical", "allgather"
+]  # how tokens reach the experts of other ep ranks
 BalanceLoss = Literal["micro_batch", "sequence"]  # Switch/GShard over the micro-batch, or DeepSeek-V3's
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"]
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: parallel.vpp = 2, implied
@@ -367,6 +369,9 @@ class RunConfig:
     sample_tokens: int = non_negative(40)  # greedy tokens printed at the end of a run (rank 0); 0: none
     wandb_project: str = ""  # Weights & Biases (the wandb extra): rank 0 logs the scalars here; "": off
     wandb_name: str = ""  # the W&B run's name; "": run.dir's last part
+    # Ranks per node (rank r on node r // gpus_per_node), for the hierarchical expert dispatch's two hops;
+    # 0: the launcher's ranks per host (LOCAL_WORLD_SIZE). Set below that to try nodes on one machine.
+    gpus_per_node: int = non_negative(0)
 
 
 @dataclass(kw_only=True)

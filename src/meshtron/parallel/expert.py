@@ -24,6 +24,13 @@ routes and keeps; this module moves the tokens):
     group-limited routing whose groups are ranks (n_expert_groups = ep), at most topk_expert_groups;
     the combine's row is a partial sum in the tokens' dtype (bf16 under autocast, as DeepEP's). A
     capacity drops the same assignments (decided before the exchange); the exchange stays uneven
+  hierarchical  (DeepEP's two hops, for an ep group spanning nodes of `run.gpus_per_node` ranks)
+    1  dedup over the nodes: each token once to every node holding one or more of its experts, to the
+       rank at this rank's index there (`ep_inter`: the network), with its gates for all that node's experts
+    2  dedup inside the node (`ep_intra`: NVLink): each arrived row once to each rank holding its experts
+    3  the partial sums back inside the node, then one row per token and node over the network
+    a token crosses the network at most once per node, and under group-limited routing whose groups are
+    the nodes, to at most topk_expert_groups nodes
   allgather
     1  all-gather every rank's tokens, gate values, expert ids and keep mask over ep
     2  each rank runs its experts on the assignments routed to them and sums them per token (fp32)
@@ -145,27 +152,78 @@ class PerRankDispatch(ExpertDispatch):
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         n, local = self.ep.size, moe.experts.w1.shape[0]
         gates_TnL, chosen_TnL = rank_gates(routing, moe.first_expert - self.ep.rank * local, n, local)
-        to_rank_Tn = chosen_TnL.any(-1)
-        dest_P, token_P = to_rank_Tn.t().nonzero(as_tuple=True)  # by destination rank, then token
-        table = self.comm.all_gather_tensor(to_rank_Tn.sum(0), self.ep).view(n, n)  # [source, dest]
-        sent, received = torch.stack([table[self.ep.rank], table[:, self.ep.rank]]).tolist()
+        return send_once_per_rank(self.comm, self.ep, x_TD, gates_TnL, chosen_TnL, weighted_experts(moe))
 
-        def there(rows: torch.Tensor) -> torch.Tensor:
-            return self.comm.all_to_all_v(rows, self.ep, received, sent)
 
-        x_MD = there(compute_dtype(x_TD)[token_P])
-        gates_ML = there(gates_TnL[token_P, dest_P])
-        chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
+class NodeDispatch(ExpertDispatch):
+    """DeepEP's two hops, for an ep group spanning nodes: each token crosses the network once to every
+    node holding one or more of its experts (to the rank at this rank's index there, `ep_inter`, with its
+    gates for all of that node's experts), which sends it once to each rank of its node holding some of
+    them (`ep_intra`, the dedup dispatch inside the node); the partial sums come back the same way, one
+    row per token and rank inside the node, then one per token and node over the network."""
+
+    def __init__(self, comm: Comm, ep: CommGroup, intra: CommGroup, inter: CommGroup):
+        super().__init__(comm, ep)
+        self.intra, self.inter = intra, inter
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        per_node, local = self.intra.size, moe.experts.w1.shape[0]
+        first = moe.first_expert - self.ep.rank * local  # ep ranks are node-major: index node·per_node + i
+        gates_TNX, chosen_TNX = rank_gates(routing, first, self.inter.size, per_node * local)
+        leaf = weighted_experts(moe)
+
+        def on_node(x_MD: torch.Tensor, gates_MX: torch.Tensor, chosen_MX: torch.Tensor) -> torch.Tensor:
+            gates_MiL, chosen_MiL = (t.view(-1, per_node, local) for t in (gates_MX, chosen_MX))
+            return send_once_per_rank(self.comm, self.intra, x_MD, gates_MiL, chosen_MiL, leaf)
+
+        return send_once_per_rank(self.comm, self.inter, compute_dtype(x_TD), gates_TNX, chosen_TNX, on_node)
+
+
+Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def send_once_per_rank(
+    comm: Comm,
+    group: CommGroup,
+    x_TD: torch.Tensor,
+    gates_TnL: torch.Tensor,
+    chosen_TnL: torch.Tensor,
+    there_sum: Rows,
+) -> torch.Tensor:
+    """Each token to every rank of `group` where `chosen_TnL` marks one of its L experts, with its gates for
+    them; `there_sum(rows [M,D], gates [M,L], chosen [M,L])` makes each received row's weighted sum there;
+    one row back per token and rank, summed per token in fp32 -> [T, D]."""
+    n = group.size
+    to_rank_Tn = chosen_TnL.any(-1)
+    dest_P, token_P = to_rank_Tn.t().nonzero(as_tuple=True)  # by destination rank, then token
+    table = comm.all_gather_tensor(to_rank_Tn.sum(0), group).view(n, n)  # [source, dest]
+    sent, received = torch.stack([table[group.rank], table[:, group.rank]]).tolist()
+
+    def there(rows: torch.Tensor) -> torch.Tensor:
+        return comm.all_to_all_v(rows, group, received, sent)
+
+    x_MD = there(compute_dtype(x_TD)[token_P])
+    gates_ML = there(gates_TnL[token_P, dest_P])
+    chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
+    # One row back per token: its weighted sum over the rank's experts, in the tokens' dtype.
+    y_MD = there_sum(x_MD, gates_ML, chosen_ML).to(x_MD.dtype)
+    y_PD = comm.all_to_all_v(y_MD, group, sent, received)
+    y_PD = y_PD.to(torch.promote_types(y_PD.dtype, torch.float32))
+    return y_PD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)
+
+
+def weighted_experts(moe: MoE) -> Rows:
+    """The rank's own experts on the rows sent to it, each row's outputs weighted by its gates and summed."""
+
+    def run(x_MD: torch.Tensor, gates_ML: torch.Tensor, chosen_ML: torch.Tensor) -> torch.Tensor:
         expert_A, row_A = chosen_ML.t().nonzero(as_tuple=True)  # assignments by local expert, then row
         y_AD = moe.experts(x_MD[row_A], chosen_ML.sum(0))
         weighted = (
             y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)) * gates_ML[row_A, expert_A][:, None]
         )
-        # One row back per token: its weighted sum over this rank's experts, in the tokens' dtype.
-        y_MD = weighted.new_zeros(x_MD.shape).index_add(0, row_A, weighted).to(x_MD.dtype)
-        y_PD = self.comm.all_to_all_v(y_MD, self.ep, sent, received)
-        y_PD = y_PD.to(torch.promote_types(y_PD.dtype, torch.float32))
-        return y_PD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)
+        return weighted.new_zeros(x_MD.shape).index_add(0, row_A, weighted)
+
+    return run
 
 
 def rank_gates(routing: Routing, first: int, n: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +276,7 @@ DISPATCHES: dict[str, type[ExpertDispatch]] = {
     "alltoall": AllToAllDispatch,
     "dedup": PerRankDispatch,
     "allgather": AllGatherDispatch,
-}
+}  # and "hierarchical": NodeDispatch, which takes the ep group's node split too
 
 
 class TokenShare:
@@ -237,15 +295,30 @@ class TokenShare:
 
 
 def apply_expert_parallel(
-    model: Transformer, comm: Comm, ep: CommGroup, dispatch_by: EpDispatch, tp_shares: CommGroup | None = None
+    model: Transformer,
+    comm: Comm,
+    ep: CommGroup,
+    dispatch_by: EpDispatch,
+    tp_shares: CommGroup | None = None,
+    nodes: tuple[CommGroup, CommGroup] | None = None,
 ) -> None:
     """The expert-parallel step of `parallelize`: keep this rank's E/ep experts of every MoE layer and
     route tokens to the others by `dispatch_by`. `tp_shares`: under etp = 1, the tp group whose ranks
-    each send their own share of the tokens (the ep group may include them)."""
+    each send their own share of the tokens (the ep group may include them). `nodes`: the ep group cut
+    by node (intra, inter), for the hierarchical dispatch."""
     shares = tp_shares.size if tp_shares is not None else 1
     if ep.size == 1 and shares == 1:
         return
-    dispatch = DISPATCHES[dispatch_by](comm, ep) if ep.size > 1 else local_dispatch
+    if ep.size == 1:
+        dispatch: Callable[..., torch.Tensor] = local_dispatch
+    elif dispatch_by == "hierarchical":
+        if nodes is None:
+            raise ValueError(
+                "the hierarchical dispatch needs the ep group's node split (ParallelMesh.ep_node_groups)"
+            )
+        dispatch = NodeDispatch(comm, ep, *nodes)
+    else:
+        dispatch = DISPATCHES[dispatch_by](comm, ep)
     if shares > 1:
         dispatch = TokenShare(dispatch, tp_shares.rank, shares)
     for _, block in model.blocks():

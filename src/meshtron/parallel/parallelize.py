@@ -22,6 +22,7 @@ one device and every layout.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +47,14 @@ from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, vocab_parallel_cross_entropy
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline
+
+
+def ranks_per_node(cfg: Config, world_size: int) -> int:
+    """run.gpus_per_node, or the launcher's ranks per host (torchrun's LOCAL_WORLD_SIZE; meshtron's own
+    launcher starts every rank on this host)."""
+    return cfg.run.gpus_per_node or int(
+        os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +119,12 @@ def parallelize(
     if p.cp_exchange == "latent":  # MLA's latents travel instead of its keys and values
         apply_latent_exchange(model, comm, cp, p.cp_impl)
     shares = mesh.group(Dim.TP) if not p.expert_tp and mesh.size(Dim.TP) > 1 else None  # etp = 1
-    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares)
+    nodes = (
+        mesh.ep_node_groups(ranks_per_node(cfg, mesh.dims.world_size))
+        if p.ep_dispatch == "hierarchical" and p.ep > 1
+        else None
+    )
+    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares, nodes)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training

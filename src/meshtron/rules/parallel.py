@@ -140,10 +140,16 @@ def expert_parallel_problems(cfg: Config) -> list[str]:
 
 
 def expert_parallel_unsupported(cfg: Config) -> list[str]:
-    if cfg.parallel.experts_apart and cfg.parallel.zero == 3 and cfg.parallel.fsdp_impl == "torch":
+    p = cfg.parallel
+    if p.experts_apart and p.zero == 3 and p.fsdp_impl == "torch":
         return [
             "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
             "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
+        ]
+    if p.ep_dispatch == "hierarchical" and p.ep > 1 and p.pp_overlap:
+        return [
+            "the hierarchical dispatch's node groups have no twins on dualpipev's pair lane yet; use "
+            "parallel.ep_dispatch='dedup' with parallel.pp_overlap=true"
         ]
     return []
 
@@ -194,4 +200,12 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     folding = None
     if cfg.model.is_moe and etp in (1, p.tp):
         folding = ep_folding_problem(p.dp_shard_for(world_size), p.cp, p.tp, p.ep, etp)
-    return problems + ([folding] if folding else [])
+    problems += [folding] if folding else []
+    if not problems and p.ep_dispatch == "hierarchical" and p.ep > 1 and cfg.run.gpus_per_node:
+        try:
+            p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node)
+        except ValueError as error:
+            problems.append(
+                f"parallel.ep_dispatch='hierarchical' with run.gpus_per_node={cfg.run.gpus_per_node}: {error}"
+            )
+    return problems
