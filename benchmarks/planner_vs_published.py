@@ -15,6 +15,7 @@ publication's own unit with its own FLOP count:
   torchtitan performance.md    tokens/s/GPU               -
   DeepSeek-V3 report           180K H800 hours per 1e12    1e12 / (180e3·3600) tokens/s/GPU
                                tokens
+  Megatron Bridge tables       tokens/s/GPU               -
 
 Frameworks differ in what they overlap: Megatron-Core's runs overlap the gradient reduce, the parameter
 gather and tp communication (`--overlap dp_reduce,dp_gather,fsdp_prefetch,tp,cp,pp`); DeepSeek's DualPipe overlaps the expert
@@ -78,6 +79,7 @@ class Run:
     gpu: dict[str, Any] = field(default_factory=dict)  # the publication's variant of the GPU, if any
     dtype: str = "bf16"  # "fp8": the publication ran its linear layers in Float8
     schedules: tuple[str, ...] = ("1f1b", "interleaved")  # the framework's, when the run does not say
+    settings: tuple[str, ...] = ()  # config overrides the framework's run implies (e.g. its dispatcher)
 
 
 def gpt(h: int, heads: int, layers: int, vocab: int) -> dict[str, Any]:
@@ -184,14 +186,6 @@ def other_runs() -> list[Run]:
     bloom = gpt(14336, 112, 70, 250880)
     llama = {n: dict(name=f"llama3-{n}") for n in ("8b", "70b", "405b")}
     titan = "torchtitan's llama3_h100_202412_torchtitan.md, H100 96 GB HBM2e 2.4 TB/s at 500 W, seq 8192"
-    # DeepSeek-V3's shape with multi-head latent attention stood in for by 128 query heads of 128 and one
-    # key/value head (meshtron has no MLA): 236M projection weights per layer against MLA's ~187M, the
-    # attention core's size about unchanged; routed experts as published (256 of width 2048, top 8, one
-    # shared), the first 3 layers dense.
-    deepseek = dict(
-        dim=7168, n_layers=61, n_heads=128, n_kv_heads=1, head_dim=128, ffn_dim=18432, vocab_size=129280,
-        n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, dense_layers="[0,1,2]",
-    )  # fmt: skip
     return [
         Run("Llama 3 405B", "Dubey et al. 2024, Table 4 (8,192 H100 80GB, seq 8192, 16M-token batch, 430 "
             "TFLOP/s/GPU)", "h100", 8192, llama["405b"], 8192, 2048, dict(tp=8, sp=True, pp=16, dp_shard=64,
@@ -212,14 +206,43 @@ def other_runs() -> list[Run]:
         Run("torchtitan 405B interleaved", f"{titan}, Table 5 (compile, Float8, async TP, full AC)", "h100", 512,
             llama["405b"], 8192, 256, dict(tp=8, pp=8, dp_shard=8, zero=3, cp=1, pp_schedule="interleaved",
             micro_batch=1, recompute="full", pp_head_layers=EVEN), 128, ASYNC_TP, TITAN_GPU, dtype="fp8"),
-        Run("DeepSeek-V3", "DeepSeek-V3 report (H800, seq 4096, batch 15360; MQA of MLA's size in place of MLA)", "h800",
-            2048, deepseek, 4096, 15360, dict(tp=1, pp=16, ep=64, dp_shard=128, zero=1, cp=1), 1e12 / 180e3 / 3600,
-            DUALPIPE),
+    ]  # fmt: skip
+
+
+# Mixture-of-experts runs. Megatron-Core's are Megatron Bridge's published H100 tables
+# (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md), FP8 with DeepEP's dispatcher; its
+# MoE recipes fold the experts (etp 1: ep over the attention's tp and dp ranks). DeepSeek's own run
+# trained in FP8 with DualPipe hiding the expert all-to-alls, and its node-limited routing sends a token
+# to at most 4 nodes (the two-hop dispatch of DeepEP).
+QWEN3_235B = dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288, vocab_size=151936,
+                  n_experts=128, top_k=8, moe_ffn_dim=1536, qk_norm="true", rope_theta=1e6)  # fmt: skip
+QWEN3_30B = dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
+                 n_experts=128, top_k=8, moe_ffn_dim=768, qk_norm="true", rope_theta=1e6)  # fmt: skip
+BRIDGE = "Megatron Bridge performance summary ({}), DGX-H100, FP8, seq 4096, DeepEP"
+TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
+
+
+def moe_runs() -> list[Run]:
+    deepseek = dict(name="deepseek-v3")
+    return [
+        Run("DeepSeek-V3", "DeepSeek-V3 report (2,048 H800, FP8, seq 4096, batch 15360, 180K GPU-hours per "
+            "1e12 tokens)", "h800", 2048, deepseek, 4096, 15360, dict(tp=1, pp=16, vpp=2, pp_schedule="dualpipev",
+            ep=64, dp_shard=128, zero=1, cp=1), 1e12 / 180e3 / 3600, DUALPIPE, dtype="fp8", schedules=("dualpipev",),
+            settings=TWO_HOPS),
+        Run("MCore DeepSeek-V3", BRIDGE.format("25.09, batch 8192"), "h100", 1024, deepseek, 4096, 8192,
+            dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=64, etp=1, dp_shard=64, zero=1, cp=1,
+                 micro_batch=1), 1297, MEGATRON, dtype="fp8", settings=TWO_HOPS),
+        Run("MCore Qwen3-235B-A22B", BRIDGE.format("26.04.01, batch 8192"), "h100", 256, QWEN3_235B, 4096, 8192,
+            dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=32, etp=1, dp_shard=16, zero=1, cp=1,
+                 micro_batch=1), 1712, MEGATRON, dtype="fp8", settings=TWO_HOPS),
+        Run("MCore Qwen3-30B-A3B", BRIDGE.format("26.04.01, batch 1024"), "h100", 16, QWEN3_30B, 4096, 1024,
+            dict(tp=1, pp=1, ep=16, dp_shard=16, zero=1, cp=1, micro_batch=1), 8960, MEGATRON, dtype="fp8",
+            settings=TWO_HOPS),
     ]  # fmt: skip
 
 
 def base_config(run: Run) -> Config:
-    overrides = [f"--model.{k}={v}" for k, v in run.model.items()]
+    overrides = [f"--model.{k}={v}" for k, v in run.model.items()] + list(run.settings)
     overrides += [f"--training.seq_len={run.seq_len}", f"--training.global_batch={run.global_batch}"]
     return load_config(None, [*overrides, "--training.dtype=bf16"])
 
@@ -239,14 +262,15 @@ def published_estimate(run: Run, compute: ComputeEfficiency | None) -> tuple[Lay
     schedules = (
         [run.layout.get("pp_schedule", "1f1b")] if "pp_schedule" in run.layout or pp == 1 else run.schedules
     )
-    found = []
-    for schedule in schedules:  # memory ignored: the publication's framework ran it, in its own memory
-        fixed = {**run.layout, "pp_schedule": schedule} if pp > 1 else run.layout
-        found += search(cfg, cluster_for(run, compute, True), fixed, top=1).ranked
-    if not found:
-        raise SystemExit(f"{run.name}: the published layout breaks a rule")
-    layout, est = min(found, key=lambda x: x[1].step_time_s)
-    return layout, est, est.memory_bytes_per_gpu <= cluster_for(run, compute).gpu.memory_bytes
+    for ignore_memory in (False, True):  # the best settings that fit meshtron's memory, else the best
+        found = []
+        for schedule in schedules:
+            fixed = {**run.layout, "pp_schedule": schedule} if pp > 1 else run.layout
+            found += search(cfg, cluster_for(run, compute, ignore_memory), fixed, top=1).ranked
+        if found:
+            layout, est = min(found, key=lambda x: x[1].step_time_s)
+            return layout, est, est.memory_bytes_per_gpu <= cluster_for(run, compute).gpu.memory_bytes
+    raise SystemExit(f"{run.name}: the published layout breaks a rule")
 
 
 def evaluate(runs: list[Run], compute: ComputeEfficiency | None, own_search: bool) -> list[dict[str, Any]]:
@@ -391,7 +415,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-search", action="store_true", help="skip the planner's own search per run")
     parser.add_argument("--out", default=str(RESULTS), help="results file ('-': print only)")
     args = parser.parse_args(argv)
-    runs = megatron_core_runs() + korthikanti_runs() + narayanan_runs() + other_runs()
+    runs = megatron_core_runs() + korthikanti_runs() + narayanan_runs() + other_runs() + moe_runs()
     if args.calibrate:
         calibrate(runs)
         return 0

@@ -63,6 +63,7 @@ LAYOUTS = {
     "moe_ep2_zero1_tp2_etp1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--training.micro_batch=4"]),
     "moe_ep2_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--training.micro_batch=4"]),
     "moe_ep2_dedup_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--parallel.zero=2", "--training.micro_batch=4"]),
+    "moe_ep4_hierarchical_two_nodes": (4, [*MOE, "--parallel.ep=4", "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2", "--training.micro_batch=2"]),
     # bf16: whole parameters once in bf16 beside fp32 masters (whole, or owned rows); ZeRO-3 as in fp32
     "bf16_single": (1, ["--training.dtype=bf16"]),
     "bf16_ddp2": (2, ["--training.dtype=bf16", "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
@@ -130,6 +131,11 @@ MESSAGES = {
     "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
     # dedup: per MoE layer the count table's all-gather, 4 all-to-alls forward and 3 backward
     "moe_ep2_dedup_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
+    # hierarchical: the dedup exchange's calls over the nodes and inside each (2 ranks each: 1 message)
+    "moe_ep4_hierarchical_two_nodes": lambda c: {
+        "dp": (c["dp_shard"] - 1) * 3 + 6 + c["dp"] * 6,
+        "ep": c["ep_inter"] + c["ep_intra"],
+    },
 }
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.schema import Config
-from meshtron.plan.routing import ranks_per_token
+from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
@@ -171,6 +171,11 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
             * moe_layers
             * (4 * sent * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
         )
+    if p.ep > 1 and p.ep_dispatch == "hierarchical":
+        per_node = len(p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node or world_size)[0][0])
+        for group, rows, width, members in hierarchical_rows(m, p.ep, per_node, sent):
+            per_row = 4 * m.dim * 4 + 2 * width * 4 + width
+            add(group, micro * moe_layers * (rows * _ring(members) * per_row + 8 * members * (members - 1)))
     if p.ep > 1 and p.ep_dispatch == "dedup":
         rows = sent * ranks_per_token(m, p.ep) * _ring(p.ep)  # those that leave, each way
         local = m.n_experts // p.ep

@@ -43,7 +43,7 @@ from meshtron.plan.comm import cp_token_bytes
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
-from meshtron.plan.routing import ranks_per_token
+from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, stage_key
 from meshtron.utils.memo import Memo
 
@@ -150,26 +150,40 @@ def layer_comm(
         one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
         out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one)
         if p.ep_dispatch == "dedup":
-            out["ep"] = _dedup_comm(cfg, ep, net, imbalance * sent, act)
+            rows = imbalance * sent * ranks_per_token(m, p.ep)
+            out["ep"] = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
+        if p.ep_dispatch == "hierarchical":
+            out["ep"] = _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
         out["ep"] = out["ep"] * (0.0 if net.overlap.ep else 1.0)
     return out
 
 
-def _dedup_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> PassTimes:
-    """The dedup dispatch (parallel/expert.py): r·tokens rows each way, r the ranks a token reaches
-    (plan/routing.py); forward the row counts, then tokens, gates and chosen-masks, then the partial sums
-    back (4 calls); backward the partial sums' gradient, then the tokens' and the gates' (3 calls)."""
-    m, p = cfg.model, cfg.parallel
-    local, rows = m.n_experts // p.ep, tokens * ranks_per_token(m, p.ep)
+def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_bytes: int) -> PassTimes:
+    """The dedup exchange (parallel/expert.py send_once_per_rank) of `rows` rows each way over `group`,
+    `width` experts per member: forward the row counts, then tokens, gates and chosen-masks, then the
+    partial sums back (4 calls); backward the partial sums' gradient, then the tokens' and the gates'
+    (3 calls)."""
 
-    def exchange(row_bytes: float, calls: int) -> float:
-        return collective_time("all_to_all", rows * row_bytes, ep, net.gpu, net.eff, calls=calls)
+    def exchange(nbytes: float, calls: int) -> float:
+        return collective_time("all_to_all", rows * nbytes, group, net.gpu, net.eff, calls=calls)
 
-    counts = collective_time("all_gather", 8 * p.ep, ep, net.gpu, net.eff)
-    back = exchange(m.dim * act, 1)
+    counts = collective_time("all_gather", 8 * group.size, group, net.gpu, net.eff)
+    back = exchange(row_bytes, 1)
     return PassTimes(
-        f=counts + exchange(m.dim * act + 5 * local, 3) + back, b=back + exchange(m.dim * act + 4 * local, 2)
+        f=counts + exchange(row_bytes + 5 * width, 3) + back, b=back + exchange(row_bytes + 4 * width, 2)
     )
+
+
+def _hierarchical_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> PassTimes:
+    """The two hops (plan/routing.py hierarchical_rows): the dedup exchange over the nodes, one rank per
+    node (the network), then inside each node (NVLink); one node: the inside hop alone."""
+    node = cfg.run.gpus_per_node or net.gpu.gpus_per_node  # the run's nodes, where it says
+    per_node = Group(ep.size, ep.stride, node).per_node
+    hops = {"ep_inter": Group(ep.size // per_node, node, node), "ep_intra": Group(per_node, ep.stride, node)}
+    total = PassTimes()
+    for name, rows, width, _ in hierarchical_rows(cfg.model, ep.size, per_node, tokens):
+        total = total + _once_per_rank(hops[name], net, rows, width, cfg.model.dim * act)
+    return total
 
 
 def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, PassTimes]:

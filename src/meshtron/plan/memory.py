@@ -265,7 +265,7 @@ def moe_layer_activation_elements(
         routed = _capacity_slot_elements(
             cfg, tokens, ffn, share, assignments=None if kept is None else assignments
         )
-    elif ep > 1 and ep_dispatch == "dedup":
+    elif ep > 1 and ep_dispatch in ("dedup", "hierarchical"):  # hierarchical: its in-node hop's (approx.)
         pairs = round(tokens // share * ranks_per_token(cfg, ep)) if pairs is None else pairs
         routed = _dedup_elements(cfg, tokens // share, ffn, assignments, pairs, cfg.n_experts // ep)
     else:

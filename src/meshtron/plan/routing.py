@@ -47,3 +47,17 @@ def ranks_per_token(cfg: ModelConfig, ep: int) -> float:
     """Expected ep ranks (this one included) a token is sent to by the dedup dispatch, each rank of the
     ep group holding E/ep experts."""
     return ep * (1.0 - miss_probability(cfg, cfg.n_experts // ep))
+
+
+def hierarchical_rows(
+    cfg: ModelConfig, ep: int, per_node: int, tokens: float
+) -> list[tuple[str, float, int, int]]:
+    """The hierarchical dispatch's two exchanges for `tokens` tokens per rank, each as (group, rows each
+    way including those a rank keeps, experts per member, members): over the network one row per token
+    and node holding its experts (each node a block of per_node·E/ep experts); inside a node one per
+    arrived row and rank holding its experts, which by symmetry totals a token's ranks over the ep group."""
+    nodes, local = ep // per_node, cfg.n_experts // ep
+    return [
+        ("ep_inter", tokens * ranks_per_token(cfg, nodes), per_node * local, nodes),
+        ("ep_intra", tokens * ranks_per_token(cfg, ep), local, per_node),
+    ]
