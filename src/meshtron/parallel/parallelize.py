@@ -57,6 +57,16 @@ def ranks_per_node(cfg: Config, world_size: int) -> int:
     )
 
 
+def apply_expert_step(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config) -> None:
+    """Expert parallel with its groups: under etp = 1 the tp ranks each send their share of the tokens;
+    the hierarchical dispatch takes the ep group cut by node."""
+    p = cfg.parallel
+    shares = mesh.group(Dim.TP) if not p.expert_tp and mesh.size(Dim.TP) > 1 else None
+    hops = p.ep_dispatch == "hierarchical" and p.ep > 1
+    nodes = mesh.ep_node_groups(ranks_per_node(cfg, mesh.dims.world_size)) if hops else None
+    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares, nodes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelModel:
     """What `parallelize` made of a model on this rank (the training step's micro-batch loop over it is
@@ -118,13 +128,7 @@ def parallelize(
     layout = apply_context_parallel(model, comm, cp, p.cp_impl, seq_len, ring, ulysses)
     if p.cp_exchange == "latent":  # MLA's latents travel instead of its keys and values
         apply_latent_exchange(model, comm, cp, p.cp_impl)
-    shares = mesh.group(Dim.TP) if not p.expert_tp and mesh.size(Dim.TP) > 1 else None  # etp = 1
-    nodes = (
-        mesh.ep_node_groups(ranks_per_node(cfg, mesh.dims.world_size))
-        if p.ep_dispatch == "hierarchical" and p.ep > 1
-        else None
-    )
-    apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares, nodes)
+    apply_expert_step(model, comm, mesh, cfg)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training
