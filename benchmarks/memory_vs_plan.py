@@ -29,6 +29,12 @@ MiB = 2**20
 MODEL = MID_MODEL
 MOE = ["--model.n_experts=4", "--model.top_k=2", "--model.moe_ffn_dim=768"]
 PP = ["--parallel.pp=2", "--training.micro_batch=1"]
+FINE_MOE = [
+    "--model.n_experts=16",
+    "--model.top_k=4",
+    "--model.moe_ffn_dim=192",
+    "--model.n_shared_experts=1",
+]
 # name: (ranks, overrides after MODEL)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
@@ -51,6 +57,40 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2_1f1b_bf16": (2, [*PP, "--training.dtype=bf16"]),
     "cp2_ring": (2, ["--parallel.cp=2"]),
     "ep2_moe": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=1"]),
+    # fine-grained MoE (16 experts of 192, top-4, a shared expert) under ep x pp x ZeRO and folded
+    "fine_moe_ep2_x_pp2_zero1": (4, [*FINE_MOE, *PP, "--parallel.ep=2", "--parallel.zero=1"]),
+    "fine_moe_ep4_dedup_zero2": (
+        4,
+        [
+            *FINE_MOE,
+            "--parallel.ep=4",
+            "--parallel.ep_dispatch=dedup",
+            "--parallel.zero=2",
+            "--training.micro_batch=1",
+        ],
+    ),
+    "fine_moe_ep4_over_tp2_sp_zero3": (
+        4,
+        [
+            *FINE_MOE,
+            "--parallel.tp=2",
+            "--parallel.sp=true",
+            "--parallel.ep=4",
+            "--parallel.etp=1",
+            "--parallel.zero=3",
+        ],
+    ),
+    "fine_moe_ep4_hierarchical_zero1": (
+        4,
+        [
+            *FINE_MOE,
+            "--parallel.ep=4",
+            "--parallel.ep_dispatch=hierarchical",
+            "--run.gpus_per_node=2",
+            "--parallel.zero=1",
+            "--training.micro_batch=1",
+        ],
+    ),
 }
 
 

@@ -210,7 +210,7 @@ def other_runs() -> list[Run]:
 
 
 # Mixture-of-experts runs. Megatron-Core's are Megatron Bridge's published H100 tables
-# (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md), FP8 with DeepEP's dispatcher; its
+# (the performance-summary archive page of NVIDIA-NeMo/Megatron-Bridge), FP8 with DeepEP's dispatcher; its
 # MoE recipes fold the experts (etp 1: ep over the attention's tp and dp ranks). DeepSeek's own run
 # trained in FP8 with DualPipe hiding the expert all-to-alls, and its node-limited routing sends a token
 # to at most 4 nodes (the two-hop dispatch of DeepEP).

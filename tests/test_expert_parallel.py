@@ -363,6 +363,7 @@ def routed_bytes(dispatch: str) -> dict:
     ranks; the ep all-to-alls' bytes and calls, and every rank's expert ids [4, T, k]."""
     rank = torch.distributed.get_rank()
     moe, comm = random_moe(GROUPED_CFG), Comm()
+    comm.ranks_per_node = 2  # two "nodes" of 2 ranks: the all-to-alls count what leaves the node
     mesh = spread_experts(moe, comm, 4, dispatch)
     x = torch.randn(1, 48, GROUPED_CFG.dim, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     out, _ = moe(x)
@@ -376,6 +377,7 @@ def routed_bytes(dispatch: str) -> dict:
         for group in ("ep", "ep_intra", "ep_inter")
     }
     got["bytes"], got["calls"] = got["ep"]
+    got["network"] = dict(comm.stats.network)
     got["experts"] = comm.all_gather_tensor(experts_Tk[None], mesh.group("ep"), dim=0)
     mesh.close()
     return got
@@ -414,7 +416,8 @@ def test_hierarchical_crosses_the_network_once_per_node(workers):
     a token crosses the network (ep_inter: the rank at its index on the other node) only if the other
     node holds one of its experts, once, whatever how many; inside the node (ep_intra) each arrived row
     goes once to each rank holding its experts. Every byte of both is counted against the routing, and
-    the network carries fewer bytes than the flat all-to-all sends off the node."""
+    so is what each dispatch sends off the node (the all-to-alls' own network count): fewer bytes than
+    the flat all-to-all's, one row per assignment there."""
     D, L = GROUPED_CFG.dim, GROUPED_CFG.n_experts // 4
     hierarchical, flat = (workers(4).run(routed_bytes, d) for d in ("hierarchical", "alltoall"))
     experts = hierarchical[0]["experts"]  # [source rank, T, k]; rank r on node r // 2
@@ -432,11 +435,14 @@ def test_hierarchical_crosses_the_network_once_per_node(workers):
         arrived = [[{r % 2 for r in to} for to in rows if to] for rows in arrived]
         assert got["ep_intra"] == (dedup_bytes(arrived, index, L, D * 4), 7), me
         assert got["ep"] == (0, 0)
-        # rows leaving the node: one per token and other node, against the flat dispatch's one per
-        # assignment to an expert there
-        crossing = sum(len(to - {node}) for to in nodes[me])
-        flat_crossing = int(((experts[me] // L) // 2 != node).sum())
-        assert crossing < flat_crossing and got["ep_inter"][0] < alltoall["ep"][0], (crossing, flat_crossing)
+        # What leaves the node, counted by the all-to-alls themselves: all of ep_inter's bytes, none of
+        # ep_intra's; the flat dispatch sends one row per assignment to a rank on the other node (x there
+        # and the output's gradient back) and answers those it receives (the output, x's gradient).
+        assert got["network"] == {"ep_inter": inter, "ep_intra": 0}, me
+        flat_sent = int(((experts[me] // L) // 2 != node).sum())
+        flat_received = sum(int(((experts[s] // L) == me).sum()) for s in range(4) if s // 2 != node)
+        assert alltoall["network"]["ep"] == (flat_sent + flat_received) * 2 * D * 4, me
+        assert got["network"]["ep_inter"] < alltoall["network"]["ep"]
 
 
 def test_sort_and_combine_round_trip_with_empty_experts():

@@ -122,3 +122,34 @@ def test_the_worlds_searched():
     cpu = dataclasses.replace(accelerator("h100"), name="cpu", gpus_per_node=4)
     assert rank_counts(Cluster(cpu, 4)) == [4, 2, 1]
     assert rank_counts(Cluster(dataclasses.replace(cpu, gpus_per_node=6), 6)) == [6, 3]
+
+
+def test_an_moe_that_does_not_fit_says_where_its_memory_goes():
+    """Mixtral 8x7B on 8 GPUs of 40 GB at ep 1: the refusal lists the planner's parts (largest first,
+    summing to what it needs) and the routed experts' share of the state, which a larger ep would spread."""
+    cfg = resolved(
+        load_config(
+            str(ROOT / "configs" / "mixtral-8x7b.toml"),
+            [
+                "--parallel.ep=1",
+                "--parallel.tp=1",
+                "--parallel.pp=1",
+                "--parallel.dp_shard=-1",
+                "--parallel.zero=1",
+                "--training.micro_batch=1",
+            ],
+        ),
+        8,
+    )
+    gpu = dataclasses.replace(accelerator("h100"), memory_bytes=40 * GiB)
+    cluster = Cluster(gpu, 8, "bf16")
+    est = estimate(cfg, cluster)
+    why = too_big(cfg, 8, cluster)
+    assert why is not None
+    parts = why.split("Where it goes (GiB): ")[1].split("; the routed experts'")[0].split(", ")
+    listed = {name: float(value.replace(",", "")) for name, value in (p.rsplit(" ", 1) for p in parts)}
+    assert list(listed.values()) == sorted(listed.values(), reverse=True)
+    assert sum(listed.values()) == pytest.approx(est.memory_bytes_per_gpu / GiB, abs=0.05 * len(listed))
+    experts = float(why.split("state are ")[1].split(" GiB")[0].replace(",", ""))
+    state = listed["params"] + listed.get("grads", 0) + listed["optimizer"]
+    assert 0.5 * state < experts < state  # Mixtral's routed experts hold most of its parameters

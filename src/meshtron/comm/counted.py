@@ -51,6 +51,9 @@ class CountedCollectives:
         self.spans: list[Span] | None = None
         self.pairwise_all_to_all = False  # set where the backend has no all-to-all (`_exchange`)
         self.timed = True  # waits count in timing.TIMES (not a background checkpoint writer's)
+        # Ranks per node (rank r on node r // ranks_per_node): the all-to-alls also count the bytes they
+        # send off the node (CommStats.network); 0: not counted.
+        self.ranks_per_node = 0
 
     @contextlib.contextmanager
     def recording(self, spans: bool = False) -> Iterator[Recording]:
@@ -185,6 +188,7 @@ class CountedCollectives:
             return x
         _splits_evenly("all_to_all", x, split_dim, group)
         self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
+        self._count_network(group, [_nbytes(x) / group.size] * group.size)
         inputs = [c.contiguous() for c in x.chunk(group.size, dim=split_dim)]
         outputs = [torch.empty_like(c) for c in inputs]
         self._exchange(outputs, inputs, group)
@@ -205,6 +209,15 @@ class CountedCollectives:
                 self.pairwise_all_to_all = True
         self.wait(pairwise.exchange(outputs, inputs, pg, group.ranks, me), "all_to_all", group)
 
+    def _count_network(self, group: CommGroup, to_each: list[float]) -> None:
+        """Book the bytes `to_each[j]` sent to members j on another node than this rank's."""
+        if self.ranks_per_node:
+            here = group.ranks[group.rank] // self.ranks_per_node
+            away = sum(
+                b for r, b in zip(group.ranks, to_each, strict=True) if r // self.ranks_per_node != here
+            )
+            self.stats.record_network(group.name, away)
+
     def all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
     ) -> torch.Tensor:
@@ -215,6 +228,7 @@ class CountedCollectives:
         row = _nbytes(x[:1]) if x.shape[0] else 0
         sent = (x.shape[0] - input_splits[group.rank]) * row
         self.stats.record(group.name, "all_to_all", sent)
+        self._count_network(group, [rows * row for rows in input_splits])
         if not self.pairwise_all_to_all:
             try:
                 work = dist.all_to_all_single(

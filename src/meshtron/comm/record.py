@@ -147,6 +147,8 @@ class CommStats:
 
     bytes: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    # Of the all-to-alls' bytes, those sent to a rank on another node (CountedCollectives.ranks_per_node).
+    network: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # Two threads count at once while a pipeline runs a DualPipeV pair's forward and backward together.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -177,9 +179,14 @@ class CommStats:
             out[g] += c
         return dict(out)
 
+    def record_network(self, group: str, nbytes: float) -> None:
+        with self._lock:
+            self.network[group] += nbytes
+
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.network.clear()
 
     def merge(self, other: CommStats) -> None:
         """Add `other`'s counts to these (an enclosing recording's; nothing is noted twice)."""
@@ -188,6 +195,8 @@ class CommStats:
                 self.bytes[key] += nbytes
             for key, calls in other.calls.items():
                 self.calls[key] += calls
+            for group, nbytes in other.network.items():
+                self.network[group] += nbytes
 
 
 Span = tuple[str, str, str, float, float]  # a wait: (op, group name, lane, start, end) in perf_counter s

@@ -22,6 +22,7 @@ from meshtron.config.schema import Config
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.layout import KEYS, Layout
 from meshtron.plan.search import search
+from meshtron.plan.state import expert_state_bytes
 from meshtron.probe.cluster import run_cluster
 
 MARGIN = 1.25  # refused above this many times the memory there is (the planner is within 10%)
@@ -58,7 +59,8 @@ def too_big(cfg: Config, world_size: int, cluster: Cluster | None = None) -> str
     cluster = cluster or run_cluster(cfg, world_size)
     if cluster is None:
         return None
-    needed, limit = estimate(cfg, cluster).memory_bytes_per_gpu, cluster.gpu.memory_bytes
+    est = estimate(cfg, cluster)
+    needed, limit = est.memory_bytes_per_gpu, cluster.gpu.memory_bytes
     if needed <= MARGIN * limit:
         return None
     gpu = cluster.gpu
@@ -73,8 +75,26 @@ def too_big(cfg: Config, world_size: int, cluster: Cluster | None = None) -> str
     return (
         f"this layout needs {needed / GiB:,.1f} GiB per {per} by the planner's count, and {has} "
         f"({needed / limit:.1f}x; refused above {MARGIN}x, the planner being within 10%): it would run out "
-        f"of memory. {_what_fits(cfg, cluster)}. To start it anyway, set --run.memory_check=false"
+        f"of memory. {_where_it_goes(cfg, est.memory)}. {_what_fits(cfg, cluster)}. "
+        "To start it anyway, set --run.memory_check=false"
     )
+
+
+def _where_it_goes(cfg: Config, parts: dict[str, float]) -> str:
+    """The planner's parts of the most loaded rank, largest first, and the routed experts' share of the
+    parameters, gradients and optimizer state (the part expert parallel or folding shrinks)."""
+    listed = ", ".join(
+        f"{name} {b / GiB:,.1f}" for name, b in sorted(parts.items(), key=lambda x: -x[1]) if b
+    )
+    experts = max(expert_state_bytes(cfg, stage) for stage in range(cfg.parallel.pp))
+    routed = ""
+    if experts:
+        routed = (
+            f"; the routed experts' weights, gradients and optimizer state are {experts / GiB:,.1f} GiB of "
+            f"them (parallel.ep={cfg.parallel.ep} spreads them; a larger ep, or ep over the tp ranks with "
+            "parallel.etp=1, holds fewer per rank)"
+        )
+    return f"Where it goes (GiB): {listed}{routed}"
 
 
 def _flags(cfg: Config, layout: Layout) -> str:

@@ -295,3 +295,14 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
 
 
 _STATES: Memo[dict[str, int]] = Memo()
+
+
+def expert_state_bytes(cfg: Config, pp_rank: int = 0) -> int:
+    """Bytes of the routed experts' parameters, gradients and optimizer state on a rank of stage
+    `pp_rank` (0 when the experts are sharded like the dense weights: they are part of those)."""
+    p = cfg.parallel
+    params = [x.shape for x in rank_parameters(cfg, pp_rank) if x.expert]
+    if not params:
+        return 0
+    edp = p.edp_of(p.dp_shard * p.cp) if p.experts_apart else p.dp_shard * p.cp
+    return sum(engine_state_bytes(params, edp, p.zero, cfg.training.dtype != "fp32").values())

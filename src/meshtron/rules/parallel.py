@@ -177,7 +177,7 @@ def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
         )
     if p.experts_apart:
         problems.append(
-            "parallel.fsdp_impl='simple' does not shard experts over their own grid yet (ep > 1, or etp=1 "
+            "parallel.fsdp_impl='simple' does not shard experts over their expert-parallel grid yet (ep > 1, or etp=1 "
             "under tp); use fsdp_impl='meshtron'"
         )
     if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:

@@ -173,6 +173,8 @@ class Trainer:
             "step_time_s": elapsed,
             "comm_bytes_by_group": stats.by_group(),
             "comm_calls_by_group": stats.calls_by_group(),  # collectives issued (each send and receive one)
+            # the all-to-alls' bytes sent to another node (run.gpus_per_node), by group
+            "comm_network_bytes_by_group": dict(stats.network),
             **extra,
             **skipped,
             **by_source,
