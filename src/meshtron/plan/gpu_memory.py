@@ -151,6 +151,15 @@ def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> flo
     return tokens * act * values
 
 
+def walked_micro_batches(micro: int, pp: int, vpp: int, schedule: str) -> int:
+    """How many micro-batches the memory walk needs to see a schedule's peak: every schedule but GPipe
+    holds at most a bounded number in flight once its warm-up is over (1F1B pp, interleaved and the V
+    schedules a few pp·vpp), so beyond 4·pp·vpp more micro-batches only repeat the steady state
+    (tests/test_memory_model.py checks the peak is the same for every family); GPipe holds them all."""
+    cap = 4 * pp * vpp
+    return micro if schedule == "gpipe" or micro <= cap else cap
+
+
 @lru_cache(maxsize=64)
 def _schedule(pp: int, vpp: int, micro: int, schedule: str) -> list:
     """Every rank's actions (built once per schedule, not once per stage asked about)."""
@@ -163,7 +172,12 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
     the linear layers' inputs and output gradients until the weight-gradient pass (W). Chunk 0 never
     waits: nothing needs its input gradient, so its B computes the weight gradients at once."""
     p, t = cfg.parallel, cfg.training
-    m = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)
+    m = walked_micro_batches(
+        micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard),
+        p.pp,
+        p.vpp,
+        p.pp_schedule,
+    )
     last, splits = p.pp * p.vpp - 1, p.pp_schedule in SPLIT_BACKWARD
     chunks = chunks_of_rank(pp_rank, p.pp, p.vpp, p.pp_schedule)
     kept = {c: chunk_activation_bytes(cfg, pp_rank, split[c], c == last) for c in chunks}
@@ -171,20 +185,26 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
         c: waiting_weight_grad_bytes(cfg, split[c], c == last) if splits and c > 0 else 0 for c in chunks
     }
 
-    def walk() -> int:
-        alive = peak = 0
-        for a in _schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank]:
-            if a.kind == Kind.F:
-                alive += kept[a.chunk]
-            elif a.kind == Kind.B:
-                alive += waiting[a.chunk] - kept[a.chunk]
-            elif a.kind == Kind.W:
-                alive -= waiting[a.chunk]
-            peak = max(peak, alive)
-        return peak
+    def walk() -> float:
+        return peak_alive(_schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank], kept, waiting)
 
     key = ("walk", p.pp, p.vpp, m, p.pp_schedule, pp_rank, tuple(kept.items()), tuple(waiting.items()))
     return _cached(key, walk)
+
+
+def peak_alive(actions: list, kept: dict[int, float], waiting: dict[int, float]) -> float:
+    """The most bytes alive along one rank's actions: F adds its chunk's `kept`, B trades them for the
+    `waiting` weight-gradient inputs, W frees those."""
+    alive = peak = 0.0
+    for a in actions:
+        if a.kind == Kind.F:
+            alive += kept[a.chunk]
+        elif a.kind == Kind.B:
+            alive += waiting[a.chunk] - kept[a.chunk]
+        elif a.kind == Kind.W:
+            alive -= waiting[a.chunk]
+        peak = max(peak, alive)
+    return peak
 
 
 @dataclass(frozen=True)
