@@ -188,8 +188,9 @@ def other_runs() -> list[Run]:
     titan = "torchtitan's llama3_h100_202412_torchtitan.md, H100 96 GB HBM2e 2.4 TB/s at 500 W, seq 8192"
     return [
         Run("Llama 3 405B", "Dubey et al. 2024, Table 4 (8,192 H100 80GB, seq 8192, 16M-token batch, 430 "
-            "TFLOP/s/GPU)", "h100", 8192, llama["405b"], 8192, 2048, dict(tp=8, sp=True, pp=16, dp_shard=64,
-            zero=2, cp=1, micro_batch=1, recompute="full", pp_head_layers=EVEN), from_tflops(llama["405b"], 8192,
+            "TFLOP/s/GPU; FSDP synchronising once per step: ZeRO-1's reduction)", "h100", 8192, llama["405b"], 8192,
+            2048, dict(tp=8, sp=True, pp=16, dp_shard=64, zero=1, cp=1, micro_batch=1, recompute="full",
+            pp_head_layers=EVEN), from_tflops(llama["405b"], 8192,
             430), META),
         Run("BLOOM 176B", "Le Scao et al. 2022 (384 A100 80GB, seq 2048, batch 2048, 156 TFLOP/s/GPU incl. "
             "recompute)", "a100-80gb", 384, bloom, 2048, 2048, dict(tp=4, sp=False, pp=12, dp_replicate=1,
