@@ -437,3 +437,20 @@ def test_a_launched_run_notes_the_keys_over_its_preset_once(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("meshtron: note: model.name='tiny' (a preset, named on the command line): ") == 1
     assert "n_layers=3 (command line) in place of its 2" in out.stdout
+
+
+QWEN3_235B = [f"--model.{k}" for k in ("dim=4096", "n_layers=94", "n_heads=64", "n_kv_heads=4", "head_dim=128",
+              "ffn_dim=12288", "vocab_size=151936", "n_experts=128", "top_k=8", "moe_ffn_dim=1536")]  # fmt: skip
+
+
+def test_plan_takes_megatrons_folded_moe_layout():
+    """Qwen3-235B-A22B in Megatron-Core's published layout (attention tp 2 x dp 16, experts ep 32 x etp 1
+    over the same ranks, pp 8 x vpp 4) on 256 H100s, DeepEP's dispatch: planned, and fitting."""
+    layout = "tp=2,pp=8,vpp=4,pp_schedule=interleaved,ep=32,etp=1,dp_shard=16,zero=1,micro_batch=1"
+    out = meshtron("plan", "--gpus", "256", "--gpu", "h100", "--seq-len", "4096", "--global-batch", "8192",
+                   "--dtype", "fp8", "--layout", layout, "--parallel.ep_dispatch=hierarchical", "--json",
+                   *QWEN3_235B)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    best = json.loads(out.stdout)[0]
+    assert (best["layout"]["ep"], best["layout"]["etp"], best["layout"]["tp"]) == (32, 1, 2)
+    assert best["memory_bytes_per_gpu"] < 80 * 2**30

@@ -237,7 +237,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="choose the layout for a model on a cluster: step time, MFU and memory per GPU",
         epilog="example: meshtron plan --model.name=llama3-70b --gpus 64 --gpu h100 --seq-len 8192 "
-        "--global-batch 256; extra --model.key=value flags override the model",
+        "--global-batch 256; extra --model.key=value flags override the model, and "
+        "--parallel.ep_dispatch=hierarchical prices DeepEP's two-hop dispatch for MoE",
         formatter_class=_WithModelOverrides,
     )
     plan.add_argument("--config", help="TOML config whose model is planned (default: --model.* flags)")

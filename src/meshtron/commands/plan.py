@@ -21,9 +21,9 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     from meshtron.rules.model import model_problems, moe_problems
 
     problems = [
-        f"{o}: meshtron plan takes --model.KEY=VALUE overrides only"
+        f"{o}: meshtron plan takes --model.KEY=VALUE overrides and --parallel.ep_dispatch=... only"
         for o in overrides
-        if not o.startswith("--model.")
+        if not o.startswith(("--model.", "--parallel.ep_dispatch="))
     ]
     if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
         problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
