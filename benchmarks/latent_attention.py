@@ -17,14 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from reporting import cpu_model, parser, publish, table
+from reporting import cpu_model, parser, publish, rounds_of_runs, table
 
-from meshtron.comm.workers import WorkerPool
 from meshtron.models.attention import LayerKV
 from meshtron.models.latent_attention import LatentKV
 from meshtron.plan.flops import training_flops_per_token
 from meshtron.rules.checks import load_config
-from meshtron.testing.parity import trainer_for
 
 TITLE = "## Latent attention (MLA): against GQA, its context-parallel exchanges, its cache"
 SEQ = 1024
@@ -55,34 +53,23 @@ MLA = [
 GQA = ["--model.n_kv_heads=2"]
 
 
-def trained(overrides: list[str], steps: int) -> dict:
-    """On every rank: `steps` steps' rows (step time, losses, bytes per group, peak memory)."""
-    trainer = trainer_for([*overrides, f"--training.steps={steps}"])
-    try:
-        rows = [trainer.step(i) for i in range(steps)]
-    finally:
-        trainer.close()
-    return {
-        "losses": [r["loss"] for r in rows],
-        "times": [r["step_time_s"] for r in rows],
-        "cp": [r["comm_bytes_by_group"].get("cp", 0.0) for r in rows],
-        "peak": max(r["peak_mem_bytes"] for r in rows),
-    }
-
-
 def measure(configs: dict[str, tuple[int, list[str]]], args, work: Path) -> dict[str, list[dict]]:
-    """Each configuration's rank-0 results over the rounds, rounds alternating between them."""
-    out: dict[str, list[dict]] = {name: [] for name in configs}
-    for round_ in range(args.rounds):
-        for name, (world, overrides) in configs.items():
-            pool = WorkerPool(world, timeout_s=1800)  # fresh processes: a resident peak never falls
-            try:
-                run_dir = f"--run.dir={work / f'{name}-{round_}'}"
-                out[name].append(pool.run(trained, [*BASE, *overrides, run_dir], args.steps)[0])
-            finally:
-                pool.close()
-            print(f"{name} round {round_ + 1}", flush=True)
-    return out
+    """Each configuration's rank-0 results over the rounds (step times, losses, cp bytes, peak)."""
+    runs = rounds_of_runs(
+        {k: (w, [*BASE, *o]) for k, (w, o) in configs.items()}, args.rounds, args.steps, work
+    )
+    return {
+        name: [
+            {
+                "losses": [r["loss"] for r in rows],
+                "times": [r["step_time_s"] for r in rows],
+                "cp": [r["comm_bytes_by_group"].get("cp", 0.0) for r in rows],
+                "peak": max(r["peak_mem_bytes"] for r in rows),
+            }
+            for rows in per_round
+        ]
+        for name, per_round in runs.items()
+    }
 
 
 def median_time(results: list[dict], warmup: int) -> float:

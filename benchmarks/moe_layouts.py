@@ -24,10 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from reporting import cpu_model, parser, publish, table
-
-from meshtron.comm.workers import WorkerPool
-from meshtron.testing.parity import trainer_for
+from reporting import cpu_model, parser, publish, rounds_of_runs, table
 
 TITLE = "## MoE layouts: folded vs unfolded experts, flat vs dedup vs hierarchical dispatch (4 gloo ranks)"
 SEQ = 512
@@ -65,33 +62,22 @@ DISPATCH = {
 }
 
 
-def trained(overrides: list[str], steps: int) -> dict:
-    """On every rank: `steps` steps' losses, step times, bytes per group and network bytes per group."""
-    trainer = trainer_for([*overrides, f"--training.steps={steps}"])
-    try:
-        rows = [trainer.step(i) for i in range(steps)]
-    finally:
-        trainer.close()
-    return {
-        "losses": [r["loss"] for r in rows],
-        "times": [r["step_time_s"] for r in rows],
-        "bytes": rows[-1]["comm_bytes_by_group"],
-        "network": rows[-1]["comm_network_bytes_by_group"],
-    }
-
-
 def measure(layouts: dict[str, list[str]], args, work: Path) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {name: [] for name in layouts}
-    for round_ in range(args.rounds):
-        for i, (name, overrides) in enumerate(layouts.items()):
-            pool = WorkerPool(4, timeout_s=1800)
-            try:
-                run_dir = f"--run.dir={work / f'{i}-{round_}'}"
-                out[name].append(pool.run(trained, [*BASE, *overrides, run_dir], args.steps)[0])
-            finally:
-                pool.close()
-            print(f"{name} round {round_ + 1}", flush=True)
-    return out
+    """Each layout's rank-0 results over the rounds: losses, step times, the last step's bytes by group
+    and the bytes its all-to-alls sent to the other node."""
+    runs = rounds_of_runs({k: (4, [*BASE, *o]) for k, o in layouts.items()}, args.rounds, args.steps, work)
+    return {
+        name: [
+            {
+                "losses": [r["loss"] for r in rows],
+                "times": [r["step_time_s"] for r in rows],
+                "bytes": rows[-1]["comm_bytes_by_group"],
+                "network": rows[-1]["comm_network_bytes_by_group"],
+            }
+            for rows in per_round
+        ]
+        for name, per_round in runs.items()
+    }
 
 
 def rows_of(results: dict[str, list[dict]], warmup: int) -> list[list[str]]:

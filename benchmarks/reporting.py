@@ -308,3 +308,37 @@ def publish(body: str, out: str, title: str, script: str) -> None:
     if out != "-":
         write_section(Path(out), title, script, body)
         print(f"wrote {out}")
+
+
+# -- whole training steps in fresh worker pools --
+
+
+def trained_rows(overrides: list[str], steps: int) -> list[dict]:
+    """On every rank: `steps` steps of `meshtron train`'s Trainer, their metrics rows."""
+    from meshtron.testing.parity import trainer_for
+
+    trainer = trainer_for([*overrides, f"--training.steps={steps}"])
+    try:
+        return [trainer.step(i) for i in range(steps)]
+    finally:
+        trainer.close()
+
+
+def rounds_of_runs(
+    configs: dict[str, tuple[int, list[str]]], rounds: int, steps: int, work: Path
+) -> dict[str, list[list[dict]]]:
+    """Each (world, overrides) configuration trained `steps` steps in fresh gloo processes (a resident peak
+    never falls), `rounds` times, rounds alternating between configurations: rank 0's rows, per round."""
+    from meshtron.comm.workers import WorkerPool
+
+    out: dict[str, list[list[dict]]] = {name: [] for name in configs}
+    for round_ in range(rounds):
+        for i, (name, (world, overrides)) in enumerate(configs.items()):
+            pool = WorkerPool(world, timeout_s=1800)
+            try:
+                run_dir = f"--run.dir={work / f'{i}-{round_}'}"
+                out[name].append(pool.run(trained_rows, [*overrides, run_dir], steps)[0])
+            finally:
+                pool.close()
+            print(f"{name} round {round_ + 1}", flush=True)
+    return out

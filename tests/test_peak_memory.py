@@ -25,16 +25,21 @@ MODEL = [*MID_MODEL, "--training.micro_batch=1"]
 LAYOUT = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=3"]
 
 
-def test_each_stages_peak_is_within_15_percent_of_the_planner(monkeypatch, tmp_path):
-    for key, value in FIXED_MMAP_THRESHOLD.items():
-        monkeypatch.setenv(key, value)
-    overrides = [*MODEL, *LAYOUT, f"--run.dir={tmp_path}"]
+def peaks_and_predictions(overrides: list[str]) -> tuple[list[dict], list[dict[str, float]]]:
+    """Each of 4 fresh ranks' measured peak over 2 steps, and the planner's parts per stage."""
     pool = WorkerPool(4, timeout_s=300)
     try:
         results = pool.run(measure_peak, overrides, 2)
     finally:
         pool.close()
-    stages = predicted_stages(overrides, 4)
+    return results, predicted_stages(overrides, 4)
+
+
+def test_each_stages_peak_is_within_15_percent_of_the_planner(monkeypatch, tmp_path):
+    for key, value in FIXED_MMAP_THRESHOLD.items():
+        monkeypatch.setenv(key, value)
+    overrides = [*MODEL, *LAYOUT, f"--run.dir={tmp_path}"]
+    results, stages = peaks_and_predictions(overrides)
     firsts = sorted((r for r in results if r["first"]), key=lambda r: r["pp_rank"])
     assert [r["pp_rank"] for r in firsts] == [0, 1]
     for r in firsts:
@@ -64,12 +69,7 @@ def test_fine_grained_moe_peaks_are_within_10_percent_of_the_planner(monkeypatch
     for key, value in FIXED_MMAP_THRESHOLD.items():
         monkeypatch.setenv(key, value)
     overrides = [*MODEL, *FINE_MOE, *MOE_LAYOUTS[layout], f"--run.dir={tmp_path}"]
-    pool = WorkerPool(4, timeout_s=300)
-    try:
-        results = pool.run(measure_peak, overrides, 2)
-    finally:
-        pool.close()
-    stages = predicted_stages(overrides, 4)
+    results, stages = peaks_and_predictions(overrides)
     for r in (r for r in results if r["first"]):
         predicted = sum(stages[r["pp_rank"]].values())
         assert r["peak"] - r["fixed"] == pytest.approx(predicted, rel=0.10), (r["pp_rank"], layout)
