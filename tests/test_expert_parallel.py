@@ -606,7 +606,7 @@ def test_hugging_face_moe_checkpoints_under_expert_parallel(workers, tmp_path, c
                 "--parallel.etp=1",
             ],
             2,
-            "does not shard experts over their own grid",
+            "does not shard experts over their expert-parallel grid",
         ),
         ([*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=alltoal"], 2, "did you mean 'alltoall'"),
         ([*MOE, "--model.n_expert_groups=3"], 1, "not divisible by model.n_expert_groups=3"),
