@@ -179,6 +179,18 @@ COMPOSED = {
         4,
         [*MOE, "--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.ep=2", "--parallel.etp=1"],
     ),
+    # the hierarchical dispatch with each rank its own node: its network hop on the pair lane's twin
+    "moe_ep2_hierarchical": (
+        4,
+        [
+            *MOE,
+            "--parallel.dp_shard=2",
+            "--parallel.zero=1",
+            "--parallel.ep=2",
+            "--parallel.ep_dispatch=hierarchical",
+            "--run.gpus_per_node=1",
+        ],
+    ),
 }
 
 
@@ -186,8 +198,9 @@ COMPOSED = {
 def test_overlapped_pairs_compose(workers, composed):
     """A dense model's pairs overlapped alone (no group but pp's: nothing to twin), under tensor +
     sequence parallel, ring context parallel (its point-to-point exchanges on the twin cp group),
-    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread) and an MoE whose
-    experts are folded over the tp ranks (ep 2, etp 1): 6 steps match one device."""
+    ZeRO-2 (gradients reduce-scattered every micro-batch from the backward's thread), an MoE whose
+    experts are folded over the tp ranks (ep 2, etp 1) and one whose tokens take the hierarchical
+    dispatch's two hops: 6 steps match one device."""
     world, layout = COMPOSED[composed]
     results = workers(world).run(run_layout, [*TINY, *OVERLAPPED_V, *layout])
     stages = [results[0], results[world // 2]]

@@ -53,12 +53,14 @@ class ParallelMesh:
         self._twin_groups: list[Any] = []
         self._checkpoint_group: Any = None
         self._ep_nodes: tuple[CommGroup, CommGroup] | None = None
+        self._ep_node_cut: tuple[list[list[int]], list[list[int]]] = ([], [])  # their ranks, for twins
         self._sliced: dict[str, Any] = {}  # 1-D meshes by dim: slicing a DeviceMesh builds a new one
 
     def pair_lane(self) -> dict[str, Any]:
         """A second process group for each group a chunk's forward communicates on (tp, cp and its
-        parts, ep), as {name of the group: twin} (`Comm.add_pair_lane`): what a pipeline pair's forward
-        uses while its backward uses the first ones. A forward on the pair lane that reaches any other
+        parts, ep, and the ep group's node cut when the hierarchical dispatch made one), as {name of the
+        group: twin} (`Comm.add_pair_lane`): what a pipeline pair's forward uses while its backward uses
+        the first ones. A forward on the pair lane that reaches any other
         group fails loudly instead (collectives.py). Made on the first call, which every rank makes, in the same
         order; kept with the mesh and destroyed with it."""
 
@@ -74,6 +76,10 @@ class ParallelMesh:
                     made[key] = dist.new_subgroups_by_enumeration(groups)[0]
                     self._twin_groups.append(made[key])  # now, so close() frees it even if a later one fails
                 twins[self.group(dim).process_group.group_name] = made[key]
+            for part, groups in zip(self._ep_nodes or (), self._ep_node_cut, strict=False):
+                twin = dist.new_subgroups_by_enumeration(groups)[0]
+                self._twin_groups.append(twin)
+                twins[part.process_group.group_name] = twin
             self._twins = twins
         return self._twins
 
@@ -83,9 +89,8 @@ class ParallelMesh:
         rank makes; destroyed with the mesh."""
         if self._ep_nodes is None:
             parts = []
-            for name, groups in zip(
-                ("ep_intra", "ep_inter"), self.dims.ep_node_groups(ranks_per_node), strict=True
-            ):
+            self._ep_node_cut = self.dims.ep_node_groups(ranks_per_node)
+            for name, groups in zip(("ep_intra", "ep_inter"), self._ep_node_cut, strict=True):
                 group, _ = dist.new_subgroups_by_enumeration(groups)
                 ranks = next(g for g in groups if self.rank in g)
                 parts.append(CommGroup(name, tuple(ranks), group))

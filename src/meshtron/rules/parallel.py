@@ -146,11 +146,6 @@ def expert_parallel_unsupported(cfg: Config) -> list[str]:
             "PyTorch's fully_shard is not wired to shard expert parameters over their expert-data-parallel "
             "group; use parallel.fsdp_impl='meshtron' with parallel.ep > 1"
         ]
-    if p.ep_dispatch == "hierarchical" and p.ep > 1 and p.pp_overlap:
-        return [
-            "the hierarchical dispatch's node groups have no twins on dualpipev's pair lane yet; use "
-            "parallel.ep_dispatch='dedup' with parallel.pp_overlap=true"
-        ]
     return []
 
 
