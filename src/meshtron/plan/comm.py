@@ -163,25 +163,8 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     if p.cp > 1 and not m.is_moe:  # (an MoE layer adds its routing statistics' all-reduce)
         layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
         add("cp", _cp_bytes(cfg, layers, micro))
-    sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
-    if p.ep > 1 and p.ep_dispatch == "alltoall":
-        add(
-            "ep",
-            micro
-            * moe_layers
-            * (4 * sent * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)),
-        )
-    if p.ep > 1 and p.ep_dispatch == "hierarchical":
-        per_node = len(p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node or world_size)[0][0])
-        for group, rows, width, members in hierarchical_rows(m, p.ep, per_node, sent):
-            per_row = 4 * m.dim * 4 + 2 * width * 4 + width
-            add(group, micro * moe_layers * (rows * _ring(members) * per_row + 8 * members * (members - 1)))
-    if p.ep > 1 and p.ep_dispatch == "dedup":
-        rows = sent * ranks_per_token(m, p.ep) * _ring(p.ep)  # those that leave, each way
-        local = m.n_experts // p.ep
-        # tokens, gates and chosen-masks there, the partial sums back; their gradients (no mask's)
-        per_row = 4 * m.dim * 4 + 2 * local * 4 + local
-        add("ep", micro * moe_layers * (rows * per_row + 8 * p.ep * (p.ep - 1)))
+    for group, nbytes in _ep_bytes(cfg, world_size, tokens).items():
+        add(group, micro * moe_layers * nbytes)
     if p.pp > 1:
         seq_shards = p.tp if p.sp else 1
         message = t.micro_batch * t.seq_len // p.cp // seq_shards * m.dim * 4
@@ -190,6 +173,27 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         # gradient back; on this rank one is a send and the other a receive.
         add("pp", micro * 2 * boundaries * message)
     return out
+
+
+def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
+    """One MoE layer's dispatch bytes for one micro-batch of `tokens` tokens, by group. alltoall: top_k
+    rows per token each way, and the count table; dedup and each hop of hierarchical: one row per token
+    and member holding its experts (plan/routing.py), carrying the token, gates and chosen-mask there and
+    the partial sum back, with their gradients (no mask's), and the row counts' all-gather."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1 or p.ep_dispatch == "allgather":
+        return {}
+    sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
+    if p.ep_dispatch == "alltoall":
+        return {"ep": 4 * sent * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)}
+    hops = [("ep", sent * ranks_per_token(m, p.ep), m.n_experts // p.ep, p.ep)]
+    if p.ep_dispatch == "hierarchical":
+        per_node = len(p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node or world_size)[0][0])
+        hops = hierarchical_rows(m, p.ep, per_node, sent)
+    return {
+        group: rows * _ring(members) * (4 * m.dim * 4 + 2 * width * 4 + width) + 8 * members * (members - 1)
+        for group, rows, width, members in hops
+    }
 
 
 def _holds_ends(cfg: Config, pp_rank: int) -> tuple[bool, bool]:
