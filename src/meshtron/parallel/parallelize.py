@@ -22,7 +22,6 @@ one device and every layout.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -49,21 +48,14 @@ from meshtron.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, 
 from meshtron.pipeline.runtime import PipelineRuntime, split_pipeline
 
 
-def ranks_per_node(cfg: Config, world_size: int) -> int:
-    """run.gpus_per_node, or the launcher's ranks per host (torchrun's LOCAL_WORLD_SIZE; meshtron's own
-    launcher starts every rank on this host)."""
-    return cfg.run.gpus_per_node or int(
-        os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())
-    )
-
-
 def apply_expert_step(model: Transformer, comm: Comm, mesh: ParallelMesh, cfg: Config) -> None:
     """Expert parallel with its groups: under etp = 1 the tp ranks each send their share of the tokens;
     the hierarchical dispatch takes the ep group cut by node."""
     p = cfg.parallel
     shares = mesh.group(Dim.TP) if not p.expert_tp and mesh.size(Dim.TP) > 1 else None
     hops = p.ep_dispatch == "hierarchical" and p.ep > 1
-    nodes = mesh.ep_node_groups(ranks_per_node(cfg, mesh.dims.world_size)) if hops else None
+    # the node size set-up gave the comm (run.gpus_per_node, else the ranks per host); none: one node
+    nodes = mesh.ep_node_groups(comm.ranks_per_node or mesh.dims.world_size) if hops else None
     apply_expert_parallel(model, comm, mesh.group(Dim.EP), p.ep_dispatch, shares, nodes)
 
 

@@ -56,11 +56,11 @@ from meshtron.models.llama import Transformer, build_meta_model
 from meshtron.models.loss import MicroBatchLoss
 from meshtron.observe.records import write_run_records
 from meshtron.parallel.expert import expert_parameter_names
-from meshtron.parallel.parallelize import ParallelModel, parallelize, ranks_per_node
+from meshtron.parallel.parallelize import ParallelModel, parallelize
 from meshtron.parallel.regions import initialize_
 from meshtron.plan.estimate import exchange_choices, resolved_exchange
 from meshtron.plan.state import layer_split
-from meshtron.probe.cluster import run_cluster
+from meshtron.probe.cluster import ranks_per_node, run_cluster
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
 from meshtron.train.optim import build_optimizer
@@ -242,7 +242,7 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
     if mesh is not None and mesh.dims != dims:
         raise ValueError(f"the given mesh is {mesh.dims.summary()}, the config asks for {dims.summary()}")
     comm = Comm(cfg.run.comm_timeout_s)
-    comm.ranks_per_node = ranks_per_node(cfg, world_size)
+    comm.ranks_per_node = cfg.run.gpus_per_node or ranks_per_node(world_size)
     world = comm.group("world", list(range(world_size)), dist.group.WORLD)
     place = RankPlace(
         rank=rank,
