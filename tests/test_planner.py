@@ -14,7 +14,7 @@ import pytest
 from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
 from meshtron.config.schema import ConfigError
-from meshtron.plan.comm_time import Overlap, groups
+from meshtron.plan.comm_time import Network, Overlap, _once_per_rank, groups, layer_comm, overlapped_ep
 from meshtron.plan.compute_time import PassTimes, chunk_times
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.flops import training_flops_per_token
@@ -22,6 +22,7 @@ from meshtron.plan.gpu_memory import layer_split, stage_memory
 from meshtron.plan.hardware import GiB, accelerator
 from meshtron.plan.layout import Layout, parse_layout
 from meshtron.plan.network import Group, LinkEfficiency, collective_time
+from meshtron.plan.routing import hierarchical_rows
 from meshtron.plan.search import search
 from meshtron.rules.checks import load_config
 from meshtron.schedules.actions import Kind
@@ -383,3 +384,45 @@ def test_deepseek_v3_fits_in_its_published_layout():
         dataclasses.replace(layout, recompute="full").apply(cfg), Cluster(accelerator("h800"), 2048)
     )
     assert est.fits and est.memory_bytes_per_gpu < 80 * 2**30
+
+
+def test_overlapped_all_to_alls_cost_the_sm_share_or_what_compute_cannot_hide():
+    """Behind the other micro-batch's compute C, T seconds of all-to-alls add max(T − C, s·T): the SMs
+    the communication kernels hold slow the compute (s), and what C cannot cover stays exposed."""
+    ep, share = PassTimes(f=1.0, b=2.0), 0.15
+    assert overlapped_ep(ep, PassTimes(f=3.0, b=4.0, w=3.0), share) == pytest.approx(PassTimes(f=0.15, b=0.3))
+    assert overlapped_ep(ep, PassTimes(f=0.5, b=0.5), share) == pytest.approx(PassTimes(f=2 / 3, b=4 / 3))
+    # On a real model the compute hides a short exchange: the estimate's ep part is s of its exposed one.
+    cfg = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1, recompute="full").apply(
+        config(["--model.name=deepseek-v3", "--model.n_layers=4"], batch=64)
+    )
+    h800 = accelerator("h800")
+    exposed = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=False)))
+    behind = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=True)))
+    assert behind.time["ep"] == pytest.approx(LinkEfficiency().overlap_sm_share * exposed.time["ep"])
+    assert behind.time["compute"] == exposed.time["compute"]
+
+
+def test_deepeps_pipelined_hops_cost_the_slower_hop():
+    """The hierarchical dispatch over 4 nodes of 8: meshtron's hops in sequence cost their sum, DeepEP's
+    forwarding (`--overlap ep_hops`) the slower of the two, pass by pass; each hop is the dedup exchange
+    of its rows (plan/routing.py) over its own group: 4 ranks across the network, 8 over NVLink."""
+    cfg = Layout(ep=32, dp_shard=32, zero=1, micro_batch=1).apply(
+        config(["--model.name=deepseek-v3", "--model.n_layers=4", "--parallel.ep_dispatch=hierarchical"])
+    )
+    h800, links = accelerator("h800"), LinkEfficiency()
+    tokens, row = 4096, cfg.model.dim * 2
+    (_, across, experts_across, _), (_, inside, experts_inside, _) = hierarchical_rows(
+        cfg.model, 32, 8, tokens
+    )
+    net = Network(h800, links, Overlap())
+    hops = [
+        _once_per_rank(Group(4, 8, 8), net, across, experts_across, row),
+        _once_per_rank(Group(8, 1, 8), net, inside, experts_inside, row),
+    ]
+    in_turn = layer_comm(cfg, 3, net, 0.0)["ep"]
+    piped = layer_comm(cfg, 3, Network(h800, links, Overlap(ep_hops=True)), 0.0)["ep"]
+    for k in ("f", "b"):
+        assert getattr(in_turn, k) == pytest.approx(sum(getattr(h, k) for h in hops))
+        assert getattr(piped, k) == pytest.approx(max(getattr(h, k) for h in hops))
+    assert 0 < piped.f < in_turn.f

@@ -15,10 +15,10 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
         hops; alltoall: q, k, v and the output (and their gradients)   allgather: no
         once each; allgather: K/V gathered, their gradients
         reduce-scattered
-  ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron), `Overlap.ep` for
-        of top_k·tokens·dim (dispatch and combine, forward and         DualPipe-style overlap
-        backward); the busiest rank receives `imbalance` times the
-        mean (1: balanced routing)
+  ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron); `Overlap.ep`: behind
+        of top_k·tokens·dim (dispatch and combine, forward and         the other micro-batch's compute, which
+        backward); the busiest rank receives `imbalance` times the     the communication kernels slow
+        mean (1: balanced routing)                                     (overlapped_ep)
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -58,6 +58,7 @@ class Overlap:
     tp: bool = False
     cp_ring: bool = True
     ep: bool = False
+    ep_hops: bool = False
     pp_p2p: bool = True
 
     @classmethod
@@ -82,8 +83,9 @@ class Overlap:
 
 # `--overlap` names -> Overlap fields: the data-parallel gradient reduction behind backward, ZeRO-1/2's
 # parameter gather behind the next forward, ZeRO-3's gathers prefetched behind each layer, tp's
-# collectives behind the GEMMs, the ring's K/V hops behind attention, the expert all-to-alls, and the
-# pipeline's sends.
+# collectives behind the GEMMs, the ring's K/V hops behind attention, the expert all-to-alls behind the
+# other micro-batch's compute, the hierarchical dispatch's two hops behind each other, and the pipeline's
+# sends.
 OVERLAP_NAMES = {
     "dp_reduce": "dp_reduce",
     "dp_gather": "dp_gather",
@@ -91,6 +93,7 @@ OVERLAP_NAMES = {
     "tp": "tp",
     "cp": "cp_ring",
     "ep": "ep",
+    "ep_hops": "ep_hops",
     "pp": "pp_p2p",
 }
 
@@ -154,8 +157,19 @@ def layer_comm(
             out["ep"] = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
         if p.ep_dispatch == "hierarchical":
             out["ep"] = _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
-        out["ep"] = out["ep"] * (0.0 if net.overlap.ep else 1.0)
     return out
+
+
+def overlapped_ep(ep: PassTimes, layer: PassTimes, sm_share: float) -> PassTimes:
+    """What an MoE layer's expert all-to-alls (`ep`) still cost when they run behind another micro-batch's
+    compute of the same layer (`layer`: F, B and W), as DualPipe and Megatron-Core's 1F1B A2A overlap pair
+    one micro-batch's forward with another's backward. The pair's compute C runs at 1 − sm_share of its
+    speed while the communication kernels (T seconds) hold their SMs, so the pair takes
+    max(T, C + sm_share·T): the all-to-alls add max(T − C, sm_share·T), split over F and B as they were."""
+    total, compute = ep.total, layer.total
+    if total <= 0.0:
+        return ep
+    return ep * (max(total - compute, sm_share * total) / total)
 
 
 def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_bytes: int) -> PassTimes:
@@ -176,14 +190,19 @@ def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_byte
 
 def _hierarchical_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> PassTimes:
     """The two hops (plan/routing.py hierarchical_rows): the dedup exchange over the nodes, one rank per
-    node (the network), then inside each node (NVLink); one node: the inside hop alone."""
+    node (the network), then inside each node (NVLink); one node: the inside hop alone. meshtron runs the
+    hops one after the other; DeepEP's internode kernels forward each chunk over NVLink while the next
+    arrives over the network (`Overlap.ep_hops`), so the slower hop sets the time."""
     node = cfg.run.gpus_per_node or net.gpu.gpus_per_node  # the run's nodes, where it says
     per_node = Group(ep.size, ep.stride, node).per_node
     hops = {"ep_inter": Group(ep.size // per_node, node, node), "ep_intra": Group(per_node, ep.stride, node)}
-    total = PassTimes()
-    for name, rows, width, _ in hierarchical_rows(cfg.model, ep.size, per_node, tokens):
-        total = total + _once_per_rank(hops[name], net, rows, width, cfg.model.dim * act)
-    return total
+    times = [
+        _once_per_rank(hops[name], net, rows, width, cfg.model.dim * act)
+        for name, rows, width, _ in hierarchical_rows(cfg.model, ep.size, per_node, tokens)
+    ]
+    if net.overlap.ep_hops:  # forwarded inside the node as it arrives over the network: the slower hop
+        return PassTimes(*(max(getattr(x, k) for x in times) for k in ("f", "b", "w")))
+    return sum(times, PassTimes())
 
 
 def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, PassTimes]:

@@ -50,6 +50,9 @@ class LinkEfficiency:
     network_latency_s: float = 10e-6
     p2p: float = 1.0  # a send/receive's bandwidth as a share of the link's (above)
     p2p_latency_s: float = 0.0  # 0: the link's latency
+    # The SMs that communication kernels hold while they overlap compute, as a share of the GPU's: 20 of
+    # an H800's 132 saturate its InfiniBand and NVLink (DeepSeek-AI 2024, §3.2.2), DeepEP's default too.
+    overlap_sm_share: float = 20 / 132
 
 
 @dataclass(frozen=True)
