@@ -382,15 +382,26 @@ def memory_rows(runs: list[Run]) -> list[str]:
 def calibrate(runs: list[Run]) -> dict[str, ComputeEfficiency]:
     """Grid search of the compute constants minimising the mean squared log error of the runs'
     predicted throughput, the unstated settings held at what the default constants chose; Ampere's and
-    Hopper's matmul shares each from their own runs."""
+    Hopper's matmul shares each from their own BF16 runs, the FP8 GEMMs' share from the FP8 runs."""
     chosen = {r.name: (r, *published_estimate(r, None)[:2]) for r in runs}
     best: dict[str, tuple[float, ComputeEfficiency]] = {}
+    for share in (0.35, 0.4, 0.45, 0.5, 0.55, 0.6):  # FP8 GEMMs' share of the FP8 peak, on the FP8 runs
+        eff = ComputeEfficiency(matmul_fp8=share)
+        errors = [
+            math.log(estimate(layout.apply(base_config(run)), cluster_for(run, eff, True)).tokens_per_sec_per_gpu
+                     / run.published) ** 2
+            for run, layout, _ in chosen.values() if run.dtype == "fp8"
+        ]  # fmt: skip
+        if errors and ("fp8" not in best or sum(errors) / len(errors) < best["fp8"][0]):
+            best["fp8"] = (sum(errors) / len(errors), eff)
     for attention in (0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6):
         for passes in (4.0, 8.0, 12.0, 16.0, 24.0):
             for matmul in (0.6, 0.65, 0.7, 0.75, 0.8, 0.85):
                 eff = ComputeEfficiency(matmul=matmul, attention=attention, elementwise_passes=passes)
                 losses: dict[str, list[float]] = {}
                 for run, layout, _ in chosen.values():
+                    if run.dtype == "fp8":  # their GEMMs take matmul_fp8, fitted above
+                        continue
                     est = estimate(layout.apply(base_config(run)), cluster_for(run, eff, True))
                     family = "ampere" if run.gpu_type.startswith("a100") else "hopper"
                     losses.setdefault(family, []).append(
@@ -405,7 +416,7 @@ def calibrate(runs: list[Run]) -> dict[str, ComputeEfficiency]:
     shipped: dict[str, list[float]] = {}
     for run, layout, _ in chosen.values():
         est = estimate(layout.apply(base_config(run)), cluster_for(run, None, True))
-        family = "ampere" if run.gpu_type.startswith("a100") else "hopper"
+        family = "fp8" if run.dtype == "fp8" else "ampere" if run.gpu_type.startswith("a100") else "hopper"
         shipped.setdefault(family, []).append(math.log(est.tokens_per_sec_per_gpu / run.published) ** 2)
     for family, errors in shipped.items():
         print(f"  {family}: shipped constants, rms log error {math.sqrt(sum(errors) / len(errors)):.3f}")

@@ -15,7 +15,7 @@ from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
 from meshtron.config.schema import ConfigError
 from meshtron.plan.comm_time import Network, Overlap, _once_per_rank, groups, layer_comm, overlapped_ep
-from meshtron.plan.compute_time import PassTimes, chunk_times
+from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, chunk_times, matmul_time
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.flops import training_flops_per_token
 from meshtron.plan.gpu_memory import layer_split, stage_memory
@@ -426,3 +426,13 @@ def test_deepeps_pipelined_hops_cost_the_slower_hop():
         assert getattr(in_turn, k) == pytest.approx(sum(getattr(h, k) for h in hops))
         assert getattr(piped, k) == pytest.approx(max(getattr(h, k) for h in hops))
     assert 0 < piped.f < in_turn.f
+
+
+def test_fp8_gemms_take_their_own_share_of_the_fp8_peak():
+    """FP8 GEMMs at ComputeEfficiency.matmul_fp8 of the doubled peak; attention stays at BF16's."""
+    h100 = accelerator("h100")
+    bf16, fp8 = Cluster(h100, 8, "bf16").rates("bf16"), Cluster(h100, 8, "fp8").rates("bf16")
+    assert fp8.peak == 1979e12 and bf16.peak == 989e12 and fp8.attention_peak == bf16.peak  # datasheet
+    assert (fp8.eff.matmul, bf16.eff.matmul) == (ComputeEfficiency().matmul_fp8, 0.6)
+    big = (8192, 8192, 8192)  # compute-bound in both
+    assert matmul_time(*big, bf16) / matmul_time(*big, fp8) == pytest.approx(1979 * 0.45 / (989 * 0.6))

@@ -84,6 +84,8 @@ class Cluster:
         element = 4 if training_dtype == "fp32" else (1 if self.dtype == "fp8" else 2)
         compute = self.compute or ComputeEfficiency.for_gpu(self.gpu.name)
         attention = peak_flops_per_s(self.gpu, "bf16") if self.dtype == "fp8" else self.peak
+        if self.dtype == "fp8":
+            compute = dataclasses.replace(compute, matmul=compute.matmul_fp8)
         return Rates(
             peak=self.peak,
             hbm=self.gpu.hbm_bytes_per_s,

@@ -218,7 +218,9 @@ def cluster_from(m: Measurement) -> Cluster:
         gpu,
         m.ranks,
         "fp32",
-        compute=ComputeEfficiency(matmul=1.0, attention=m.attention_share, hbm=m.elementwise_share),
+        compute=ComputeEfficiency(
+            matmul=1.0, attention=m.attention_share, hbm=m.elementwise_share, matmul_fp8=1.0
+        ),
         links=LinkEfficiency(
             nvlink=1.0,
             network=1.0,
