@@ -93,9 +93,12 @@ def _wrap(local: torch.Tensor, entry: OwnedRows, mesh: Any) -> torch.Tensor:
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW's state for `param`, created (as a fresh optimizer would) if it has not stepped yet."""
+    """The optimizer's state for `param` (AdamW's step and moments, or Muon's momentum), created as a
+    fresh optimizer would if it has not stepped yet."""
     state = optimizer.state[param]
-    if not state:
+    if not state and hasattr(optimizer, "fresh_state"):  # Muon with AdamW (train/muon.py)
+        state.update(optimizer.fresh_state(param))
+    elif not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -115,12 +118,11 @@ def _state(
     for entry in engine.owned_rows():
         rows = slice(0, entry.rows)
         state = _optimizer_state(optimizer, entry.param)
-        optim_sd[entry.name] = {"step": state["step"]}
-        values = {
-            ("model", entry.name): entry.param.detach()[rows],
-            ("optimizer", entry.name, "exp_avg"): state["exp_avg"][rows],
-            ("optimizer", entry.name, "exp_avg_sq"): state["exp_avg_sq"][rows],
-        }
+        optim_sd[entry.name] = {"step": state["step"]} if "step" in state else {}
+        values = {("model", entry.name): entry.param.detach()[rows]}
+        for key, tensor in state.items():  # the moments, or the momentum: rows like the parameter's
+            if key != "step":
+                values["optimizer", entry.name, key] = tensor[rows]
         for key, local in values.items():
             if tp_blocks is not None and tp_blocks.holds(entry.name):
                 local, blocks[key] = tp_blocks.place(local, entry)
@@ -251,7 +253,7 @@ def load_checkpoint(
     check_format(path)
     try:
         # Read first on its own: inside dcp.load a refused metadata file is taken for a missing one.
-        SafeFileSystemReader(str(path)).read_metadata()
+        _same_optimizer(path, SafeFileSystemReader(str(path)).read_metadata(), state["optimizer"])
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=BlockLoadPlanner(blocks))
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"checkpoint {path} is not a meshtron checkpoint: {err}") from None
@@ -265,6 +267,24 @@ def load_checkpoint(
         ) from None
     engine.load_owned_rows()
     return state["train"]
+
+
+def _same_optimizer(path: Path, metadata: Any, optimizer_sd: dict[str, dict[str, Any]]) -> None:
+    """Refuse a checkpoint whose optimizer (AdamW, or Muon with AdamW) is not this run's: its state
+    would not fit, and silently fresh moments would change the training."""
+
+    def muon(keys: Any) -> bool:
+        return any(str(k).endswith("momentum_buffer") for k in keys)
+
+    saved = muon(metadata.state_dict_metadata)
+    ours = muon(k for part in optimizer_sd.values() for k in part)
+    if saved != ours:
+        name = {True: "'muon'", False: "'adamw'"}
+        raise CheckpointError(
+            f"checkpoint {path} was written with training.optimizer={name[saved]}, and this run has "
+            f"{name[ours]}: an optimizer's state does not carry over to another; resume with "
+            f"training.optimizer={name[saved]}, or start a new run.dir (init_from for the weights alone)"
+        )
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:

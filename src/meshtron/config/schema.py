@@ -64,6 +64,8 @@ SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # backward split into input (B) 
 PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
 Recompute = Literal["none", "selective", "op", "full"]
 OpRecomputeSaves = Literal["matmuls", "every_other_matmul"]  # what training.recompute="op" keeps
+OptimizerName = Literal["adamw", "muon"]  # muon: Muon on the blocks' matrices, AdamW on the rest
+MuonLrRule = Literal["match_rms_adamw", "original"]  # the scale of Muon's update (train/muon.py)
 Device = Literal["auto", "cpu", "cuda"]
 CorpusTokenizer = Literal["bpe", "byte"]
 
@@ -298,6 +300,12 @@ class TrainingConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: OptimizerName = "adamw"
+    muon_momentum: float = _ranged(0.95, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+    muon_nesterov: bool = True
+    muon_ns_steps: int = _ranged(5, lambda v: 1 <= v < 100, "must be between 1 and 99 Newton-Schulz steps")
+    muon_adjust_lr: MuonLrRule = "match_rms_adamw"  # "match_rms_adamw": one training.lr serves both
+    muon_ns_dtype: DType = "bf16"  # Newton-Schulz's dtype: bf16 as torch.optim.Muon, or fp32
     seed: int = 0
     dtype: TrainingDType = "fp32"
     fp8_recipe: Float8Recipe = "tensorwise"

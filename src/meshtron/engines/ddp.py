@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtron.comm.group import CommGroup
 from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.engines.mixed_precision import accumulate_in_fp32, to_compute_dtype_
@@ -142,6 +143,9 @@ class DistributedDataParallel(BucketedEngine):
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return self.params if self.masters is None else self.masters
+
+    def matrix_group(self) -> tuple[CommGroup | None, bool]:
+        return self.group, False  # every replica holds every parameter whole
 
     def owned_rows(self) -> list[OwnedRows]:
         held = dict(zip(map(id, self.params), self.optimizer_params(), strict=True))

@@ -76,6 +76,11 @@ class DataParallelEngine:
         """What this rank holds of every logical parameter, for checkpoints that any layout can read."""
         raise NotImplementedError
 
+    def matrix_group(self) -> tuple[CommGroup | None, bool]:
+        """The ranks holding pieces of each dense parameter, and whether each holds a row block of it
+        (True) or the whole of it (False): where work done once per matrix is shared out (Muon)."""
+        return self.shard, True
+
     def load_owned_rows(self) -> None:
         """Called after a checkpoint has been loaded into `owned_rows()` (e.g. to refresh full copies)."""
 

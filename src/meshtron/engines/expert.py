@@ -53,6 +53,9 @@ class ExpertDataParallel(DataParallelEngine):
     def owned_rows(self) -> list[OwnedRows]:
         return self.dense.owned_rows() + self.experts.owned_rows()
 
+    def matrix_group(self) -> tuple[CommGroup | None, bool]:
+        return self.dense.matrix_group()  # the dense matrices' (experts' are whole on their ranks)
+
     def load_owned_rows(self) -> None:
         for engine in self.engines:
             engine.load_owned_rows()

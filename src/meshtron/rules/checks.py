@@ -49,6 +49,7 @@ from meshtron.rules.training import (
     checkpoint_unsupported,
     float8_problems,
     mtp_problems,
+    muon_unsupported,
     profile_problems,
     recompute_problems,
     wandb_problems,
@@ -99,6 +100,7 @@ def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
         expert_parallel_unsupported(cfg)
         + data_parallel_unsupported(cfg, world_size)
         + checkpoint_unsupported(cfg, world_size)
+        + muon_unsupported(cfg, world_size)
     )
 
 

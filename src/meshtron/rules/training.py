@@ -119,3 +119,23 @@ def profile_problems(cfg: Config) -> list[str]:
             "e.g. profile.steps=[3, 4] (or meshtron train --profile-steps 3,4); [] profiles nothing"
         ]
     return []
+
+
+def muon_unsupported(cfg: Config, world_size: int) -> list[str]:
+    """Muon's layouts this version cannot run yet: its Newton-Schulz needs each matrix whole, and the
+    pieces tensor parallel and PyTorch's fully_shard hold are not gathered for it yet."""
+    p = cfg.parallel
+    if cfg.training.optimizer != "muon":
+        return []
+    problems = []
+    if p.tp > 1:
+        problems.append(
+            f"training.optimizer='muon' with parallel.tp={p.tp}: Muon does not gather tensor-parallel "
+            "matrices yet; use tp=1 (data, pipeline, context and expert parallel work), or optimizer='adamw'"
+        )
+    if uses_torch_fsdp(cfg, world_size):
+        problems.append(
+            "training.optimizer='muon' with PyTorch's fully_shard is not implemented; use "
+            "parallel.fsdp_impl='meshtron' or 'simple'"
+        )
+    return problems

@@ -63,7 +63,7 @@ from meshtron.plan.state import layer_split
 from meshtron.probe.cluster import ranks_per_node, run_cluster
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
-from meshtron.train.optim import build_optimizer
+from meshtron.train.muon import make_optimizer
 from meshtron.utils.resident import release_freed_memory
 from meshtron.utils.words import plural
 
@@ -291,9 +291,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg), place.device)
     # data.document_mask: attention within documents, whose end token is the data's.
     documents = DocumentMask(dataset.eos_id, cfg.data.reset_positions) if cfg.data.document_mask else None
-    optimizer = build_optimizer(
-        parallel.engine.optimizer_params(), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay
-    )
+    optimizer = make_optimizer(parallel.engine, place.comm, t)
     autocast = partial(autocast_context, place.device, t.dtype)
     mtp_coef = t.mtp_loss_coef if cfg.model.mtp_depth else 0.0
     loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast, mtp_coef)
