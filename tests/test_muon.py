@@ -18,7 +18,8 @@ from meshtron.config.schema import ConfigError
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_losses_match, relative, train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.train.muon import assign_owners, is_muon_matrix, newton_schulz_flops
+from meshtron.train.muon import is_muon_matrix
+from meshtron.train.muon_exchange import assign_owners, newton_schulz_flops
 from meshtron.train.optim import build_optimizer
 
 MUON = ["--training.optimizer=muon", "--training.weight_decay=0.1"]
@@ -136,6 +137,8 @@ def _muon_run(overrides: list[str]) -> dict[str, Any]:
     for entry in trainer.engine.owned_rows():
         entry.param.grad = entry.param.detach().clone()
     weights = trainer.engine.full_gradients(trainer.comm)
+    if trainer.parallel.tp_plan is not None:
+        weights = trainer.parallel.tp_plan.gather_full(weights, trainer.comm)
     return {"rows": rows, "weights": weights, "muon_bytes": recorded.stats.total_bytes(op="all_to_all")}
 
 
@@ -160,6 +163,12 @@ LAYOUTS = {
     "simple_fsdp": (2, [], ["--parallel.dp_shard=2", "--parallel.zero=3", "--parallel.fsdp_impl=simple", HALF]),
     "hsdp": (4, [], ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3", QUARTER]),
     "zero1_ep2": (2, MOE, ["--parallel.dp_shard=2", "--parallel.zero=1", "--parallel.ep=2", "--training.micro_batch=4"]),
+    "tp2_sp": (2, [], ["--parallel.tp=2", "--parallel.sp=true"]),
+    "tp2_zero1": (4, [], ["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.zero=1", HALF]),
+    "tp2_zero3_ddp_replicas": (4, [], ["--parallel.tp=2", "--parallel.dp_replicate=2", HALF]),
+    "moe_tp2_ep2_zero2": (4, MOE, ["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.zero=2", "--parallel.ep=2", HALF]),
+    "moe_folded_tp2_ep2": (2, MOE, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.etp=1"]),
+    "mla_tp2_sp": (2, ["--model.name=tiny-deepseek"], ["--parallel.tp=2", "--parallel.sp=true"]),
 }  # fmt: skip
 
 
@@ -167,9 +176,8 @@ LAYOUTS = {
 def test_each_data_parallel_layout_trains_as_one_device(workers, case):
     world, model, layout = LAYOUTS[case]
     # MoE's balance loss is a statistic of each micro-batch: its reference groups sequences alike
-    micro = (
-        next(int(x.split("=")[1]) for x in layout if x.startswith("--training.micro_batch")) if model else 8
-    )
+    given = [int(x.split("=")[1]) for x in layout if x.startswith("--training.micro_batch")]
+    micro = given[0] if model and given else 8
     ref = _one_device(workers(1), model, micro)
     got = workers(world).run(_muon_run, [*TINY, *FP32_NS, *model, *layout])[0]
     for a, b in zip(got["rows"], ref["rows"], strict=True):
@@ -254,3 +262,20 @@ def test_switching_optimizer_on_resume_is_refused(tmp_path):
         CheckpointError, match="was written with training.optimizer='muon', and this run has 'adamw'"
     ):
         trainer_for([*base, "--training.steps=2", "--checkpoint.resume=true"]).run()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "layout"),
+    [
+        ("fp8", ["--parallel.tp=2", "--parallel.sp=true"]),
+        ("bf16", ["--parallel.dp_shard=2", "--parallel.zero=3", HALF]),
+    ],
+)
+def test_float8_and_bf16_track_one_device(workers, dtype, layout):
+    """Low-precision compute rounds differently in each layout; Muon's steps track the one-device run
+    of the same dtype within 1% in loss (as AdamW's do: tests/test_float8.py)."""
+    run = [*TINY, *FP32_NS, f"--training.dtype={dtype}"]
+    want = workers(1).run(_muon_run, run)[0]
+    got = workers(2).run(_muon_run, [*run, *layout])[0]
+    for a, b in zip(got["rows"], want["rows"], strict=True):
+        assert relative(a["loss"], b["loss"]) <= 1e-2, (dtype, a["step"], a["loss"], b["loss"])

@@ -123,19 +123,10 @@ def profile_problems(cfg: Config) -> list[str]:
 
 def muon_unsupported(cfg: Config, world_size: int) -> list[str]:
     """Muon's layouts this version cannot run yet: its Newton-Schulz needs each matrix whole, and the
-    pieces tensor parallel and PyTorch's fully_shard hold are not gathered for it yet."""
-    p = cfg.parallel
-    if cfg.training.optimizer != "muon":
-        return []
-    problems = []
-    if p.tp > 1:
-        problems.append(
-            f"training.optimizer='muon' with parallel.tp={p.tp}: Muon does not gather tensor-parallel "
-            "matrices yet; use tp=1 (data, pipeline, context and expert parallel work), or optimizer='adamw'"
-        )
-    if uses_torch_fsdp(cfg, world_size):
-        problems.append(
+    DTensor shards of PyTorch's fully_shard are not gathered for it."""
+    if cfg.training.optimizer == "muon" and uses_torch_fsdp(cfg, world_size):
+        return [
             "training.optimizer='muon' with PyTorch's fully_shard is not implemented; use "
             "parallel.fsdp_impl='meshtron' or 'simple'"
-        )
-    return problems
+        ]
+    return []

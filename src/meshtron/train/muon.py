@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.config.schema import TrainingConfig
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
+from meshtron.parallel.tensor import TensorParallelPlan
+from meshtron.train.muon_exchange import MatrixExchange, Piece
 from meshtron.train.optim import build_optimizer
 
 # torch.optim.Muon's quintic (Jordan et al. 2024): the coefficients that maximise the slope at zero.
@@ -88,12 +90,6 @@ def lr_ratio(rule: str, rows: int, cols: int) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """Multiply-adds x 2 of `steps` Newton-Schulz steps on a rows x cols matrix (m <= n its sides)."""
-    m, n = sorted((rows, cols))
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
 @dataclass(frozen=True)
 class MuonSettings:
     momentum: float = 0.95
@@ -107,143 +103,16 @@ class MuonSettings:
         return torch.float32 if self.ns_dtype == "fp32" else torch.bfloat16
 
 
-@dataclass
-class _Matrix:
-    """One logical matrix of a Muon parameter: the parameter entry, and which expert (3-D) it is."""
+@dataclass(frozen=True)
+class MatrixGroups:
+    """Where the pieces of the dense matrices are: the data-parallel group (`engine.matrix_group()`)
+    and whether its ranks hold row blocks (ZeRO, FSDP) or whole copies (DDP); tensor parallel's group
+    and the dim it cuts each parameter along (`TensorParallelPlan.split_dims`)."""
 
-    entry: OwnedRows
-    expert: int | None  # row of a 3-D expert stack; None: a 2-D matrix split in rows over the group
-    owner: int = 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.entry.shape[-2:])  # type: ignore[return-value]
-
-
-def assign_owners(shapes: list[tuple[int, int]], size: int, steps: int) -> list[int]:
-    """Each matrix's owner among `size` ranks: the largest Newton-Schulz work first, each to the least
-    loaded rank so far (ties to the lowest rank), the same on every rank."""
-    load, owners = [0] * size, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-newton_schulz_flops(*shapes[i], steps), i)):
-        owner = min(range(size), key=lambda r: (load[r], r))
-        owners[i], load[owner] = owner, load[owner] + newton_schulz_flops(*shapes[i], steps)
-    return owners
-
-
-class MatrixExchange:
-    """Steps 3's communication for the 2-D matrices of one group: who owns each, and the two all-to-alls
-    (rows of U to the owners, rows of the orthogonalized X back), or with whole copies (DDP) the one."""
-
-    def __init__(
-        self,
-        matrices: list[_Matrix],
-        comm: Comm,
-        group: CommGroup | None,
-        sharded: bool,
-        settings: MuonSettings,
-    ):
-        self.matrices, self.comm, self.group, self.sharded = matrices, comm, group, sharded
-        steps, self.steps, self.dtype = settings.ns_steps, settings.ns_steps, settings.dtype
-        size = group.size if group is not None else 1
-        self.size, self.rank = size, group.rank if group is not None else 0
-        for m, owner in zip(matrices, assign_owners([m.shape for m in matrices], size, steps), strict=True):
-            m.owner = owner
-
-    def rows_of(self, m: _Matrix, rank: int) -> tuple[int, int]:
-        """The rows of `m` that `rank` holds: its row block (sharded), or all of them."""
-        rows = m.shape[0]
-        if not self.sharded:
-            return 0, rows
-        per = -(-rows // self.size)
-        start = min(rank * per, rows)
-        return start, min(rows, start + per)
-
-    def _sizes(self, to_owner: bool) -> tuple[list[int], list[int]]:
-        """(input splits, output splits), in elements, of the exchange towards the owners or back; whole
-        copies (DDP) send nothing to or from oneself."""
-        send, receive, me = [0] * self.size, [0] * self.size, self.rank
-        for m in self.matrices:
-            cols = m.shape[1]
-
-            def count(rank: int, m: _Matrix = m, cols: int = cols) -> int:
-                start, stop = self.rows_of(m, rank)
-                return (stop - start) * cols
-
-            for j in range(self.size):
-                if to_owner:
-                    send[j] += count(me) if m.owner == j else 0
-                    receive[j] += count(j) if m.owner == me else 0
-                elif self.sharded or j != me:
-                    send[j] += count(j) if m.owner == me else 0
-                    receive[j] += count(me) if m.owner == j else 0
-        return send, receive
-
-    def orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Each matrix's rows that this rank holds, orthogonalized (in the Newton-Schulz dtype); `updates`: this rank's rows of
-        each matrix's U, in `matrices` order."""
-        whole: dict[int, torch.Tensor] = {}
-        if self.sharded and self.size > 1:
-            whole = self._gather(updates)
-        else:
-            whole = {
-                i: u
-                for i, (m, u) in enumerate(zip(self.matrices, updates, strict=True))
-                if m.owner == self.rank
-            }
-        done = {i: newton_schulz(u, self.steps, self.dtype) for i, u in whole.items()}
-        if self.size == 1:
-            return [done[i] for i in range(len(self.matrices))]
-        return self._scatter(done, updates)
-
-    def _gather(self, updates: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The all-to-all of rows of U to their owners; the owned matrices, assembled whole."""
-        send, receive = self._sizes(to_owner=True)
-        order = sorted(range(len(self.matrices)), key=lambda i: self.matrices[i].owner)  # by destination
-        flat = (
-            torch.cat([updates[i].to(self.dtype).reshape(-1) for i in order])
-            if order
-            else updates[0].new_empty(0)
-        )
-        got = self.comm.all_to_all_single(flat, self.group, receive, send).split(receive)
-        mine = [i for i, m in enumerate(self.matrices) if m.owner == self.rank]
-        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
-        for j, chunk in enumerate(got):
-            offset = 0
-            for i in mine:
-                rows = self.rows_of(self.matrices[i], j)
-                n = (rows[1] - rows[0]) * self.matrices[i].shape[1]
-                pieces[i].append(chunk[offset : offset + n].view(-1, self.matrices[i].shape[1]))
-                offset += n
-        return {i: torch.cat(parts) for i, parts in pieces.items()}
-
-    def _scatter(
-        self, done: dict[int, torch.Tensor], updates: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """The all-to-all of the orthogonalized rows back to the ranks that hold them."""
-        send, receive = self._sizes(to_owner=False)
-        parts = []
-        for j in range(self.size):
-            for i in sorted(done):
-                if self.sharded or j != self.rank:
-                    rows = self.rows_of(self.matrices[i], j)
-                    parts.append(done[i][rows[0] : rows[1]].reshape(-1))
-        like = updates[0] if updates else torch.empty(0)
-        flat = torch.cat(parts) if parts else like.new_empty(0, dtype=self.dtype)
-        got = self.comm.all_to_all_single(flat, self.group, receive, send).split(receive)
-        out: list[torch.Tensor | None] = [None] * len(self.matrices)
-        for j, chunk in enumerate(got):
-            offset = 0
-            for i, m in enumerate(self.matrices):
-                if m.owner != j or (not self.sharded and j == self.rank):
-                    continue
-                rows = self.rows_of(m, self.rank)
-                n = (rows[1] - rows[0]) * m.shape[1]
-                out[i] = chunk[offset : offset + n].view(-1, m.shape[1])
-                offset += n
-        for i, x in done.items():
-            if not self.sharded:
-                out[i] = x
-        return out
+    dp: CommGroup | None = None
+    dp_split: bool = True
+    tp: CommGroup | None = None
+    split_dims: dict[str, tuple[int, int] | None] = field(default_factory=dict)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -252,8 +121,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     Args:
         entries: what this rank holds of every parameter (the engine's `owned_rows`).
         comm: the counted collectives.
-        group: the ranks holding pieces of each dense matrix (`engine.matrix_group()`); None: alone.
-        sharded: whether they hold row blocks (ZeRO, FSDP) or whole copies (DDP).
+        groups: where the matrices' pieces are (data and tensor parallel).
         lr, betas, eps, weight_decay: the run's; the learning-rate schedule sets every group's lr.
         settings: Muon's momentum, Nesterov, Newton-Schulz steps and lr rule.
     """
@@ -262,8 +130,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self,
         entries: list[OwnedRows],
         comm: Comm,
-        group: CommGroup | None,
-        sharded: bool,
+        groups: MatrixGroups,
         lr: float,
         betas: tuple[float, float],
         eps: float,
@@ -271,28 +138,51 @@ class MuonWithAdamW(torch.optim.Optimizer):
         settings: MuonSettings,
     ) -> None:
         muon = [e for e in entries if is_muon_matrix(e.name, len(e.shape))]
-        self.adamw = build_optimizer(
-            [e.param for e in entries if not is_muon_matrix(e.name, len(e.shape))],
-            lr,
-            betas,
-            eps,
-            weight_decay,
-        )
-        groups = list(self.adamw.param_groups)
+        rest = [e.param for e in entries if not is_muon_matrix(e.name, len(e.shape))]
+        self.adamw = build_optimizer(rest, lr, betas, eps, weight_decay)
+        groups_ = list(self.adamw.param_groups)
         if muon:
-            groups.append(
+            groups_.append(
                 {"params": [e.param for e in muon], "lr": lr, "weight_decay": weight_decay, "muon": True}
             )
-        super().__init__(groups, {})
+        super().__init__(groups_, {})
         self.adamw.state = self.state  # one state dict: checkpoints and metrics read `optimizer.state`
-        self.settings = settings
-        matrices = [_Matrix(e, None) for e in muon if len(e.shape) == 2]
-        self.exchange = MatrixExchange(matrices, comm, group, sharded, settings)
-        for m in matrices:
-            if self.exchange.rows_of(m, self.exchange.rank) != (m.entry.start, m.entry.start + m.entry.rows):
-                raise ValueError(f"{m.entry.name}: the engine's rows are not the row blocks Muon expects")
-        self.experts = [e for e in muon if len(e.shape) == 3]
+        self.settings, self.split_dims = settings, groups.split_dims
         self._muon = {id(e.param) for e in muon}
+        self._plan(muon, comm, groups)
+
+    def _plan(self, muon: list[OwnedRows], comm: Comm, groups: MatrixGroups) -> None:
+        """The two levels: data-parallel blocks of each tp-local matrix to a dp owner, then, for the
+        matrices tp cuts, the dp owners' tp-local pieces to a tp owner (experts: tp alone, as each rank
+        holds whole experts of its data-parallel shard)."""
+        s = self.settings
+        device = muon[0].param.device if muon else torch.device("cpu")
+        self.flat = [e for e in muon if len(e.shape) == 2]
+        self.experts = [e for e in muon if len(e.shape) == 3]
+
+        def exchange(pieces: list[Piece], group: CommGroup | None, split: bool) -> MatrixExchange:
+            return MatrixExchange(pieces, comm, group, split, s.dtype, s.ns_steps, device)
+
+        self.dp = exchange([Piece(tuple(e.shape)) for e in self.flat], groups.dp, groups.dp_split)
+        for e, piece in zip(self.flat, self.dp.pieces, strict=True):
+            if self.dp.block(piece, self.dp.rank) != (e.start, e.start + e.rows):
+                raise ValueError(f"{e.name}: the engine's rows are not the row blocks Muon expects")
+        owned = set(self.dp.owned())
+        self.tp_flat = [i for i, e in enumerate(self.flat) if i in owned and self.split_dims.get(e.name)]
+        self.tp_experts = [(e, k) for e in self.experts if self.split_dims.get(e.name) for k in range(e.rows)]
+        pieces = [
+            Piece(self.logical(self.flat[i]), self.split_dims[self.flat[i].name][0]) for i in self.tp_flat
+        ]
+        pieces += [Piece(self.logical(e), self.split_dims[e.name][0] - 1) for e, _ in self.tp_experts]
+        self.tp = exchange(pieces, groups.tp, True)
+
+    def logical(self, entry: OwnedRows) -> tuple[int, int]:
+        """The whole matrix's shape: tp's cut dim at its logical size (an expert stack: each expert's)."""
+        shape = list(entry.shape)
+        split = self.split_dims.get(entry.name)
+        if split is not None:
+            shape[split[0]] = split[1]
+        return tuple(shape[-2:])  # type: ignore[return-value]
 
     def fresh_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state `param` has before its first step: Muon's momentum, or AdamW's step and moments
@@ -320,21 +210,34 @@ class MuonWithAdamW(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - s.momentum)
         return grad.lerp(buf, s.momentum) if s.nesterov else buf
 
+    def _orthogonalized(self, updates: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
+        """Step 3 for every matrix: this rank's rows of each 2-D matrix's result, and each tp-cut expert
+        slice's, by (entry id, expert)."""
+        s = self.settings
+        whole = self.dp.gather([updates[id(e.param)][: e.rows] for e in self.flat])
+        inputs = [whole[i] for i in self.tp_flat] + [updates[id(e.param)][k] for e, k in self.tp_experts]
+        cut = self.tp.scatter(
+            {i: newton_schulz(x, s.ns_steps, s.dtype) for i, x in self.tp.gather(inputs).items()}
+        )
+        done = {i: newton_schulz(x, s.ns_steps, s.dtype) for i, x in whole.items() if i not in self.tp_flat}
+        done.update(zip(self.tp_flat, cut[: len(self.tp_flat)], strict=True))
+        experts = {
+            (id(e.param), k): x for (e, k), x in zip(self.tp_experts, cut[len(self.tp_flat) :], strict=True)
+        }
+        return self.dp.scatter(done), experts
+
     def _muon_step(self, params: list[nn.Parameter], lr: float, weight_decay: float) -> None:
         s = self.settings
         updates = {id(p): self._momentum(p) for p in params}
-        matrices = self.exchange.matrices
-        rows_u = [updates[id(m.entry.param)][: m.entry.rows] for m in matrices]
-        for m, x in zip(matrices, self.exchange.orthogonalize(rows_u), strict=True):
-            self._apply(
-                m.entry.param.data, m.entry.rows, x, lr, weight_decay, lr_ratio(s.adjust_lr, *m.shape)
-            )
-        for e in self.experts:  # whole experts on every rank that holds them: no exchange
-            u, ratio = updates[id(e.param)], lr_ratio(s.adjust_lr, *e.shape[-2:])
+        flat, experts = self._orthogonalized(updates)
+        for e, x in zip(self.flat, flat, strict=True):
+            self._apply(e.param.data, e.rows, x, lr, weight_decay, lr_ratio(s.adjust_lr, *self.logical(e)))
+        for e in self.experts:  # whole experts of this rank's shard; tp's cut ones came back above
+            u, ratio = updates[id(e.param)], lr_ratio(s.adjust_lr, *self.logical(e))
             for k in range(e.rows):
-                self._apply(
-                    e.param.data[k], None, newton_schulz(u[k], s.ns_steps, s.dtype), lr, weight_decay, ratio
-                )
+                x = experts.get((id(e.param), k))
+                x = newton_schulz(u[k], s.ns_steps, s.dtype) if x is None else x
+                self._apply(e.param.data[k], None, x, lr, weight_decay, ratio)
 
     @staticmethod
     def _apply(
@@ -351,15 +254,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
             (w if rows is None else w[:rows]).add_(x, alpha=-lr * ratio)
 
 
-def make_optimizer(engine: DataParallelEngine, comm: Comm, t: TrainingConfig) -> torch.optim.Optimizer:
+def make_optimizer(
+    engine: DataParallelEngine, comm: Comm, t: TrainingConfig, tp_plan: TensorParallelPlan | None = None
+) -> torch.optim.Optimizer:
     """The run's optimizer over what `engine` gives it: AdamW, or Muon with AdamW (training.optimizer)."""
     betas = (t.beta1, t.beta2)
     if t.optimizer == "adamw":
         return build_optimizer(engine.optimizer_params(), t.lr, betas, t.eps, t.weight_decay)
-    group, sharded = engine.matrix_group()
+    dp, split = engine.matrix_group()
+    groups = MatrixGroups(dp, split, *((tp_plan.tp, tp_plan.split_dims) if tp_plan is not None else ()))
     settings = MuonSettings(
         t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr, t.muon_ns_dtype
     )
-    return MuonWithAdamW(
-        engine.owned_rows(), comm, group, sharded, t.lr, betas, t.eps, t.weight_decay, settings
-    )
+    return MuonWithAdamW(engine.owned_rows(), comm, groups, t.lr, betas, t.eps, t.weight_decay, settings)

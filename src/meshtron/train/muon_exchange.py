@@ -1,0 +1,158 @@
+"""Whole matrices for Muon's Newton-Schulz from the pieces ranks hold, one owner per matrix.
+
+A group of ranks holds the pieces of a list of matrices: every rank a block of each along the matrix's
+split dim (ZeRO and FSDP: row blocks of ceil(rows / n); tensor parallel: equal blocks along the dim it
+cuts), or every rank the whole of each (DDP's replicas). Each matrix gets one owner, the same on every
+rank, balancing the Newton-Schulz FLOPs (`assign_owners`). Then, per step:
+
+  gather    one all-to-all: each rank sends its block of each matrix to the matrix's owner, which
+            concatenates the blocks along the split dim (whole copies: nothing to send)
+  (the owner orthogonalizes)
+  scatter   one all-to-all: the owner sends each rank its block of the result (whole copies: the whole
+            result to every other rank)
+
+Bytes a rank sends per step, elements times the Newton-Schulz dtype's size, n ranks:
+  blocks        Σ over matrices others own of its block, + Σ over matrices it owns of the others' blocks
+  whole copies  (n − 1) · Σ over the matrices it owns of their elements
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """FLOPs of `steps` Newton-Schulz steps on a rows x cols matrix (m <= n its sides): X Xᵀ, S·S and
+    the product with X, 4·m²·n + 2·m³ per step."""
+    m, n = sorted((rows, cols))
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def assign_owners(shapes: list[tuple[int, int]], size: int, steps: int) -> list[int]:
+    """Each matrix's owner among `size` ranks: the largest Newton-Schulz work first, each to the least
+    loaded rank so far (ties to the lowest rank), the same on every rank."""
+    load, owners = [0] * size, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-newton_schulz_flops(*shapes[i], steps), i)):
+        owner = min(range(size), key=lambda r: (load[r], r))
+        owners[i], load[owner] = owner, load[owner] + newton_schulz_flops(*shapes[i], steps)
+    return owners
+
+
+@dataclass
+class Piece:
+    """One matrix as a group holds it: its whole shape, the dim its holders split it along, its owner."""
+
+    shape: tuple[int, int]
+    dim: int = 0
+    owner: int = 0
+
+
+class MatrixExchange:
+    """The gather to the owners and the scatter back, over `group` (None: a group of one).
+
+    Args:
+        pieces: the matrices, in the same order on every rank of the group.
+        comm: the counted collectives.
+        group: the ranks holding them.
+        split: whether each rank holds a block of each (True) or the whole of each (False).
+        dtype: what the blocks travel in (Newton-Schulz's dtype: its input is cast to it anyway).
+        steps: Newton-Schulz steps (the owners' balance).
+        device: where the buffers live.
+    """
+
+    def __init__(
+        self,
+        pieces: list[Piece],
+        comm: Comm,
+        group: CommGroup | None,
+        split: bool,
+        dtype: torch.dtype,
+        steps: int,
+        device: torch.device,
+    ):
+        self.pieces, self.comm, self.group, self.split, self.dtype = pieces, comm, group, split, dtype
+        self.device = device
+        self.size, self.rank = (group.size, group.rank) if group is not None else (1, 0)
+        for piece, owner in zip(
+            pieces, assign_owners([p.shape for p in pieces], self.size, steps), strict=True
+        ):
+            piece.owner = owner
+
+    def block(self, piece: Piece, rank: int) -> tuple[int, int]:
+        """[start, stop) along the split dim of what `rank` holds of `piece`."""
+        n = piece.shape[piece.dim]
+        if not self.split:
+            return 0, n
+        per = -(-n // self.size)
+        start = min(rank * per, n)
+        return start, min(n, start + per)
+
+    def _block_shape(self, piece: Piece, rank: int) -> list[int]:
+        start, stop = self.block(piece, rank)
+        shape = list(piece.shape)
+        shape[piece.dim] = stop - start
+        return shape
+
+    def _numel(self, piece: Piece, rank: int) -> int:
+        rows, cols = self._block_shape(piece, rank)
+        return rows * cols
+
+    def owned(self) -> list[int]:
+        return [i for i, p in enumerate(self.pieces) if p.owner == self.rank]
+
+    def gather(self, blocks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every matrix this rank owns, whole (in `dtype` when it came over the group); `blocks`: this
+        rank's block of each matrix, in `pieces` order."""
+        if not self.split or self.size == 1 or not self.pieces:
+            return {i: blocks[i] for i in self.owned()}
+        send = [0] * self.size
+        receive = [0] * self.size
+        for piece in self.pieces:
+            send[piece.owner] += self._numel(piece, self.rank)
+        for i in self.owned():
+            for j in range(self.size):
+                receive[j] += self._numel(self.pieces[i], j)
+        order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i].owner)  # by destination
+        flat = torch.cat([blocks[i].to(self.dtype).reshape(-1) for i in order])
+        got = self.comm.all_to_all_single(flat, self.group, receive, send).split(receive)
+        whole = {}
+        for i in self.owned():
+            parts = []
+            for j, chunk in enumerate(got):
+                offset = sum(self._numel(self.pieces[k], j) for k in self.owned() if k < i)
+                n = self._numel(self.pieces[i], j)
+                parts.append(chunk[offset : offset + n].view(self._block_shape(self.pieces[i], j)))
+            whole[i] = torch.cat(parts, dim=self.pieces[i].dim)
+        return whole
+
+    def scatter(self, done: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's block of every matrix from its owner's result `done[i]` (the owners' own)."""
+        if self.size == 1 or not self.pieces:
+            return [done[i] for i in range(len(self.pieces))]
+        me, others = self.rank, [j for j in range(self.size) if self.split or j != self.rank]
+        send, receive, parts = [0] * self.size, [0] * self.size, []
+        for j in others:
+            for i in self.owned():
+                start, stop = self.block(self.pieces[i], j)
+                parts.append(done[i].narrow(self.pieces[i].dim, start, stop - start).reshape(-1))
+                send[j] += parts[-1].numel()
+            receive[j] = sum(self._numel(p, me) for p in self.pieces if p.owner == j)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        got = self.comm.all_to_all_single(torch.cat(parts) if parts else empty, self.group, receive, send)
+        out: list[torch.Tensor | None] = [
+            done.get(i) if not self.split else None for i in range(len(self.pieces))
+        ]
+        chunks = got.split(receive)
+        for j in others:
+            offset = 0
+            for i, piece in enumerate(self.pieces):
+                if piece.owner == j:
+                    n = self._numel(piece, me)
+                    out[i] = chunks[j][offset : offset + n].view(self._block_shape(piece, me))
+                    offset += n
+        return out  # type: ignore[return-value]
