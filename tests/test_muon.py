@@ -14,12 +14,12 @@ from torch import nn
 
 from meshtron.checkpoint.save_load import CheckpointError
 from meshtron.comm.workers import WorkerPool
+from meshtron.config.optimizer import is_muon_matrix
 from meshtron.config.schema import ConfigError
+from meshtron.plan.muon import assign_owners, newton_schulz_flops
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_losses_match, relative, train_rows, trainer_for
 from meshtron.testing.tiny import MOE, TINY
-from meshtron.train.muon import is_muon_matrix
-from meshtron.train.muon_exchange import assign_owners, newton_schulz_flops
 from meshtron.train.optim import build_optimizer
 
 MUON = ["--training.optimizer=muon", "--training.weight_decay=0.1"]
@@ -218,8 +218,9 @@ def test_exchange_moves_each_matrix_to_its_owner_and_back(workers):
     rows of the matrices the other rank owns, then the other rank's rows of those it owns. DDP: each
     matrix it owns, whole, to the other rank."""
     shapes = {n: tuple(p.shape) for n, p in trainer_for([*TINY]).model.named_parameters()}
-    matrices = [s for n, s in shapes.items() if is_muon_matrix(n, len(s))]
-    owners = assign_owners(matrices, 2, steps=5)
+    names = [n for n, s in shapes.items() if is_muon_matrix(n, len(s))]
+    matrices = [shapes[n] for n in names]
+    owners = assign_owners(matrices, 2, steps=5, keys=names)
 
     def rows_held(rows: int, rank: int) -> int:
         return min(-(-rows // 2), rows) if rank == 0 else rows - (-(-rows // 2))
@@ -279,3 +280,20 @@ def test_float8_and_bf16_track_one_device(workers, dtype, layout):
     got = workers(2).run(_muon_run, [*run, *layout])[0]
     for a, b in zip(got["rows"], want["rows"], strict=True):
         assert relative(a["loss"], b["loss"]) <= 1e-2, (dtype, a["step"], a["loss"], b["loss"])
+
+
+def test_the_planner_prices_muon_and_dry_run_shows_it(capsys):
+    """State: one fp32 momentum per matrix element (plan/state.py, exact in tests/test_plan.py); work:
+    a rank's 1/(n·tp) of the dense matrices' Newton-Schulz FLOPs; the dry run names both."""
+    from meshtron.commands.main import main
+    from meshtron.plan.muon import newton_schulz_work
+    from meshtron.plan.state import rank_parameters
+
+    cfg = load_config(None, [*TINY, *MUON, "--parallel.dp_shard=2", "--parallel.tp=2"])
+    whole = load_config(None, [*TINY, *MUON])
+    matrices = [x.shape for x in rank_parameters(whole) if is_muon_matrix(x.name, len(x.shape))]
+    flops = sum(newton_schulz_flops(*shape, 5) for shape in matrices)
+    assert newton_schulz_work(cfg) == pytest.approx(flops / 4)
+    main(["train", "--config", "configs/demo.toml", "--dry-run", "--training.optimizer=muon"])
+    out = capsys.readouterr().out
+    assert "\n  muon   " in out and "muon               Newton-Schulz" in out

@@ -23,7 +23,8 @@ from meshtron.testing.tiny import MOE, TINY
 
 DATA_GROUPS = {"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate", "edp", "pp_ends", "cp"}
 ODD_VOCAB = ["--model.vocab_size=301"]  # tp pads it; ZeRO's row blocks pad it
-MLA = ["--model.name=tiny-deepseek", "--model.n_experts=0"]  # latent attention, every layer dense
+MLA = ["--model.name=tiny-deepseek", "--model.n_experts=0"]
+MUON = ["--training.optimizer=muon"]  # latent attention, every layer dense
 
 
 def measured_state(overrides: list[str]) -> dict:
@@ -72,6 +73,13 @@ LAYOUTS = {
     "bf16_zero3_4": (4, ["--training.dtype=bf16", "--parallel.zero=3", "--training.micro_batch=2"]),
     "bf16_pp2_zero1_2_tied": (4, ["--training.dtype=bf16", "--parallel.pp=2", "--parallel.zero=1", "--model.tie_embeddings=true", "--training.micro_batch=2"]),
     "bf16_moe_ep2_zero2_tp2": (4, [*MOE, "--training.dtype=bf16", "--parallel.ep=2", "--parallel.tp=2", "--parallel.zero=2", "--training.micro_batch=4"]),
+    # Muon: one fp32 momentum per matrix element; its owners' all-to-alls over dp (and tp for what tp cuts)
+    "muon_ddp2": (2, [*MUON, "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
+    "muon_zero2_4": (4, [*MUON, "--parallel.zero=2", "--training.micro_batch=2"]),
+    "muon_bf16_zero1_4": (4, [*MUON, "--training.dtype=bf16", "--parallel.zero=1", "--training.micro_batch=2"]),
+    "muon_zero3_tp2_2": (4, [*MUON, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
+    "muon_fp32_zero1_cp2_2": (4, [*MUON, "--training.muon_ns_dtype=fp32", "--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.zero=1", "--training.micro_batch=4"]),
+    "muon_moe_ep2_zero3_edp2_tp2": (4, [*MOE, *MUON, "--parallel.ep=2", "--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     # Multi-head latent attention (dense): its parameters per rank, and what each cp exchange sends
     "mla_tp2_zero3": (4, [*MLA, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     "mla_cp2_ring_kv": (2, [*MLA, "--parallel.cp=2", "--parallel.cp_exchange=kv"]),

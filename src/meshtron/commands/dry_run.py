@@ -22,6 +22,7 @@ from meshtron.plan.estimate import Cluster, estimate, exchange_choices, resolved
 from meshtron.plan.gpu_memory import start_up_memory
 from meshtron.plan.hardware import ACCELERATORS, accelerator, table_name
 from meshtron.plan.layout import Layout
+from meshtron.plan.muon import muon_bytes, newton_schulz_work
 from meshtron.plan.report import TIME_PARTS
 from meshtron.probe.cluster import ranks_per_node
 
@@ -144,11 +145,22 @@ def prediction_text(cfg: Config, cluster: Cluster, unit: str) -> str:
         lines.append(
             f"cp exchange        {resolved_exchange(cfg, cluster).parallel.cp_exchange} (step: {said})"
         )
+    if t.optimizer == "muon":
+        lines.append(_muon_line(cfg))
     if cfg.parallel.cp_impl == "hybrid":
         lines.append(
             "note: the planner times hybrid context parallel as a ring (its all-to-all is not modelled)"
         )
     return "\n".join(lines)
+
+
+def _muon_line(cfg: Config) -> str:
+    """Muon's work on the first stage's rank 0: Newton-Schulz FLOPs and the owners' exchange per step."""
+    sent = sum(muon_bytes(cfg).values())
+    return (
+        f"muon               Newton-Schulz {newton_schulz_work(cfg) / 1e9:,.2f} GFLOP and the owners' "
+        f"exchange {_size(sent)} sent per step; one fp32 momentum per matrix element (AdamW's: two)"
+    )
 
 
 def dry_run(cfg: Config, world_size: int, source: str) -> tuple[str, str | None]:

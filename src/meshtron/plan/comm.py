@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.schema import Config
+from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters
 from meshtron.rules.data import micro_batches_per_step
@@ -142,6 +143,10 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         )
         add("edp", on_edp)
         add("dp_replicate", on_replicas)
+    for group, nbytes in muon_bytes(
+        cfg, pp_rank, dp_shard
+    ).items():  # Muon's owners' exchanges (plan/muon.py)
+        add(group, nbytes)
     tokens = t.micro_batch * t.seq_len // p.cp
     layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
     moe_layers = sum(1 for x in params if x.name.endswith("experts.w1"))

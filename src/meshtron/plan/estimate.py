@@ -34,6 +34,7 @@ from meshtron.plan.gpu_memory import (
     stage_total,
 )
 from meshtron.plan.hardware import Accelerator, PeakDType, peak_flops_per_s
+from meshtron.plan.muon import muon_step_time
 from meshtron.plan.network import LinkEfficiency
 from meshtron.plan.state import layer_split, model_key, stage_signature
 from meshtron.rules.data import micro_batches_per_step
@@ -306,6 +307,8 @@ def _stage_step(
     tail["optimizer"] = (
         OPTIMIZER_BYTES_PER_ELEMENT * base.state["optimizer"] / 8 / (rates.hbm * rates.eff.hbm)
     )
+    if t.optimizer == "muon":  # each matrix orthogonalized once, by its owner (plan/muon.py)
+        tail["muon"] = muon_step_time(cfg, r, cluster.gpu, cluster.links, rates.eff.matmul)
     parts = {"compute": micro * sum(compute[c].total for c in chunks)}
     for c in chunks:
         for dim, times in comm[c].items():

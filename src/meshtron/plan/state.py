@@ -7,7 +7,8 @@ tp, experts split over ep, and over tp too with etp = 1). `state_bytes` then app
 engine the layout gets (parallel/data_parallel.py), dense and expert parameters each over their own
 group, with the engines' exact storage (engines/shard.py's dim-0 row blocks of ceil(d0/n) rows, zero-padded):
 
-  engine (group of n)   parameters            gradients                      AdamW state (fp32 m, v)
+  engine (group of n)   parameters            gradients                      AdamW state (fp32 m, v;
+                                                                             Muon's matrices: 4, not 8)
   DDP                   4·P                   4·P (bucket buffers)           8·P
   ZeRO-1                4·P                   4·P (full .grad, rows reduced) 8·owned rows
   ZeRO-2                4·P                   4·padded shard                 8·owned rows
@@ -27,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from meshtron.config.optimizer import is_muon_matrix
 from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.flops import layer_costs
 from meshtron.schedules.actions import chunks_of_rank
@@ -256,21 +258,25 @@ def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:
 
 
 def engine_state_bytes(
-    shapes: list[tuple[int, ...]], shard: int, zero: int, mixed: bool = False
+    shapes: list[tuple[int, ...]], shard: int, zero: int, mixed: bool = False, muon: list[bool] | None = None
 ) -> dict[str, int]:
-    """Rank 0's bytes of parameters, gradients and AdamW state under the engine of a group of `shard`.
+    """Rank 0's bytes of parameters, gradients and optimizer state under the engine of a group of `shard`.
     `mixed` (bf16 training): engines with whole parameters hold them in bf16 besides fp32 masters (the
     owned rows under ZeRO-1/2, counted with the parameters); ZeRO-3's parameters are its fp32 shards
-    either way (their bf16 units are gathered per use: gpu_memory.py's buffers)."""
+    either way (their bf16 units are gathered per use: gpu_memory.py's buffers). `muon[i]`: shape i is a
+    Muon matrix, whose state is one fp32 momentum per element (AdamW's: two moments)."""
     full = sum(math.prod(s) for s in shapes)
     padded = sum(_rows(s, shard, True) for s in shapes)
-    owned = sum(_rows(s, shard, False) for s in shapes)
-    if shard > 1 and zero == 3:
-        return {"params": 4 * padded, "grads": 4 * padded, "optimizer": 8 * padded}
+    state_of = [4 if m else 8 for m in (muon or [False] * len(shapes))]
     if shard == 1:
-        return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": 8 * full}
+        optimizer = sum(b * math.prod(s) for b, s in zip(state_of, shapes, strict=True))
+        return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": optimizer}
+    if zero == 3:
+        optimizer = sum(b * _rows(s, shard, True) for b, s in zip(state_of, shapes, strict=True))
+        return {"params": 4 * padded, "grads": 4 * padded, "optimizer": optimizer}
     params = 2 * full + 4 * padded if mixed else 4 * full
-    return {"params": params, "grads": 4 * (full if zero == 1 else padded), "optimizer": 8 * owned}
+    optimizer = sum(b * _rows(s, shard, False) for b, s in zip(state_of, shapes, strict=True))
+    return {"params": params, "grads": 4 * (full if zero == 1 else padded), "optimizer": optimizer}
 
 
 def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int]:
@@ -280,18 +286,21 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
     shard = dp_shard * p.cp
     mixed = cfg.training.dtype != "fp32"
 
+    muon = cfg.training.optimizer == "muon"
+
+    def engine(params: list[RankParameter], n: int) -> dict[str, int]:
+        marks = [muon and is_muon_matrix(x.name, len(x.shape)) for x in params]
+        return engine_state_bytes([x.shape for x in params], n, p.zero, mixed, marks)
+
     def held() -> dict[str, int]:
         params = rank_parameters(cfg, pp_rank)
-        dense = engine_state_bytes(
-            [x.shape for x in params if not x.expert or not p.experts_apart], shard, p.zero, mixed
-        )
+        dense = engine([x for x in params if not x.expert or not p.experts_apart], shard)
         if p.experts_apart:
-            edp = p.edp_of(shard)
-            experts = engine_state_bytes([x.shape for x in params if x.expert], edp, p.zero, mixed)
+            experts = engine([x for x in params if x.expert], p.edp_of(shard))
             dense = {k: dense[k] + experts[k] for k in dense}
         return dense
 
-    return dict(_STATES.get((stage_key(cfg, pp_rank), shard, p.zero, mixed), held))
+    return dict(_STATES.get((stage_key(cfg, pp_rank), shard, p.zero, mixed, muon), held))
 
 
 _STATES: Memo[dict[str, int]] = Memo()
@@ -305,4 +314,5 @@ def expert_state_bytes(cfg: Config, pp_rank: int = 0) -> int:
     if not params:
         return 0
     edp = p.edp_of(p.dp_shard * p.cp) if p.experts_apart else p.dp_shard * p.cp
-    return sum(engine_state_bytes(params, edp, p.zero, cfg.training.dtype != "fp32").values())
+    muon = [cfg.training.optimizer == "muon"] * len(params)  # every routed expert's matrix is Muon's
+    return sum(engine_state_bytes(params, edp, p.zero, cfg.training.dtype != "fp32", muon).values())

@@ -31,7 +31,6 @@ result: the owner runs the same operations on the same whole matrix.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +38,7 @@ from torch import nn
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
+from meshtron.config.optimizer import is_muon_matrix
 from meshtron.config.schema import TrainingConfig
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.tensor import TensorParallelPlan
@@ -48,18 +48,6 @@ from meshtron.train.optim import build_optimizer
 # torch.optim.Muon's quintic (Jordan et al. 2024): the coefficients that maximise the slope at zero.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
-
-# Inside a transformer block (the model's and the MTP module's); the router and the shared experts' gate
-# (scores, not hidden features) stay with AdamW.
-_BLOCK_MATRIX = re.compile(r"^(layers\.\d+|mtp\.\d+\.block)\.")
-_GATES = re.compile(r"\.(router|shared_gate)\.")
-
-
-def is_muon_matrix(name: str, ndim: int) -> bool:
-    """Whether parameter `name` (of `ndim` dims) is trained by Muon: a 2-D weight (or a 3-D stack of
-    experts' matrices) inside a transformer block, but not the router or the shared experts' gate. Embeddings, the head, norms,
-    biases and MTP's projection take AdamW."""
-    return ndim >= 2 and bool(_BLOCK_MATRIX.match(name)) and not _GATES.search(name)
 
 
 def newton_schulz(
@@ -163,7 +151,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         def exchange(pieces: list[Piece], group: CommGroup | None, split: bool) -> MatrixExchange:
             return MatrixExchange(pieces, comm, group, split, s.dtype, s.ns_steps, device)
 
-        self.dp = exchange([Piece(tuple(e.shape)) for e in self.flat], groups.dp, groups.dp_split)
+        self.dp = exchange([Piece(e.name, tuple(e.shape)) for e in self.flat], groups.dp, groups.dp_split)
         for e, piece in zip(self.flat, self.dp.pieces, strict=True):
             if self.dp.block(piece, self.dp.rank) != (e.start, e.start + e.rows):
                 raise ValueError(f"{e.name}: the engine's rows are not the row blocks Muon expects")
@@ -171,10 +159,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.tp_flat = [i for i, e in enumerate(self.flat) if i in owned and self.split_dims.get(e.name)]
         self.tp_experts = [(e, k) for e in self.experts if self.split_dims.get(e.name) for k in range(e.rows)]
         pieces = [
-            Piece(self.logical(self.flat[i]), self.split_dims[self.flat[i].name][0]) for i in self.tp_flat
+            Piece(self.flat[i].name, self.logical(self.flat[i]), self.cut(self.flat[i])) for i in self.tp_flat
         ]
-        pieces += [Piece(self.logical(e), self.split_dims[e.name][0] - 1) for e, _ in self.tp_experts]
+        pieces += [Piece(f"{e.name}[{k}]", self.logical(e), self.cut(e) - 1) for e, k in self.tp_experts]
         self.tp = exchange(pieces, groups.tp, True)
+
+    def cut(self, entry: OwnedRows) -> int:
+        """The dim tensor parallel cuts `entry` along."""
+        return self.split_dims[entry.name][0]  # type: ignore[index]
 
     def logical(self, entry: OwnedRows) -> tuple[int, int]:
         """The whole matrix's shape: tp's cut dim at its logical size (an expert stack: each expert's)."""

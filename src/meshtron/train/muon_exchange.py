@@ -24,29 +24,15 @@ import torch
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """FLOPs of `steps` Newton-Schulz steps on a rows x cols matrix (m <= n its sides): X Xᵀ, S·S and
-    the product with X, 4·m²·n + 2·m³ per step."""
-    m, n = sorted((rows, cols))
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
-def assign_owners(shapes: list[tuple[int, int]], size: int, steps: int) -> list[int]:
-    """Each matrix's owner among `size` ranks: the largest Newton-Schulz work first, each to the least
-    loaded rank so far (ties to the lowest rank), the same on every rank."""
-    load, owners = [0] * size, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-newton_schulz_flops(*shapes[i], steps), i)):
-        owner = min(range(size), key=lambda r: (load[r], r))
-        owners[i], load[owner] = owner, load[owner] + newton_schulz_flops(*shapes[i], steps)
-    return owners
+from meshtron.plan.muon import assign_owners
 
 
 @dataclass
 class Piece:
-    """One matrix as a group holds it: its whole shape, the dim its holders split it along, its owner."""
+    """One matrix as a group holds it: its name (owners' ties), whole shape, the dim its holders split
+    it along, and its owner."""
 
+    key: str
     shape: tuple[int, int]
     dim: int = 0
     owner: int = 0
