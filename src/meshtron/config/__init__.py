@@ -7,4 +7,5 @@ layout.py       ParallelDims: a layout's degrees, its axes and the rank groups t
 huggingface.py  a Hugging Face config.json <-> ModelConfig
 deepseek.py     ...DeepSeek-V3's
 init_from.py    `model.init_from = DIR`: the run's [model] keys from the checkpoint's config.json
+optimizer.py    which parameters each optimizer trains (Muon: the blocks' matrices)
 """

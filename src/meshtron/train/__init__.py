@@ -1,5 +1,5 @@
-"""Training: the loop (trainer.py) and the services it runs (optimizer, checkpoints, metrics, records,
-evaluation, faults). The errors a run reports to its user are defined here, free of torch, so that the
+"""Training: the loop (trainer.py) and the services it runs (optimizer: AdamW in optim.py, Muon with its
+owners' exchange in muon.py and muon_exchange.py; checkpoints, metrics, records, evaluation, faults). The errors a run reports to its user are defined here, free of torch, so that the
 command line can name them without importing the training code; and Ctrl-C's handler, whose state
 the loop asks when a step fails."""
 
