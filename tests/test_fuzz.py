@@ -39,6 +39,18 @@ EIGHT_RANKS = {
         "--training.micro_batch=2",
         "--training.recompute=op",
     ],
+    # Muon's two owner levels at once: dp 2 (ZeRO-2) then tp 2, on each stage, experts cut by tp
+    "muon_pp2_x_dp2_zero2_x_tp2_moe_ep2": [
+        *MOE,
+        "--parallel.pp=2",
+        "--parallel.dp_shard=2",
+        "--parallel.tp=2",
+        "--parallel.ep=2",
+        "--parallel.zero=2",
+        "--training.micro_batch=2",
+        "--training.optimizer=muon",
+        "--training.muon_ns_dtype=fp32",
+    ],
     "dp2_x_cp2_x_tp2_zero1": [
         "--parallel.dp_shard=2",
         "--parallel.cp=2",
@@ -61,7 +73,7 @@ EIGHT_RANKS = {
 
 def test_the_seed_list_covers_every_dim_and_option():
     """Each mesh dim at least twice, every other option (schedule, cp_impl, dispatcher, ZeRO stage,
-    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1, ep folded over tp) at least once, over the seeds' layouts and
+    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1, ep folded over tp, Muon) at least once, over the seeds' layouts and
     the 8-rank cases. To repick: draw seeds 0..299, then greedily take the layout covering the most
     still-missing features per rank it needs."""
     drawn = [coverage(draw_layout(random.Random(seed))[0]) for seed in SEEDS]
@@ -81,6 +93,7 @@ def test_the_seed_list_covers_every_dim_and_option():
         "ep_over_tp",
         "kv_heads:1",
         "kv_heads:2",
+        "muon",
     }
     want |= {f"schedule:{s}" for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")}
     want |= {f"cp_impl:{i}" for i in ("ring", "allgather", "alltoall", "hybrid")}

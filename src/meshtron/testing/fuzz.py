@@ -2,7 +2,7 @@
 
 A drawn layout picks degrees for pp (with vpp and every schedule, V ones included), dp_replicate, dp_shard (ZeRO 1/2/3),
 cp (every implementation), tp (with or without sp), ep (every dispatcher, etp 1 or tp, ep folded over the tp ranks), a recompute mode,
-a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
+AdamW or Muon (fp32 Newton-Schulz), a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
 config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 6 steps and is
 compared with the single-device run by parity.py's tolerances (loss rel <= 1e-5 at every step, step-1
 gradients rel L2 <= 1e-5).
@@ -89,7 +89,7 @@ def draw_layout(rng: random.Random, max_world: int = 8) -> tuple[list[str], int]
             check(load_config(None, [*TINY, *overrides]), world)
         except ValueError:
             continue
-        return _with_fold(rng, _with_dedup(rng, overrides), world), world
+        return _with_muon(rng, _with_fold(rng, _with_dedup(rng, overrides), world), world), world
 
 
 def _with_dedup(rng: random.Random, overrides: list[str]) -> list[str]:
@@ -116,6 +116,21 @@ def _with_fold(rng: random.Random, overrides: list[str], world: int) -> list[str
     return folded
 
 
+# Muon with fp32 Newton-Schulz: exact against one device in every layout (bf16's rounding is not).
+MUON = ["--training.optimizer=muon", "--training.muon_ns_dtype=fp32"]
+
+
+def _with_muon(rng: random.Random, overrides: list[str], world: int) -> list[str]:
+    """A quarter of the layouts train with Muon, where the layout runs it; drawn last, like dedup."""
+    if rng.random() >= 0.25:
+        return overrides
+    try:
+        check(load_config(None, [*TINY, *overrides, *MUON]), world)
+    except ValueError:
+        return overrides
+    return [*overrides, *MUON]
+
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
@@ -133,6 +148,7 @@ def coverage(overrides: list[str]) -> set[str]:
     }
     found |= {"sp"} if value("parallel.sp") == "true" else set()
     found |= {"tied"} if value("model.tie_embeddings") == "true" else set()
+    found |= {"muon"} if value("training.optimizer") == "muon" else set()
     found |= {f"schedule:{value('parallel.pp_schedule') or '1f1b'}"} if "pp" in found else set()
     found |= {f"cp_impl:{value('parallel.cp_impl') or 'ring'}"} if "cp" in found else set()
     found |= {f"ep_dispatch:{value('parallel.ep_dispatch')}"} if "ep" in found else set()
@@ -150,7 +166,7 @@ def check_layout(pools: Any, overrides: list[str], world: int) -> None:
     """Run `overrides` on `world` ranks and assert parity with the single-device run. `pools(n)` gives a
     WorkerPool of n ranks."""
     results = pools(world).run(run_layout, [*TINY, *overrides])
-    model = [o for o in overrides if o.startswith("--model.")]
+    model = [o for o in overrides if o.startswith(("--model.", "--training.optimizer", "--training.muon_"))]
     ref = reference(pools(1), model, micro_batch_of(overrides))
     pipelined = any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in overrides)
     assert_parity(merged(results) if pipelined else results[0], ref)

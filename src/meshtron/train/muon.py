@@ -7,7 +7,7 @@ order of operations, which this matches exactly on one device):
 
   1  B <- B + (1 − μ)(G − B)                 momentum (elementwise)
   2  U <- G + μ(B − G) with Nesterov, else B  the update's direction (elementwise)
-  3  X <- bf16(U), transposed if A > B, X <- X / max(‖X‖_F, eps)
+  3  X <- U in bf16 (or fp32), transposed if A > B, X <- X / max(‖X‖_F, eps)
      k times:  S <- X Xᵀ;  X <- a·X + (b·S + c·S·S)·X      the quintic φ(x) = a x + b x³ + c x⁵ applied
                                                           to X's singular values: U Σ Vᵀ -> U φᵏ(Σ) Vᵀ
   4  W <- W·(1 − γλ) − γ·r(A, B)·X           decoupled weight decay; r: "original" √max(1, A/B),
@@ -23,9 +23,13 @@ owner, chosen to balance the Newton-Schulz FLOPs (4·m²·n + 2·m³ per step, m
   whole (DDP)            owners orthogonalize what they hold; all-to-all: each sends its results to
                          the other ranks
 
+  tensor parallel        a second level for the matrices tp cuts: among the tp ranks holding the pieces
+                         (each a data-parallel owner's), a tp owner gathers them along the cut dim
+
 An expert tensor [E, A, B] is E matrices; data parallel shards it by whole experts, so each rank
-orthogonalizes the experts it holds, without communication. The result is bit-for-bit the one-device
-result: the owner runs the same operations on the same whole matrix.
+orthogonalizes the experts it holds (through the tp level where tp cuts them). The result is the
+one-device result: the owner runs the same operations on the same whole matrix (train/muon_exchange.py
+moves the pieces; docs/muon.md).
 """
 
 from __future__ import annotations
