@@ -319,6 +319,32 @@ class CountedCollectives:
         work = dist.all_reduce(x, group=self._pg(group), async_op=True)
         return Pending(self.wait, work, "all_reduce", group)
 
+    def all_to_all_single_async(
+        self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
+    ) -> tuple[torch.Tensor, Pending]:
+        """`all_to_all_single` in flight: (the output buffer, valid after `.wait()`, and its handle)."""
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        if group.size == 1:
+            out.copy_(x)
+            return out, Pending(self.wait, None, "all_to_all", group)
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        self.stats.record(group.name, "all_to_all", (x.shape[0] - input_splits[group.rank]) * row)
+        self._count_network(group, [rows * row for rows in input_splits])
+        x = x.contiguous()
+        if not self.pairwise_all_to_all:
+            try:
+                work = dist.all_to_all_single(
+                    out, x, output_splits, input_splits, group=self._pg(group), async_op=True
+                )
+                return out, Pending(self.wait, work, "all_to_all", group)
+            except RuntimeError as err:  # as in `_exchange`
+                if "does not support alltoall" not in str(err):
+                    raise
+                self.pairwise_all_to_all = True
+        outputs, inputs = list(out.split(output_splits)), list(x.split(input_splits))
+        work = pairwise.exchange(outputs, inputs, self._pg(group), group.ranks, group.rank)
+        return out, Pending(self.wait, work, "all_to_all", group)
+
     def reduce_scatter_is_all_reduce(self, group: CommGroup) -> bool:
         """Whether the backend runs a reduce-scatter as an all-reduce of the whole input (gloo has none
         of its own): a caller that keeps the whole sum anyway can then all-reduce in place instead."""

@@ -43,7 +43,7 @@ from torch import nn
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
 from meshtron.config.optimizer import is_muon_matrix
-from meshtron.config.schema import TrainingConfig
+from meshtron.config.schema import Config
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
 from meshtron.parallel.tensor import TensorParallelPlan
 from meshtron.train.muon_exchange import MatrixExchange, Piece
@@ -89,6 +89,7 @@ class MuonSettings:
     ns_steps: int = 5
     adjust_lr: str = "match_rms_adamw"
     ns_dtype: str = "bf16"  # "fp32": Newton-Schulz in fp32 (layouts then agree to fp32 rounding)
+    bucket_mb: float = 25.0  # the exchange's buckets (parallel.bucket_mb)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,6 +162,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 raise ValueError(f"{e.name}: the engine's rows are not the row blocks Muon expects")
         owned = set(self.dp.owned())
         self.tp_flat = [i for i, e in enumerate(self.flat) if i in owned and self.split_dims.get(e.name)]
+        self.tp_index = {i: k for k, i in enumerate(self.tp_flat)}  # flat index -> tp piece
+        self.bucket_elements = int(s.bucket_mb * 2**20) // s.dtype.itemsize
         self.tp_experts = [(e, k) for e in self.experts if self.split_dims.get(e.name) for k in range(e.rows)]
         pieces = [
             Piece(self.flat[i].name, self.logical(self.flat[i]), self.cut(self.flat[i])) for i in self.tp_flat
@@ -206,27 +209,45 @@ class MuonWithAdamW(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - s.momentum)
         return grad.lerp(buf, s.momentum) if s.nesterov else buf
 
-    def _orthogonalized(self, updates: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
-        """Step 3 for every matrix: this rank's rows of each 2-D matrix's result, and each tp-cut expert
-        slice's, by (entry id, expert)."""
-        s = self.settings
-        whole = self.dp.gather([updates[id(e.param)][: e.rows] for e in self.flat])
-        inputs = [whole[i] for i in self.tp_flat] + [updates[id(e.param)][k] for e, k in self.tp_experts]
-        cut = self.tp.scatter(
-            {i: newton_schulz(x, s.ns_steps, s.dtype) for i, x in self.tp.gather(inputs).items()}
+    def _orthogonalized(self, updates: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict]:
+        """Step 3 for every matrix, bucket by bucket (the next bucket's rows travel while this one's
+        Newton-Schulz runs): this rank's rows of each 2-D matrix's result by index in `flat`, and each
+        tp-cut expert slice's by (entry id, expert)."""
+        blocks = {i: updates[id(e.param)][: e.rows] for i, e in enumerate(self.flat)}
+        buckets = self.dp.buckets(self.bucket_elements)
+        arriving = self.dp.gather_async(buckets[0], blocks) if buckets else None
+        scatters = []
+        for k, bucket in enumerate(buckets):
+            whole = arriving()  # type: ignore[misc]
+            if k + 1 < len(buckets):
+                arriving = self.dp.gather_async(buckets[k + 1], blocks)
+            cut = [i for i in whole if i in self.tp_index]
+            done = self._through_tp({self.tp_index[i]: whole[i] for i in cut})
+            done = {i: done[self.tp_index[i]] for i in cut}
+            done.update({i: self._ns(x) for i, x in whole.items() if i not in self.tp_index})
+            scatters.append(self.dp.scatter_async(bucket, done))
+        rows = {i: x for finish in scatters for i, x in finish().items()}
+        first = len(self.tp_index)
+        slices = self._through_tp(
+            {first + j: updates[id(e.param)][k] for j, (e, k) in enumerate(self.tp_experts)}
         )
-        done = {i: newton_schulz(x, s.ns_steps, s.dtype) for i, x in whole.items() if i not in self.tp_flat}
-        done.update(zip(self.tp_flat, cut[: len(self.tp_flat)], strict=True))
-        experts = {
-            (id(e.param), k): x for (e, k), x in zip(self.tp_experts, cut[len(self.tp_flat) :], strict=True)
-        }
-        return self.dp.scatter(done), experts
+        experts = {(id(e.param), k): slices[first + j] for j, (e, k) in enumerate(self.tp_experts)}
+        return rows, experts
+
+    def _through_tp(self, pieces: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """This rank's tp pieces (by index in the tp exchange) orthogonalized whole by their tp owners."""
+        idx = sorted(pieces)
+        whole = self.tp.gather_async(idx, pieces)()
+        return self.tp.scatter_async(idx, {i: self._ns(x) for i, x in whole.items()})()
+
+    def _ns(self, x: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(x, self.settings.ns_steps, self.settings.dtype)
 
     def _muon_step(self, params: list[nn.Parameter], lr: float, weight_decay: float) -> None:
         s = self.settings
         updates = {id(p): self._momentum(p) for p in params}
-        flat, experts = self._orthogonalized(updates)
-        for e, x in zip(self.flat, flat, strict=True):
+        rows, experts = self._orthogonalized(updates)
+        for e, x in zip(self.flat, (rows[i] for i in range(len(self.flat))), strict=True):
             self._apply(e.param.data, e.rows, x, lr, weight_decay, lr_ratio(s.adjust_lr, *self.logical(e)))
         for e in self.experts:  # whole experts of this rank's shard; tp's cut ones came back above
             u, ratio = updates[id(e.param)], lr_ratio(s.adjust_lr, *self.logical(e))
@@ -251,15 +272,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def make_optimizer(
-    engine: DataParallelEngine, comm: Comm, t: TrainingConfig, tp_plan: TensorParallelPlan | None = None
+    engine: DataParallelEngine, comm: Comm, cfg: Config, tp_plan: TensorParallelPlan | None = None
 ) -> torch.optim.Optimizer:
     """The run's optimizer over what `engine` gives it: AdamW, or Muon with AdamW (training.optimizer)."""
+    t, p = cfg.training, cfg.parallel
     betas = (t.beta1, t.beta2)
     if t.optimizer == "adamw":
         return build_optimizer(engine.optimizer_params(), t.lr, betas, t.eps, t.weight_decay)
     dp, split = engine.matrix_group()
     groups = MatrixGroups(dp, split, *((tp_plan.tp, tp_plan.split_dims) if tp_plan is not None else ()))
     settings = MuonSettings(
-        t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr, t.muon_ns_dtype
+        t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_adjust_lr, t.muon_ns_dtype, p.bucket_mb
     )
     return MuonWithAdamW(engine.owned_rows(), comm, groups, t.lr, betas, t.eps, t.weight_decay, settings)

@@ -18,6 +18,7 @@ Bytes a rank sends per step, elements times the Newton-Schulz dtype's size, n ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,57 +89,98 @@ class MatrixExchange:
         rows, cols = self._block_shape(piece, rank)
         return rows * cols
 
-    def owned(self) -> list[int]:
-        return [i for i, p in enumerate(self.pieces) if p.owner == self.rank]
+    def owned(self, idx: list[int] | None = None) -> list[int]:
+        """The pieces (of `idx`, else all) this rank owns."""
+        return [
+            i for i in (range(len(self.pieces)) if idx is None else idx) if self.pieces[i].owner == self.rank
+        ]
+
+    def buckets(self, limit: int) -> list[list[int]]:
+        """The pieces in consecutive groups of at most `limit` elements of whole matrices (a larger one
+        alone): one exchange each, so that one bucket's Newton-Schulz runs while the next one travels."""
+        out: list[list[int]] = [[]]
+        size = 0
+        for i, piece in enumerate(self.pieces):
+            n = piece.shape[0] * piece.shape[1]
+            if out[-1] and size + n > limit:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += n
+        return out if out[-1] else []
 
     def gather(self, blocks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Every matrix this rank owns, whole (in `dtype` when it came over the group); `blocks`: this
-        rank's block of each matrix, in `pieces` order."""
-        if not self.split or self.size == 1 or not self.pieces:
-            return {i: blocks[i] for i in self.owned()}
-        send = [0] * self.size
-        receive = [0] * self.size
-        for piece in self.pieces:
-            send[piece.owner] += self._numel(piece, self.rank)
-        for i in self.owned():
-            for j in range(self.size):
-                receive[j] += self._numel(self.pieces[i], j)
-        order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i].owner)  # by destination
-        flat = torch.cat([blocks[i].to(self.dtype).reshape(-1) for i in order])
-        got = self.comm.all_to_all_single(flat, self.group, receive, send).split(receive)
-        whole = {}
-        for i in self.owned():
-            parts = []
-            for j, chunk in enumerate(got):
-                offset = sum(self._numel(self.pieces[k], j) for k in self.owned() if k < i)
-                n = self._numel(self.pieces[i], j)
-                parts.append(chunk[offset : offset + n].view(self._block_shape(self.pieces[i], j)))
-            whole[i] = torch.cat(parts, dim=self.pieces[i].dim)
-        return whole
+        """Every matrix this rank owns, whole; `blocks`: its block of each, in `pieces` order."""
+        return self.gather_async(list(range(len(self.pieces))), dict(enumerate(blocks)))()
 
     def scatter(self, done: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's block of every matrix from its owner's result `done[i]` (the owners' own)."""
-        if self.size == 1 or not self.pieces:
-            return [done[i] for i in range(len(self.pieces))]
-        me, others = self.rank, [j for j in range(self.size) if self.split or j != self.rank]
+        """This rank's block of every matrix from its owner's result `done[i]`."""
+        back = self.scatter_async(list(range(len(self.pieces))), done)()
+        return [back[i] for i in range(len(self.pieces))]
+
+    def gather_async(
+        self, idx: list[int], blocks: dict[int, torch.Tensor]
+    ) -> Callable[[], dict[int, torch.Tensor]]:
+        """Start the exchange of pieces `idx` to their owners; the returned call waits and gives the
+        owned ones whole (in `dtype` when they came over the group)."""
+        mine = self.owned(idx)
+        if not self.split or self.size == 1 or not idx:
+            return lambda: {i: blocks[i] for i in mine}
+        send, receive = [0] * self.size, [0] * self.size
+        for i in idx:
+            send[self.pieces[i].owner] += self._numel(self.pieces[i], self.rank)
+        for i in mine:
+            for j in range(self.size):
+                receive[j] += self._numel(self.pieces[i], j)
+        order = sorted(idx, key=lambda i: self.pieces[i].owner)  # by destination, stable
+        flat = torch.cat([blocks[i].to(self.dtype).reshape(-1) for i in order])
+        out, pending = self.comm.all_to_all_single_async(flat, self.group, receive, send)
+
+        def finish() -> dict[int, torch.Tensor]:
+            pending.wait()
+            got, whole = out.split(receive), {}
+            for i in mine:
+                parts = []
+                for j, chunk in enumerate(got):
+                    offset = sum(self._numel(self.pieces[k], j) for k in mine if k < i)
+                    n = self._numel(self.pieces[i], j)
+                    parts.append(chunk[offset : offset + n].view(self._block_shape(self.pieces[i], j)))
+                whole[i] = torch.cat(parts, dim=self.pieces[i].dim)
+            return whole
+
+        return finish
+
+    def scatter_async(
+        self, idx: list[int], done: dict[int, torch.Tensor]
+    ) -> Callable[[], dict[int, torch.Tensor]]:
+        """Start sending each rank its block of the pieces `idx` this rank owns (`done`); the returned
+        call waits and gives this rank's block of each of `idx`."""
+        if self.size == 1 or not idx:
+            return lambda: {i: done[i] for i in idx}
+        me, mine = self.rank, self.owned(idx)
+        others = [j for j in range(self.size) if self.split or j != me]
         send, receive, parts = [0] * self.size, [0] * self.size, []
         for j in others:
-            for i in self.owned():
+            for i in mine:
                 start, stop = self.block(self.pieces[i], j)
                 parts.append(done[i].narrow(self.pieces[i].dim, start, stop - start).reshape(-1))
                 send[j] += parts[-1].numel()
-            receive[j] = sum(self._numel(p, me) for p in self.pieces if p.owner == j)
+            receive[j] = sum(self._numel(self.pieces[i], me) for i in idx if self.pieces[i].owner == j)
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        got = self.comm.all_to_all_single(torch.cat(parts) if parts else empty, self.group, receive, send)
-        out: list[torch.Tensor | None] = [
-            done.get(i) if not self.split else None for i in range(len(self.pieces))
-        ]
-        chunks = got.split(receive)
-        for j in others:
-            offset = 0
-            for i, piece in enumerate(self.pieces):
-                if piece.owner == j:
-                    n = self._numel(piece, me)
-                    out[i] = chunks[j][offset : offset + n].view(self._block_shape(piece, me))
+        out, pending = self.comm.all_to_all_single_async(
+            torch.cat(parts) if parts else empty, self.group, receive, send
+        )
+
+        def finish() -> dict[int, torch.Tensor]:
+            pending.wait()
+            back = {i: done[i] for i in mine} if not self.split else {}
+            chunks = out.split(receive)
+            for j in others:
+                offset = 0
+                for i in (i for i in idx if self.pieces[i].owner == j):
+                    n = self._numel(self.pieces[i], me)
+                    back[i] = chunks[j][offset : offset + n].view(self._block_shape(self.pieces[i], me))
                     offset += n
-        return out  # type: ignore[return-value]
+            return back
+
+        return finish

@@ -291,7 +291,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     parallel = parallelize(model, place.comm, place.mesh, cfg, layer_split(cfg), place.device)
     # data.document_mask: attention within documents, whose end token is the data's.
     documents = DocumentMask(dataset.eos_id, cfg.data.reset_positions) if cfg.data.document_mask else None
-    optimizer = make_optimizer(parallel.engine, place.comm, t, parallel.tp_plan)
+    optimizer = make_optimizer(parallel.engine, place.comm, cfg, parallel.tp_plan)
     autocast = partial(autocast_context, place.device, t.dtype)
     mtp_coef = t.mtp_loss_coef if cfg.model.mtp_depth else 0.0
     loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast, mtp_coef)
