@@ -203,6 +203,28 @@ def test_pipeline_and_context_parallel_train_as_one_device(workers):
             assert (weights[name] - want).norm() / want.norm() <= 1e-5, (layout, name)
 
 
+FOUR_LAYERS = ["--model.n_layers=4"]
+SCHEDULES = {
+    "interleaved": ["--parallel.pp_schedule=interleaved", "--parallel.vpp=2"],
+    "zero_bubble": ["--parallel.pp_schedule=zero_bubble"],
+    "dualpipev": ["--parallel.pp_schedule=dualpipev", "--parallel.vpp=2", "--training.micro_batch=1"],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_family_trains_as_one_device(workers, schedule):
+    """The optimizer runs after the schedule's last action: interleaved, split-backward and V placements
+    each orthogonalize their chunks' matrices as one device does (pp 2 x ZeRO-1 dp 2)."""
+    ref = _one_device(workers(1), FOUR_LAYERS, 8)
+    layout = ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=1", QUARTER, *SCHEDULES[schedule]]
+    results = workers(4).run(_muon_run, [*TINY, *FP32_NS, *FOUR_LAYERS, *layout])
+    weights = {name: w for r in results for name, w in r["weights"].items()}
+    for a, b in zip(results[0]["rows"], ref["rows"], strict=True):
+        assert relative(a["loss"], b["loss"]) <= 1e-5, (schedule, a["step"], a["loss"], b["loss"])
+    for name, want in ref["weights"].items():
+        assert (weights[name] - want).norm() / want.norm() <= 1e-5, (schedule, name)
+
+
 def test_bf16_newton_schulz_spreads_layouts_by_bf16_rounding(workers):
     """With torch's bf16 Newton-Schulz, ZeRO-2's weights after 4 steps are within 1% of one device's
     (fp32 sums in another order, rounded to bf16 at the iteration's input), and the losses within 1e-3."""
@@ -240,7 +262,7 @@ def test_exchange_moves_each_matrix_to_its_owner_and_back(workers):
 
 
 def test_checkpoint_carries_the_momentum_across_layouts(workers, tmp_path):
-    """Saved under ZeRO-3 on 4 ranks after 3 steps; resumed on pp 2 x ZeRO-1 and on one device, each
+    """Saved under ZeRO-3 on 4 ranks after 3 steps; resumed on pp 2 x ZeRO-1, tp 2 x pp 2 and on one device, each
     continues as the uninterrupted run does: the momentum is saved in the rows the weights are."""
     base = [*TINY, *FP32_NS, "--training.steps=6", "--checkpoint.every=3", "--checkpoint.keep=1"]
     zero3 = ["--parallel.dp_shard=4", "--parallel.zero=3", QUARTER]
@@ -248,6 +270,7 @@ def test_checkpoint_carries_the_momentum_across_layouts(workers, tmp_path):
     workers(4).run(train_rows, [*base, *zero3, "--training.steps=3", f"--run.dir={tmp_path / 'first'}"])
     for name, world, layout in [
         ("pp2_zero1", 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.zero=1", QUARTER]),
+        ("tp2_pp2", 4, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.dp_shard=1", QUARTER]),
         ("single", 1, []),
     ]:
         shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / name / "checkpoints")
