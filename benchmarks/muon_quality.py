@@ -1,12 +1,13 @@
 """Benchmark: Muon against AdamW at equal tokens, each at its best learning rate of a small sweep.
 
-`meshtron train --config configs/demo.toml` (the ~5M-parameter Llama, one rank) for the same steps,
+`meshtron train --config configs/demo.toml` (the ~5M-parameter Llama, or `--model larger`, one rank) for the same steps,
 seed and data with `training.optimizer = "adamw"` and `"muon"` (Muon's default lr rule,
 "match_rms_adamw", so one lr drives both groups), each at three learning rates; 5% of the tokens held
 out and evaluated after the last step. The table gives every run's final training loss (mean of the last
 20 steps) and validation loss; the plot, the best run of each optimizer's training-loss curve.
 
     python benchmarks/muon_quality.py                  # the table into RESULTS.md, the plot into docs/img
+    python benchmarks/muon_quality.py --model larger --steps 150 --lrs 1e-3,3e-3
     python benchmarks/muon_quality.py --steps 30 --lrs 2e-3 --out -
 """
 
@@ -24,13 +25,18 @@ from pathlib import Path
 from reporting import RESULTS, cpu_model, table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-TITLE = "## Muon against AdamW (the demo, equal tokens, each at its best learning rate)"
 OPTIMIZERS = ("adamw", "muon")
+# The demo's model, and one with 3x its matrix parameters (dim 384, 6 layers: ~13M parameters).
+MODELS = {
+    "demo": [],
+    "larger": ["--model.dim=384", "--model.n_layers=6", "--model.n_heads=6", "--model.n_kv_heads=2",
+               "--model.ffn_dim=1024"],
+}  # fmt: skip
 
 
-def run(optimizer: str, lr: float, steps: int, run_dir: Path) -> tuple[list[float], float]:
+def run(optimizer: str, lr: float, steps: int, run_dir: Path, model: list[str]) -> tuple[list[float], float]:
     """(training losses, the validation loss after the last step) of one run."""
-    cmd = [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", f"--training.steps={steps}",
+    cmd = [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", *model, f"--training.steps={steps}",
            f"--training.warmup_steps={max(1, steps // 10)}", f"--training.optimizer={optimizer}",
            f"--training.lr={lr}", "--data.val_fraction=0.05", f"--training.eval_every={steps}",
            "--checkpoint.every=0", "--run.sample_tokens=0", "--run.plot=false", f"--run.dir={run_dir}"]  # fmt: skip
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="comma-separated learning rates, for both")
+    parser.add_argument("--model", choices=list(MODELS), default="demo")
     parser.add_argument("--out", default=str(RESULTS), help="results file ('-': print only)")
     args = parser.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for optimizer in OPTIMIZERS:
             for lr in lrs:
-                results[optimizer, lr] = run(optimizer, lr, args.steps, Path(tmp) / f"{optimizer}-{lr}")
+                where = Path(tmp) / f"{optimizer}-{lr}"
+                results[optimizer, lr] = run(optimizer, lr, args.steps, where, MODELS[args.model])
                 print(optimizer, lr, f"val {results[optimizer, lr][1]:.4f}", flush=True)
     tail = min(20, args.steps)
     rows, best = [], {}
@@ -88,18 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     verdict = {o: results[o, best[o]][1] for o in OPTIMIZERS}
     facts = [
         f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}; {cpu_model()}; took {time.perf_counter() - started:.0f} s",
-        f"`meshtron train --config configs/demo.toml` on one rank, {args.steps} steps of 16 x 128 tokens, the "
-        "same seed and data in every run, 5% of the tokens held out",
+        f"`meshtron train --config configs/demo.toml {' '.join(MODELS[args.model])}` on one rank, {args.steps} "
+        "steps of 16 x 128 tokens, the same seed and data in every run, 5% of the tokens held out",
         f"best: AdamW lr {best['adamw']:g} (validation {verdict['adamw']:.4f}), Muon lr {best['muon']:g} "
         f"(validation {verdict['muon']:.4f}): Muon {100 * (verdict['muon'] / verdict['adamw'] - 1):+.1f}%",
-        f"reproduce: `python benchmarks/muon_quality.py --steps {args.steps} --lrs {args.lrs}`",
+        f"reproduce: `python benchmarks/muon_quality.py --model {args.model} --steps {args.steps} --lrs {args.lrs}`",
     ]
     body = "\n".join(f"- {f}" for f in facts) + "\n\n" + "\n".join(table(header, rows)) + "\n"
     print(body)
     if args.out != "-":
-        write_section(Path(args.out), TITLE, "muon_quality.py", body)
+        title = f"## Muon against AdamW ({args.model}: equal tokens, each at its best learning rate)"
+        write_section(Path(args.out), title, f"muon_quality.py --model {args.model}", body)
         curves = {f"{o} (lr {best[o]:g})": results[o, best[o]][0] for o in OPTIMIZERS}
-        plot(curves, ROOT / "docs" / "img" / "muon-vs-adamw.png")
+        plot(curves, ROOT / "docs" / "img" / f"muon-vs-adamw-{args.model}.png")
     return 0
 
 
