@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from reporting import RESULTS, cpu_model, table, write_section
+from reporting import RESULTS, cpu_model, plot_losses, table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "## Float8 training against bf16 (the demo, CPU, emulated float8)"
@@ -39,22 +39,6 @@ def losses(flags: list[str], steps: int, run_dir: Path) -> list[float]:
         raise SystemExit(f"{' '.join(flags)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r and "step" in r]
-
-
-def plot(curves: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, values in curves.items():
-        ax.plot(range(1, len(values) + 1), values, label=name, linewidth=1)
-    ax.set(xlabel="step", ylabel="training loss", yscale="log", title="the demo in bf16 and in float8")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if args.out != "-":
         write_section(Path(args.out), TITLE, "float8_quality.py", body)
-        plot(curves, ROOT / "docs" / "img" / "float8-vs-bf16.png")
+        plot_losses(curves, ROOT / "docs" / "img" / "float8-vs-bf16.png", "the demo in bf16 and in float8")
     return 0
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from reporting import RESULTS, cpu_model, table, write_section
+from reporting import RESULTS, cpu_model, plot_losses, table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ("adamw", "muon")
@@ -47,27 +47,6 @@ def run(optimizer: str, lr: float, steps: int, run_dir: Path, model: list[str]) 
     losses = [r["loss"] for r in rows if "loss" in r and "step" in r]
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     return losses, val[-1]
-
-
-def plot(curves: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, values in curves.items():
-        ax.plot(range(1, len(values) + 1), values, label=name, linewidth=1)
-    ax.set(
-        xlabel="step",
-        ylabel="training loss",
-        yscale="log",
-        title="the demo: Muon and AdamW, each at its best lr",
-    )
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         title = f"## Muon against AdamW ({args.model}: equal tokens, each at its best learning rate)"
         write_section(Path(args.out), title, f"muon_quality.py --model {args.model}", body)
         curves = {f"{o} (lr {best[o]:g})": results[o, best[o]][0] for o in OPTIMIZERS}
-        plot(curves, ROOT / "docs" / "img" / f"muon-vs-adamw-{args.model}.png")
+        path = ROOT / "docs" / "img" / f"muon-vs-adamw-{args.model}.png"
+        plot_losses(curves, path, f"{path.stem}: each at its best lr")
     return 0
 
 

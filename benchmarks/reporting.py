@@ -287,6 +287,23 @@ class Report:
             sys.exit(f"loss mismatch beyond {RTOL:.0e}: {', '.join(failed)}")
 
 
+def plot_losses(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    """Training-loss curves by step, one line each, log scale, into `path` (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, label=name, linewidth=1)
+    ax.set(xlabel="step", ylabel="training loss", yscale="log", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_section(path: Path, title: str, script: str, body: str) -> None:
     """Replace what lies between the script's markers; without them, put them under the section's
     heading (appending the section, or creating the file, when missing)."""

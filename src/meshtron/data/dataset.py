@@ -260,6 +260,29 @@ def _write_tokens(
     return {"n_tokens": n_tokens, "sources": sources, "n_documents": n_docs}
 
 
+def _checked_inputs(
+    inputs: Sequence[str | Path], out_dir: Path, tokenizer: str, chat: bool
+) -> tuple[list[Path], list[str]]:
+    """(files, Hugging Face datasets) of `inputs`, refused with the fix when they cannot be prepared as
+    asked; creates `out_dir`."""
+    if chat and tokenizer in ("byte", "bpe"):
+        raise DataError(
+            "--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
+            "to a checkpoint's tokenizer.json (the chat template sits beside it)"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    datasets = [str(i) for i in inputs if is_dataset_input(i)]
+    files = collect_files([i for i in inputs if not is_dataset_input(i)], exclude=[out_dir])
+    if not files and not datasets:
+        raise DataError(f"no input files found in {[str(i) for i in inputs]}")
+    if datasets and (chat or tokenizer == "bpe"):
+        raise DataError(
+            "Hugging Face datasets are read as text with a given tokenizer: pass --tokenizer byte "
+            "or a tokenizer.json (a BPE is trained on files; --chat reads .jsonl files)"
+        )
+    return files, datasets
+
+
 def prepare_data(
     inputs: Sequence[str | Path],
     out_dir: str | Path,
@@ -285,23 +308,9 @@ def prepare_data(
     ``chat``: the inputs are .jsonl conversations, rendered with the tokenizer's chat template, and only
     the assistant turns count in the loss (data/chat.py: a loss_mask.bin beside the tokens).
     """
-    if chat and tokenizer in ("byte", "bpe"):
-        raise DataError(
-            "--chat renders conversations with a tokenizer's chat template: pass --tokenizer PATH "
-            "to a checkpoint's tokenizer.json (the chat template sits beside it)"
-        )
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    datasets = [str(i) for i in inputs if is_dataset_input(i)]
-    files = collect_files([i for i in inputs if not is_dataset_input(i)], exclude=[out_dir])
-    if not files and not datasets:
-        raise DataError(f"no input files found in {[str(i) for i in inputs]}")
-    if datasets and (chat or tokenizer == "bpe"):
-        raise DataError(
-            "Hugging Face datasets are read as text with a given tokenizer: pass --tokenizer byte "
-            "or a tokenizer.json (a BPE is trained on files; --chat reads .jsonl files)"
-        )
+    files, datasets = _checked_inputs(inputs, out_dir, tokenizer, chat)
     meta_path = out_dir / META_FILE
     # Drop the completion marker first: a crash from here on must leave a dataset that refuses to open,
     # not an old meta.json describing new tokens.
@@ -327,9 +336,8 @@ def prepare_data(
         "tokenizer": tok_spec,
         "sources": counts["sources"],
         "n_documents": counts["n_documents"],
+        **({"loss_mask": LOSS_MASK_FILE} if chat else {}),
     }
-    if chat:
-        meta["loss_mask"] = LOSS_MASK_FILE
     tmp_meta = out_dir / f".{META_FILE}.tmp-{os.getpid()}"
     tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
     _fsync_replace(tmp_meta, meta_path)

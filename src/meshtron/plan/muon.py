@@ -48,6 +48,14 @@ def assign_owners(
     return owners
 
 
+def _logical(cfg: Config, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Stage `pp_rank`'s Muon matrices at their whole shapes (tp's cuts undone; experts: this rank's
+    ep share), by name."""
+    p = cfg.parallel
+    whole = dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=1, sp=False, etp=0))
+    return {x.name: x.shape for x in rank_parameters(whole, pp_rank) if is_muon_matrix(x.name, len(x.shape))}
+
+
 def newton_schulz_work(cfg: Config, pp_rank: int = 0) -> float:
     """Newton-Schulz FLOPs per step on a rank of stage `pp_rank`: its 1/(n·tp) of the dense matrices
     (owners balance them), and the routed experts of its rows (1/tp of each where tp cuts them)."""
@@ -56,8 +64,7 @@ def newton_schulz_work(cfg: Config, pp_rank: int = 0) -> float:
         return 0.0
     steps, tp, shard = t.muon_ns_steps, p.tp, p.dp_shard * p.cp
     n = shard if shard > 1 else p.dp_replicate
-    whole = dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=1, sp=False, etp=0))
-    logical = [x.shape for x in rank_parameters(whole, pp_rank) if is_muon_matrix(x.name, len(x.shape))]
+    logical = list(_logical(cfg, pp_rank).values())
     flops = sum(newton_schulz_flops(*s, steps) for s in logical if len(s) == 2) / (n * tp)
     edp = p.edp_of(shard) if p.experts_apart else shard
     share = (1 / edp if edp > 1 else 1.0) / (tp if p.expert_tp else 1)
@@ -114,8 +121,7 @@ def muon_bytes(cfg: Config, pp_rank: int = 0, dp_shard: int | None = None) -> di
     n, split = (shard, True) if shard > 1 else (p.dp_replicate, False)
     cp = "_cp" if p.cp > 1 else ""
     here = {x.name: x for x in rank_parameters(cfg, pp_rank) if is_muon_matrix(x.name, len(x.shape))}
-    whole = dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=1, sp=False, etp=0))
-    logical = {x.name: x.shape for x in rank_parameters(whole, pp_rank) if x.name in here}
+    logical = _logical(cfg, pp_rank)
     dense = [x for x in here.values() if len(x.shape) == 2]
     out: dict[str, float] = {}
     if n > 1:

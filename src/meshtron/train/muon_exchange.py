@@ -11,6 +11,9 @@ rank, balancing the Newton-Schulz FLOPs (`assign_owners`). Then, per step:
   scatter   one all-to-all: the owner sends each rank its block of the result (whole copies: the whole
             result to every other rank)
 
+The data-parallel level runs in buckets (`buckets`): `gather_async` and `scatter_async` take a bucket's
+pieces, and return a call that waits.
+
 Bytes a rank sends per step, elements times the Newton-Schulz dtype's size, n ranks:
   blocks        Σ over matrices others own of its block, + Σ over matrices it owns of the others' blocks
   whole copies  (n − 1) · Σ over the matrices it owns of their elements
@@ -109,15 +112,6 @@ class MatrixExchange:
             size += n
         return out if out[-1] else []
 
-    def gather(self, blocks: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Every matrix this rank owns, whole; `blocks`: its block of each, in `pieces` order."""
-        return self.gather_async(list(range(len(self.pieces))), dict(enumerate(blocks)))()
-
-    def scatter(self, done: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's block of every matrix from its owner's result `done[i]`."""
-        back = self.scatter_async(list(range(len(self.pieces))), done)()
-        return [back[i] for i in range(len(self.pieces))]
-
     def gather_async(
         self, idx: list[int], blocks: dict[int, torch.Tensor]
     ) -> Callable[[], dict[int, torch.Tensor]]:
@@ -138,13 +132,15 @@ class MatrixExchange:
 
         def finish() -> dict[int, torch.Tensor]:
             pending.wait()
-            got, whole = out.split(receive), {}
-            for i in mine:
+            got, offsets, whole = out.split(receive), [0] * self.size, {}
+            for i in mine:  # each source's chunk holds its blocks of the owned pieces, in order
                 parts = []
                 for j, chunk in enumerate(got):
-                    offset = sum(self._numel(self.pieces[k], j) for k in mine if k < i)
                     n = self._numel(self.pieces[i], j)
-                    parts.append(chunk[offset : offset + n].view(self._block_shape(self.pieces[i], j)))
+                    parts.append(
+                        chunk[offsets[j] : offsets[j] + n].view(self._block_shape(self.pieces[i], j))
+                    )
+                    offsets[j] += n
                 whole[i] = torch.cat(parts, dim=self.pieces[i].dim)
             return whole
 
