@@ -226,7 +226,7 @@ def test_missing_file_and_malformed_toml(tmp_path):
         (
             ["--parallel.pp=2", "--parallel.pp_layers=[1, 2]", "--training.global_batch=16"],
             2,
-            "parallel.pp_layers=[1, 2] must give pp*vpp=2 positive layer counts adding up to model.n_layers=4",
+            "parallel.pp_layers=[1, 2] must give pp*vpp=2 layer counts adding up to model.n_layers=4",
         ),
         (
             ["--parallel.pp=2", "--parallel.pp_layers=[1, 3]", "--parallel.pp_head_layers=1"],
@@ -305,7 +305,7 @@ def test_all_problems_reported_at_once():
                 "--training.global_batch=3",
             ],
             2,
-            ["must give pp*vpp=4 positive layer counts", "needs the interleaved schedule", "global_batch=3"],
+            ["must give pp*vpp=4 layer counts", "needs the interleaved schedule", "global_batch=3"],
         ),
         # A coefficient out of range does not hide the layout's problems (a size would: rules divide by it).
         (

@@ -4,6 +4,13 @@ The model is cut into pp·vpp chunks (which rank holds which: schedules.chunks_o
 first chunk and the final norm, output head and loss on the last. An even split can count the embedding
 and the head+loss as `embedding_weight` and `head_weight` layers' worth of work, so the first and last
 chunks get fewer transformer layers; or the caller gives the layer count of every chunk explicitly.
+
+Every middle chunk holds at least one layer. The first chunk may hold none (the embedding alone) and so
+may the last (the final norm, head and loss alone): Megatron-Core's layouts that count the embedding and
+the loss as a layer each (`--account-for-embedding-in-pipeline-split`, `--account-for-loss-in-pipeline-
+split`) give them chunks of their own, e.g. Qwen3-235B's 94 layers over pp 32 x vpp 3 = 96 chunks. A
+balanced split leaves an edge chunk empty only when the layers cannot fill every chunk and that edge
+weighs a layer or more.
 """
 
 from __future__ import annotations
@@ -22,21 +29,37 @@ def split_problems(
     """Why the layers cannot be split into `chunks` (pp·vpp) chunks this way, with the fix."""
     problems = []
     if explicit:
-        if len(explicit) != chunks or any(n < 1 for n in explicit) or sum(explicit) != n_layers:
+        middle_empty = any(n < 1 for n in explicit[1:-1])
+        if len(explicit) != chunks or middle_empty or min(explicit) < 0 or sum(explicit) != n_layers:
             problems.append(
-                f"parallel.pp_layers={list(explicit)} must give pp*vpp={chunks} positive layer counts "
-                f"adding up to model.n_layers={n_layers}"
+                f"parallel.pp_layers={list(explicit)} must give pp*vpp={chunks} layer counts adding up to "
+                f"model.n_layers={n_layers}, each positive (the first and last may be 0: the embedding "
+                "or the head alone)"
             )
         if embedding_weight or head_weight:
             problems.append(
                 "parallel.pp_layers gives the split explicitly; parallel.pp_embedding_layers and "
                 "parallel.pp_head_layers only weigh a balanced split: set one or the other"
             )
-    elif n_layers < chunks:
+    elif n_layers < chunks - len(_emptiable(chunks, embedding_weight, head_weight)):
+        most = n_layers + len(_emptiable(chunks, embedding_weight, head_weight))
+        hint = (
+            " (or weigh the embedding and the head as a layer each, parallel.pp_embedding_layers=1 and "
+            "pp_head_layers=1: they then take chunks of their own)"
+            if most < n_layers + 2 and chunks <= n_layers + 2
+            else ""
+        )
         problems.append(
-            f"model.n_layers={n_layers} cannot fill pp*vpp={chunks} pipeline chunks; use pp*vpp <= {n_layers}"
+            f"model.n_layers={n_layers} cannot fill pp*vpp={chunks} pipeline chunks; use pp*vpp <= {most}{hint}"
         )
     return problems
+
+
+def _emptiable(chunks: int, embedding_weight: float, head_weight: float) -> set[int]:
+    """The edge chunks a balanced split may leave without layers: those weighing a layer or more."""
+    if chunks < 2:
+        return set()
+    return {i for i, w in ((0, embedding_weight), (chunks - 1, head_weight)) if w >= 1}
 
 
 def split_layers(
@@ -46,7 +69,7 @@ def split_layers(
     head_weight: float = 0.0,
     explicit: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Layer indices of every chunk, in order; every chunk gets at least one layer."""
+    """Layer indices of every chunk, in order; every middle chunk gets at least one layer."""
     if chunks < 1:
         raise ValueError(f"the number of pipeline chunks must be positive, got {chunks}")
     problems = split_problems(n_layers, chunks, explicit or (), embedding_weight, head_weight)
@@ -67,10 +90,12 @@ def _balanced(n_layers: int, chunks: int, embedding_weight: float, head_weight: 
     extra[0] += embedding_weight
     extra[-1] += head_weight
     total = n_layers + sum(extra)
-    counts = [max(1, round(total / chunks - e)) for e in extra]
+    empty = _emptiable(chunks, embedding_weight, head_weight) if n_layers < chunks else set()
+    least = [0 if i in empty else 1 for i in range(chunks)]
+    counts = [max(low, round(total / chunks - e)) for low, e in zip(least, extra, strict=True)]
     # Fix the sum: take layers from / give layers to the chunks whose load is furthest from the target.
     while sum(counts) > n_layers:
-        i = max((i for i in range(chunks) if counts[i] > 1), key=lambda i: counts[i] + extra[i])
+        i = max((i for i in range(chunks) if counts[i] > least[i]), key=lambda i: counts[i] + extra[i])
         counts[i] -= 1
     while sum(counts) < n_layers:
         i = min(range(chunks), key=lambda i: counts[i] + extra[i])
