@@ -10,7 +10,7 @@ import torch
 
 from meshtron.models.init import init_region
 from meshtron.models.llama import build_meta_model, build_model
-from meshtron.parallel.regions import local_rows, logical_region
+from meshtron.parallel.regions import held_rows, local_rows, logical_region
 from meshtron.rules.checks import load_config
 from meshtron.testing.parity import trainer_for
 from meshtron.testing.tiny import MOE, TINY
@@ -58,14 +58,15 @@ def held_regions_match_single_device(overrides: list[str]) -> int:
     experts = {n for n in single if ".experts." in n} if ep.size > 1 else set()
     checked = 0
     for entry in parallel.engine.owned_rows():
-        target, start, rows, shape = local_rows(entry)
+        target, box, shape = local_rows(entry)
         where = (ep.rank, ep.size) if entry.name in experts else None
-        region, logical = logical_region(entry.name, shape, start, rows, parallel.tp_plan, where)
+        region, logical = logical_region(entry.name, shape, box, parallel.tp_plan, where)
         assert logical == tuple(single[entry.name].shape), entry.name
         want = single[entry.name].detach()[tuple(slice(a, b) for a, b in region)]
-        got = target[: region[0][1] - region[0][0]]
+        rows = held_rows(target, region)
+        got = target[:rows].reshape(want.shape)
         assert torch.equal(got.float(), want), f"{entry.name} {region}"
-        assert not target[region[0][1] - region[0][0] :].any(), f"{entry.name}: padding rows not zero"
+        assert not target[rows:].any(), f"{entry.name}: padding rows not zero"
         checked += 1
     return checked
 
@@ -83,6 +84,9 @@ LAYOUTS = {
     "cp2_zero3": (2, ["--parallel.cp=2"]),
     "ep2_tp2_etp2": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=2"]),
     "ep2_tp2_etp1_zero1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1"]),
+    # One local expert over two expert-data-parallel ranks: each holds half of its matrices' rows.
+    "ep2_edp2_experts_cut_within_zero3": (4, [*MOE, "--model.n_experts=2", "--parallel.ep=2"]),
+    "experts_cut_within_simple_fsdp": (4, [*MOE, "--model.n_experts=2", "--parallel.fsdp_impl=simple"]),
     "pp2_tied": (2, ["--parallel.pp=2", "--model.tie_embeddings=true", "--training.micro_batch=2"]),
     "pp2_zbv_tied_zero3": (4, ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--model.n_layers=4",
                                "--model.tie_embeddings=true", "--training.micro_batch=2"]),

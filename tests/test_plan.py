@@ -61,6 +61,10 @@ LAYOUTS = {
     "pp2_zbv_zero1_tied_cost": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=zbv", "--parallel.zero=1", "--model.tie_embeddings=true", "--model.n_layers=4", "--parallel.pp_balance=cost", "--training.micro_batch=2"]),
     "moe_tp2_qk_norm": (2, [*MOE, "--parallel.tp=2", "--model.qk_norm=true", "--model.qkv_bias=true"]),
     "moe_ep2_zero3_edp2": (4, [*MOE, "--parallel.ep=2", "--training.micro_batch=2"]),
+    # One local expert over two edp ranks: the stacks cut within their matrices (config/row_blocks.py).
+    "moe_ep2_zero3_experts_cut_within": (4, [*MOE, "--model.n_experts=2", "--parallel.ep=2", "--training.micro_batch=2"]),
+    "moe_zero2_experts_cut_within": (4, [*MOE, "--model.n_experts=2", "--parallel.zero=2", "--training.micro_batch=2"]),
+    "muon_moe_ep2_zero3_experts_whole": (4, [*MOE, *MUON, "--model.n_experts=2", "--parallel.ep=2", "--training.micro_batch=2"]),
     "moe_ep2_zero1_tp2_etp1": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.zero=1", "--training.micro_batch=4"]),
     "moe_ep2_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--training.micro_batch=4"]),
     "moe_ep2_dedup_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--parallel.zero=2", "--training.micro_batch=4"]),

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from meshtron.config.row_blocks import block_box
 from meshtron.engines.engine import OwnedRows
 from meshtron.engines.shard import ShardedShape
 from meshtron.parallel.tensor import TensorParallelPlan
@@ -78,11 +79,12 @@ class ShardBlocks:
         return logical
 
     def block(
-        self, name: str, local_shape: tuple[int, ...], t: int, k: int
+        self, name: str, local_shape: tuple[int, ...], t: int, k: int, rows_shape: tuple[int, ...] = ()
     ) -> tuple[list[int], list[int]] | None:
         """(offsets, sizes) in the logical tensor of the rows this rank, (k, t) in `ranks`, owns of
-        parameter `name`, whose per-rank shape before data-parallel sharding is `local_shape` (None:
-        padding only)."""
+        parameter `name`, whose per-rank shape before data-parallel sharding is `local_shape` and whose
+        rows the engine counts in `rows_shape` (a stack cut within its matrices; empty: `local_shape`);
+        None: padding only."""
         ep, (e, s, shards) = (
             (self.ep, self.expert_place) if name in self.experts else (1, (0, k, len(self.ranks)))
         )
@@ -96,10 +98,15 @@ class ShardBlocks:
             offsets[dim], sizes[dim] = t * per_tp, valid_tp
             if dim == 0:
                 valid_rows, sizes[0] = min(valid_rows, valid_tp), local_shape[0]
-        start, stop = ShardedShape(local_shape, shards).row_range(s)
-        stop = min(stop, valid_rows)
-        offsets[0] += e * local_shape[0] + start
-        sizes[0] = stop - start
+        rows_shape = tuple(rows_shape) or tuple(local_shape)
+        start, stop = ShardedShape(rows_shape, shards).row_range(s)
+        stop = min(stop, valid_rows) if rows_shape == tuple(local_shape) else stop
+        box_offsets, box_sizes = block_box(tuple(local_shape), rows_shape, start, max(0, stop - start))
+        offsets[0] += e * local_shape[0]
+        cut = 1 if rows_shape == tuple(local_shape) else 2  # the dims the rows' box sits in
+        for d in range(cut):
+            offsets[d] += box_offsets[d]
+            sizes[d] = box_sizes[d]
         return (offsets, sizes) if min(sizes) > 0 else None
 
     def place(self, local: torch.Tensor, entry: OwnedRows) -> tuple[torch.Tensor, Block | None]:
@@ -107,11 +114,11 @@ class ShardBlocks:
         (None: this rank holds only padding of `entry`)."""
         me_t = self.plan.tp.rank if self.plan is not None else 0
         me_k = next(i for i, row in enumerate(self.ranks) if dist.get_rank() in row)
-        found = self.block(entry.name, entry.shape, me_t, me_k)
+        found = self.block(entry.name, entry.shape, me_t, me_k, entry.row_shape)
         if found is None:
             return local[:0], None
         offsets, sizes = found
-        view = local[tuple(slice(0, n) for n in sizes)]
+        view = local.view(sizes) if entry.row_shape else local[tuple(slice(0, n) for n in sizes)]
         size = tuple(self.logical_shape(entry.name, entry.shape))
         return view, Block(tuple(offsets), tuple(sizes), size)
 

@@ -126,6 +126,9 @@ def _state(
         for key, local in values.items():
             if tp_blocks is not None and tp_blocks.holds(entry.name):
                 local, blocks[key] = tp_blocks.place(local, entry)
+            elif entry.row_shape:  # a stack cut within its matrices: a box Shard(0) cannot say
+                offsets, sizes = entry.box()
+                local, blocks[key] = local.view(sizes), Block(tuple(offsets), tuple(sizes), entry.shape)
             else:
                 local = _wrap(local, entry, engine.shard_mesh)
             (model_sd if key[0] == "model" else optim_sd[entry.name])[key[-1]] = local

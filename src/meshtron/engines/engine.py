@@ -25,6 +25,7 @@ from torch import nn
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
+from meshtron.config.row_blocks import block_box
 
 # Elements per float64 partial sum: the float64 copy of a piece (2 MiB) stays in cache, so the exact
 # norm costs about 1.9x fp32's (4M elements: 7.2 against 3.9 ms here) and never a float64 copy of a
@@ -52,13 +53,28 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None = No
 @dataclass(frozen=True, kw_only=True)
 class OwnedRows:
     """Rows [start, start + rows) of logical parameter `name` (of `shape`), held by this rank in the
-    first `rows` rows of the optimizer's tensor `param` (any rows after them are padding)."""
+    first `rows` rows of the optimizer's tensor `param` (any rows after them are padding). The rows are
+    those of `row_shape` when the engine cut a stack of matrices within them (config/row_blocks.py:
+    `param` is then [rows, *row_shape[1:]]); `box` says where they sit in `shape` either way."""
 
     name: str
     param: nn.Parameter
     start: int
     rows: int
     shape: tuple[int, ...]
+    row_shape: tuple[int, ...] = ()  # empty: `shape`
+
+    @property
+    def rows_shape(self) -> tuple[int, ...]:
+        return self.row_shape or self.shape
+
+    def box(self) -> tuple[list[int], list[int]]:
+        """(offsets, sizes) in `shape` of the rows held."""
+        return block_box(self.shape, self.rows_shape, self.start, self.rows)
+
+    def held(self, t: torch.Tensor) -> torch.Tensor:
+        """The held rows of `t` (`param` or a tensor shaped like it) at the box's sizes, a view."""
+        return t[: self.rows].view(self.box()[1]) if self.row_shape else t[: self.rows]
 
 
 class DataParallelEngine:
@@ -98,10 +114,12 @@ class DataParallelEngine:
             if self.shard is None or self.shard.size == 1:
                 out[entry.name] = grad.detach().clone()
                 continue
-            per_rank = -(-entry.shape[0] // self.shard.size)
-            padded = grad.new_zeros((per_rank, *entry.shape[1:]))
+            rows_shape = entry.rows_shape
+            per_rank = -(-rows_shape[0] // self.shard.size)
+            padded = grad.new_zeros((per_rank, *rows_shape[1:]))
             padded[: entry.rows] = grad[: entry.rows]
-            out[entry.name] = comm.all_gather_tensor(padded, self.shard)[: entry.shape[0]].clone()
+            whole = comm.all_gather_tensor(padded, self.shard)[: rows_shape[0]]
+            out[entry.name] = whole.reshape(entry.shape).clone()
         return out
 
     def optimizer_params(self) -> list[nn.Parameter]:

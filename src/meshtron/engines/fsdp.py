@@ -50,13 +50,15 @@ class FSDPUnit:
         param_dtype: torch.dtype,
         device: torch.device,
         float8: list[bool] | None = None,
+        cut_within: bool = True,
     ):
         """`params` on `device`, or on the meta device (built without storage: the shards start at zero
         and are filled through `owned_rows`, parallel/regions.py). `float8`: which params gather in float8
-        (fsdp_float8.py); None: all in `param_dtype`."""
+        (fsdp_float8.py); None: all in `param_dtype`. `cut_within`: how stacks of
+        matrices are cut (config/row_blocks.py)."""
         self.names, self.params, self.param_dtype = names, params, param_dtype
         self.rank = shard.rank
-        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
+        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank, cut_within)
         self.master_flat = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
         if not is_meta(params):
             self.layout.pack_local([p.data for p in params], self.master_flat)
@@ -73,7 +75,9 @@ class FSDPUnit:
                 p.data = torch.empty(p.shape, dtype=param_dtype, device=device)
                 p.untyped_storage().resize_(0)
         self.gathering: tuple[Pending, torch.Tensor] | None = None
-        self.float8 = Float8Gather(params, float8, shard, param_dtype) if float8 and any(float8) else None
+        self.float8 = (
+            Float8Gather(params, float8, shard, param_dtype, cut_within) if float8 and any(float8) else None
+        )
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
         self.reduced = False  # reduced at least once this step
@@ -157,6 +161,7 @@ class FullyShardedDataParallel(DataParallelEngine):
                 param_dtype,
                 device,
                 [n in float8 for n, _ in group],
+                settings.cut_within,
             )
             for _, group in modules
         ]
@@ -248,7 +253,8 @@ class FullyShardedDataParallel(DataParallelEngine):
                 param=m,
                 start=s.row_range(unit.rank)[0],
                 rows=s.valid_rows(unit.rank),
-                shape=s.shape,
+                shape=s.logical,
+                row_shape=s.shape if s.cut_within else (),
             )
             for unit in self.units
             for name, m, s in zip(unit.names, unit.master, unit.layout.shapes, strict=True)

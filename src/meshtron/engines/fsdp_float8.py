@@ -31,13 +31,18 @@ class Float8Gather:
     """How one FSDP unit packs, gathers and unpacks its parameters with the float8 ones in e4m3."""
 
     def __init__(
-        self, params: list[nn.Parameter], float8: list[bool], shard: CommGroup, param_dtype: torch.dtype
+        self,
+        params: list[nn.Parameter],
+        float8: list[bool],
+        shard: CommGroup,
+        param_dtype: torch.dtype,
+        cut_within: bool = True,
     ):
         self.f8 = [i for i, is_f8 in enumerate(float8) if is_f8]
         self.rest = [i for i, is_f8 in enumerate(float8) if not is_f8]
         shapes = [tuple(p.shape) for p in params]
-        self.layout8 = FlatLayout([shapes[i] for i in self.f8], shard.size, shard.rank)
-        self.layout16 = FlatLayout([shapes[i] for i in self.rest], shard.size, shard.rank)
+        self.layout8 = FlatLayout([shapes[i] for i in self.f8], shard.size, shard.rank, cut_within)
+        self.layout16 = FlatLayout([shapes[i] for i in self.rest], shard.size, shard.rank, cut_within)
         self.param_dtype = param_dtype
         self.bytes8 = -(-self.layout8.shard_numel // ALIGN) * ALIGN
         self.bytes16 = self.layout16.shard_numel * torch.finfo(param_dtype).bits // 8

@@ -31,6 +31,9 @@ class DataParallelSettings:
     compiled: bool = False  # the blocks run through torch.compile (SimpleFSDP traces its gathers)
     device: torch.device = torch.device("cpu")  # where what a rank holds lives (a meta build gets it here)
     float8_all_gather: bool = False  # ZeRO-3 (meshtron's) gathers the float8 layers' weights in e4m3
+    # A stack of expert matrices the shard group does not divide is cut within its matrices (unpadded,
+    # config/row_blocks.py); Muon needs each matrix whole on one rank, so not with Muon.
+    cut_within: bool = True
 
     @classmethod
     def of(cls, cfg: Config, device: torch.device) -> DataParallelSettings:
@@ -45,6 +48,7 @@ class DataParallelSettings:
             reshard_after_forward=p.reshard_after_forward,
             compiled=cfg.training.compile,
             float8_all_gather=cfg.training.fp8_all_gather,
+            cut_within=cfg.training.optimizer != "muon",
         )
 
 

@@ -1,9 +1,11 @@
 """Dim-0 sharding of a group of parameters into one flat, rank-major buffer.
 
-Every parameter of shape [d0, *rest] is cut into `size` row blocks of ceil(d0 / size) rows (the last
-ones padded with zero rows), so each rank's shard is a rectangle of the logical tensor and any other
-layout can be cut from a checkpoint of it. A group (a ZeRO bucket or an FSDP unit) concatenates its
-parameters' shards per rank:
+Every parameter is cut into `size` row blocks of its row shape (config/row_blocks.py: the parameter's
+own [d0, *rest], ceil(d0 / size) rows each with the last ones zero-padded; or, for a stack of expert
+matrices the group does not divide, its [E·F, *rest] rows, so that each rank holds a row block of one
+expert's matrix and nothing is padded). Each rank's shard is a rectangle of the logical tensor, so any
+other layout can be cut from a checkpoint of it. A group (a ZeRO bucket or an FSDP unit) concatenates
+its parameters' shards per rank:
 
     flat [size * shard_numel] = [rank 0: p0 rows, p1 rows, ...][rank 1: p0 rows, p1 rows, ...] ...
 
@@ -18,13 +20,35 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtron.config.row_blocks import row_shape
+
 
 @dataclass(frozen=True)
 class ShardedShape:
-    """How one parameter of `shape` is cut into `size` row blocks."""
+    """How one parameter is cut into `size` row blocks of `shape`, its row shape (`of` a parameter of
+    `logical` shape: config/row_blocks.py; the two are the same unless a stack is cut within its
+    matrices)."""
 
     shape: tuple[int, ...]
     size: int
+    logical: tuple[int, ...] = ()  # empty: `shape`
+
+    def __post_init__(self) -> None:
+        if not self.logical:
+            object.__setattr__(self, "logical", tuple(self.shape))
+
+    @classmethod
+    def of(cls, logical: tuple[int, ...], size: int, cut_within: bool = True) -> ShardedShape:
+        return cls(row_shape(tuple(logical), size, cut_within), size, tuple(logical))
+
+    @property
+    def cut_within(self) -> bool:
+        """Whether a stack is cut within its matrices (rows of `shape` are not rows of `logical`)."""
+        return self.shape != self.logical
+
+    def rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (contiguous, of the logical shape) viewed at the row shape."""
+        return t.view(self.shape)
 
     @property
     def rows(self) -> int:
@@ -50,8 +74,8 @@ class ShardedShape:
 class FlatLayout:
     """Offsets of several dim-0 sharded parameters inside one rank-major flat buffer."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], size: int, rank: int):
-        self.shapes = [ShardedShape(tuple(s), size) for s in shapes]
+    def __init__(self, shapes: list[tuple[int, ...]], size: int, rank: int, cut_within: bool = True):
+        self.shapes = [ShardedShape.of(tuple(s), size, cut_within) for s in shapes]
         self.size, self.rank = size, rank
         self.offsets = [0]
         for s in self.shapes:
@@ -59,8 +83,8 @@ class FlatLayout:
         self.shard_numel = self.offsets[-1]
 
     def local_views(self, segment: torch.Tensor, valid_only: bool = False) -> list[torch.Tensor]:
-        """Per-parameter [rows, *rest] views of this rank's `segment` (numel shard_numel); with
-        valid_only, without the padding rows."""
+        """Per-parameter [rows, *rest] views (of each row shape) of this rank's `segment` (numel
+        shard_numel); with valid_only, without the padding rows."""
         views = []
         for s, start in zip(self.shapes, self.offsets, strict=False):
             rows = s.valid_rows(self.rank) if valid_only else s.rows
@@ -104,6 +128,6 @@ class FlatLayout:
         """Write this rank's rows of full tensors into its `segment` (an all-gather input), zero-padded."""
         for s, t, view in zip(self.shapes, tensors, self.local_views(segment), strict=True):
             start, stop = s.row_range(self.rank)
-            view[: stop - start].copy_(t[start:stop])
+            view[: stop - start].copy_(t.reshape(s.shape)[start:stop])
             view[stop - start :].zero_()
         return segment

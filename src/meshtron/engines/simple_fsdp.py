@@ -58,7 +58,7 @@ class _Gather(torch.autograd.Function):
         spec: ShardedParam = ctx.spec
         rows = spec.shape.rows * spec.group.size
         padded = grad.new_zeros((rows, *spec.shape.shape[1:]), dtype=spec.reduce_dtype)
-        padded[: spec.shape.shape[0]] = grad
+        padded[: spec.shape.shape[0]] = grad.reshape(spec.shape.shape)
         block = spec.comm.reduce_scatter_tensor(padded, spec.group, consume=True)
         return block.to(spec.block.dtype), None
 
@@ -83,12 +83,12 @@ class ShardedParam:
     def gather(self, block: torch.Tensor) -> torch.Tensor:
         """The logical tensor (a view of the padded all-gather result), no autograd."""
         padded = self.comm.all_gather_tensor(block.detach().to(self.param_dtype), self.group)
-        return padded[: self.shape.shape[0]]
+        return padded[: self.shape.shape[0]].view(self.shape.logical)
 
     def gather_traced(self, block: torch.Tensor) -> torch.Tensor:
         """The logical tensor through functional collectives a compiler traces (autograd included)."""
         padded = self.comm.gather_rows_traced(block.to(self.param_dtype), self.group, self.reduce_dtype)
-        return padded[: self.shape.shape[0]]
+        return padded[: self.shape.shape[0]].view(self.shape.logical)
 
     def full_nbytes(self, dtype: torch.dtype) -> int:
         """Bytes of the padded logical tensor in `dtype`: what one gather or reduce-scatter moves."""
@@ -139,7 +139,7 @@ class SimpleFSDP(DataParallelEngine):
         hooked, compiled = [*wrapped.root_modules, *blocks], blocks if settings.compiled else []
         shard, param_dtype, reduce_dtype = groups.shard, settings.param_dtype, settings.reduce_dtype
         self.model, self.comm, self.shard, self.replicate = model, comm, shard, groups.replicate
-        self.device = settings.device
+        self.device, self.cut_within = settings.device, settings.cut_within
         self.shard_mesh, self.norm_group = groups.shard_mesh, shard
         self.specs: dict[int, ShardedParam] = {}  # id of the original parameter -> its sharded form
         for module_name, module in model.named_modules():
@@ -162,11 +162,11 @@ class SimpleFSDP(DataParallelEngine):
     def _shard(
         self, name: str, p: nn.Parameter, param_dtype: torch.dtype, reduce_dtype: torch.dtype
     ) -> ShardedParam:
-        shape = ShardedShape(tuple(p.shape), self.shard.size)
+        shape = ShardedShape.of(tuple(p.shape), self.shard.size, self.cut_within)
         start, stop = shape.row_range(self.shard.rank)
-        block = torch.zeros((shape.rows, *p.shape[1:]), dtype=torch.float32, device=self.device)
+        block = torch.zeros((shape.rows, *shape.shape[1:]), dtype=torch.float32, device=self.device)
         if not p.is_meta:  # built without values: filled through owned_rows (parallel/regions.py)
-            block[: stop - start] = p.detach()[start:stop]
+            block[: stop - start] = shape.rows_of(p.detach())[start:stop]
         block = nn.Parameter(block)
         # The gradient's row block, kept across steps (autograd accumulates into it in place).
         block.grad = torch.zeros_like(block)
@@ -188,7 +188,8 @@ class SimpleFSDP(DataParallelEngine):
                 param=s.block,
                 start=s.shape.row_range(rank)[0],
                 rows=s.shape.valid_rows(rank),
-                shape=s.shape.shape,
+                shape=s.shape.logical,
+                row_shape=s.shape.shape if s.shape.cut_within else (),
             )
             for s in self.specs.values()
         ]

@@ -61,24 +61,28 @@ class _ShardedBucket:
         reduce_dtype: torch.dtype,
         in_place: bool,
         mixed: bool = False,
+        cut_within: bool = True,
     ):
         """`mixed`: `params` hold bf16 compute copies (mixed_precision.py): the owned rows are fp32
-        masters of their own, and stage 1 accumulates whole gradients in an fp32 buffer."""
+        masters of their own, and stage 1 accumulates whole gradients in an fp32 buffer. `cut_within`:
+        how stacks of matrices are cut (config/row_blocks.py); rows below are rows of each row shape."""
         self.params = params
-        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
+        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank, cut_within)
         self.row_ranges = [s.row_range(shard.rank) for s in self.layout.shapes]
+        rows_of = [s.rows_of for s in self.layout.shapes]
         like = params[0].data
         if mixed:  # this rank's rows of each parameter as fp32 masters, in one segment
             self.master_segment = torch.zeros(
                 self.layout.shard_numel, dtype=torch.float32, device=like.device
             )
             views = self.layout.local_views(self.master_segment, valid_only=True)
-            for view, p, rows in zip(views, params, self.row_ranges, strict=True):
-                view.copy_(p.data[slice(*rows)])
+            for view, p, rows, of in zip(views, params, self.row_ranges, rows_of, strict=True):
+                view.copy_(of(p.data)[slice(*rows)])
             self.owned = [nn.Parameter(view) for view in views]
         else:  # this rank's rows of each parameter, as parameters of their own (views: no extra memory)
             self.owned = [
-                nn.Parameter(p.data[slice(*rows)]) for p, rows in zip(params, self.row_ranges, strict=True)
+                nn.Parameter(of(p.data)[slice(*rows)])
+                for p, rows, of in zip(params, self.row_ranges, rows_of, strict=True)
             ]
         grad_dtype = torch.float32 if mixed else like.dtype
         # Stage 2 accumulates the reduced rows here over micro-batches; stage 1 writes them into `.grad`.
@@ -96,14 +100,14 @@ class _ShardedBucket:
         if in_place or (mixed and stage == 1):  # gradients live in one flat buffer, as DDP's do
             self.flat = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype, device=like.device)
             offset, self.whole_grads = 0, []
-            for p, owned, rows in zip(params, self.owned, self.row_ranges, strict=True):
+            for p, owned, rows, of in zip(params, self.owned, self.row_ranges, rows_of, strict=True):
                 view = self.flat[offset : offset + p.numel()].view_as(p)
                 if mixed:
                     accumulate_in_fp32(p, view)
                 else:
                     p.grad = view
                 self.whole_grads.append(view)
-                owned.grad = view[slice(*rows)]
+                owned.grad = of(view)[slice(*rows)]
                 offset += p.numel()
             self.in_place = in_place
             if in_place:
@@ -115,9 +119,9 @@ class _ShardedBucket:
 class _GatherUnit:
     """Parameters one module's forward reads, all-gathered together after the step."""
 
-    def __init__(self, params: list[nn.Parameter], shard: CommGroup):
+    def __init__(self, params: list[nn.Parameter], shard: CommGroup, cut_within: bool = True):
         self.params = params
-        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank)
+        self.layout = FlatLayout([tuple(p.shape) for p in params], shard.size, shard.rank, cut_within)
         like = params[0].data
         self.segment = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
         self.pending: Pending | None = None
@@ -171,7 +175,7 @@ class ZeroShardedOptimizer(BucketedEngine):
         # all-reducing them in place skips packing them rank-major and copying the rows back.
         self.in_place = stage == 1 and replicate.size == 1 and comm.reduce_scatter_is_all_reduce(shard)
         self.buckets = [
-            _ShardedBucket(b, shard, stage, self.reduce_dtype, self.in_place, self.mixed)
+            _ShardedBucket(b, shard, stage, self.reduce_dtype, self.in_place, self.mixed, settings.cut_within)
             for b in make_buckets(self.params, bucket_bytes, grad_bytes=4 if self.mixed else None)
         ]
         # Each parameter's owned rows: where the gathers after a step read its new values.
@@ -180,7 +184,7 @@ class ZeroShardedOptimizer(BucketedEngine):
             to_compute_dtype_(self.params, param_dtype)
         self.units = []
         for index, (modules, group) in enumerate(gather_units(model, self.params, blocks or [], roots)):
-            self.units.append(_GatherUnit(group, shard))
+            self.units.append(_GatherUnit(group, shard, settings.cut_within))
             for module in modules:
                 module.register_forward_pre_hook(lambda _m, _a, i=index: self._wait_for_unit(i))
         self.launched = len(self.units)  # units whose gather has started (none is running now)
@@ -197,9 +201,18 @@ class ZeroShardedOptimizer(BucketedEngine):
     def owned_rows(self) -> list[OwnedRows]:
         names = {id(p): name for name, p in self.model.named_parameters()}
         return [
-            OwnedRows(name=names[id(p)], param=owned, start=start, rows=stop - start, shape=tuple(p.shape))
+            OwnedRows(
+                name=names[id(p)],
+                param=owned,
+                start=start,
+                rows=stop - start,
+                shape=tuple(p.shape),
+                row_shape=s.shape if s.cut_within else (),
+            )
             for bucket in self.buckets
-            for p, owned, (start, stop) in zip(bucket.params, bucket.owned, bucket.row_ranges, strict=True)
+            for p, owned, (start, stop), s in zip(
+                bucket.params, bucket.owned, bucket.row_ranges, bucket.layout.shapes, strict=True
+            )
         ]
 
     def load_owned_rows(self) -> None:
@@ -264,13 +277,15 @@ class ZeroShardedOptimizer(BucketedEngine):
                 continue
             reduced = self.comm.all_reduce_(bucket.received.to(self.grad_dtype), self.replicate)
             views = bucket.layout.local_views(reduced, valid_only=True)
-            for i, (p, owned, rows, view) in enumerate(
-                zip(bucket.params, bucket.owned, bucket.row_ranges, views, strict=True)
+            for i, (p, owned, rows, view, s) in enumerate(
+                zip(bucket.params, bucket.owned, bucket.row_ranges, views, bucket.layout.shapes, strict=True)
             ):
                 if bucket.whole_grads is None and p.grad is None:
                     p.grad = torch.zeros_like(p)
                 whole = p.grad if bucket.whole_grads is None else bucket.whole_grads[i]
-                owned.grad = whole[slice(*rows)]  # this rank's reduced rows, inside the full gradient
+                owned.grad = s.rows_of(whole)[
+                    slice(*rows)
+                ]  # this rank's reduced rows, inside the full gradient
                 owned.grad.copy_(view)
 
     def after_step(self) -> None:

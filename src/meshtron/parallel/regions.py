@@ -11,6 +11,7 @@ does not hold. Rows of the padded vocabulary (tensor parallel rounds it up) are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -30,29 +31,32 @@ Region = list[tuple[int, int]]  # (start, stop) per dim of a logical parameter
 Source = Callable[[str, tuple[int, ...], Region, torch.Tensor], None]
 
 
-def local_rows(entry: OwnedRows) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
-    """(the tensor this rank holds of `entry`, the index of its first row and its number of rows in the
-    parameter as tensor and expert parallel left it, that parameter's shape)."""
+def local_rows(entry: OwnedRows) -> tuple[torch.Tensor, Region, tuple[int, ...]]:
+    """(the tensor this rank holds of `entry`, its held rows first and padding after; the box of the
+    parameter as tensor and expert parallel left it that those rows are; that parameter's shape)."""
     param = entry.param
     if isinstance(param, DTensor):  # fully_shard: the DTensor's placements say where its rows sit
         # DTensor's side of DCP's checkpoint protocol: the box of the logical tensor this rank holds.
         (box,) = param.__create_chunk_list__()
-        return param.to_local(), box.offsets[0], box.sizes[0], tuple(param.shape)
-    return param.data, entry.start, entry.rows, entry.shape
+        return (
+            param.to_local(),
+            [(o, o + n) for o, n in zip(box.offsets, box.sizes, strict=True)],
+            param.shape,
+        )
+    offsets, sizes = entry.box()
+    return param.data, [(o, o + n) for o, n in zip(offsets, sizes, strict=True)], entry.shape
 
 
 def logical_region(
     name: str,
     local_shape: tuple[int, ...],
-    start: int,
-    rows: int,
+    box: Region,
     plan: TensorParallelPlan | None,
     expert: tuple[int, int] | None,
 ) -> tuple[Region, tuple[int, ...]]:
-    """(the region of logical parameter `name` held in rows [start, start + rows) of this rank's
-    `local_shape` tensor (cut by tensor parallel per `plan`, then by expert parallel when `expert` is
-    (ep rank, ep size)), without the rows past the logical end (the padded vocabulary's); the logical
-    shape)."""
+    """(the region of logical parameter `name` that `box` of this rank's `local_shape` tensor is (cut by
+    tensor parallel per `plan`, then by expert parallel when `expert` is (ep rank, ep size)), without
+    the rows past the logical end (the padded vocabulary's); the logical shape)."""
     offsets, logical = [0] * len(local_shape), list(local_shape)
     ep_rank, ep = expert if expert is not None else (0, 1)
     offsets[0], logical[0] = ep_rank * local_shape[0], local_shape[0] * ep
@@ -61,10 +65,14 @@ def logical_region(
         dim, size = split
         offsets[dim] += plan.tp.rank * local_shape[dim] * (ep if dim == 0 else 1)
         logical[dim] = size
-    region = [(o, o + n) for o, n in zip(offsets, local_shape, strict=True)]
-    first = offsets[0] + start
-    region[0] = (min(first, logical[0]), min(first + rows, logical[0]))
+    region = [(o + a, o + b) for o, (a, b) in zip(offsets, box, strict=True)]
+    region[0] = (min(region[0][0], logical[0]), min(region[0][1], logical[0]))
     return region, tuple(logical)
+
+
+def held_rows(target: torch.Tensor, region: Region) -> int:
+    """How many of the first rows of `target` (a rank's rows, padding after) hold `region`."""
+    return math.prod(b - a for a, b in region) // max(1, math.prod(target.shape[1:]))
 
 
 @torch.no_grad()
@@ -76,15 +84,16 @@ def fill_owned_(parallel: ParallelModel, source: Source, ep: CommGroup) -> int:
     experts = expert_parameter_names(parallel.model) if ep.size > 1 else frozenset()
     elements = 0
     for entry in parallel.engine.owned_rows():
-        target, start, rows, shape = local_rows(entry)
+        target, box, shape = local_rows(entry)
         where = (ep.rank, ep.size) if entry.name in experts else None
-        region, logical = logical_region(entry.name, shape, start, rows, parallel.tp_plan, where)
-        held = region[0][1] - region[0][0]
-        target[held:].zero_()  # the padding rows
+        region, logical = logical_region(entry.name, shape, box, parallel.tp_plan, where)
+        rows = held_rows(target, region)
+        target[rows:].zero_()  # the padding rows
         if any(stop <= first for first, stop in region):
             continue  # padding only
-        source(entry.name, logical, region, target[:held])
-        elements += target[:held].numel()
+        held = target[:rows].view([b - a for a, b in region])
+        source(entry.name, logical, region, held)
+        elements += held.numel()
     return elements
 
 

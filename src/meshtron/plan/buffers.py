@@ -25,13 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
 from meshtron.plan.state import RankParameter, rank_parameters, stage_key
 from meshtron.utils.memo import Memo
-
-
-def _padded(shape: tuple[int, ...], n: int) -> int:
-    return math.ceil(shape[0] / n) * n * math.prod(shape[1:]) if shape else n
 
 
 def _units(params: Iterable[RankParameter]) -> dict[str, list[RankParameter]]:
@@ -64,8 +61,11 @@ def zero12_buffers(cfg: Config, params: list[RankParameter], n: int, in_place: b
         return 0.0
     p, t = cfg.parallel, cfg.training
     pb, rb = (2 if t.dtype != "fp32" else 4), (2 if p.reduce_dtype == "bf16" else 4)
-    buckets = [sum(_padded(x.shape, n) for x in b) for b in _buckets(params, int(p.bucket_mb * 2**20))]
-    units = [sum(_padded(x.shape, n) for x in u) for u in _units(params).values()]
+    cut = t.optimizer != "muon"  # config/row_blocks.py
+    buckets = [
+        sum(padded_numel(x.shape, n, cut) for x in b) for b in _buckets(params, int(p.bucket_mb * 2**20))
+    ]
+    units = [sum(padded_numel(x.shape, n, cut) for x in u) for u in _units(params).values()]
     packs = not (in_place and p.zero == 1 and p.dp_replicate == 1)  # gloo all-reduces stage 1 in place
     staging = {rb: max(buckets) if packs else 0}
     staging[pb] = max(staging.get(pb, 0), max(units))
@@ -80,7 +80,8 @@ def zero3_buffers(cfg: Config, params: list[RankParameter], n: int) -> float:
         return 0.0
     p, t = cfg.parallel, cfg.training
     pb, rb = (2 if t.dtype != "fp32" else 4), (2 if p.reduce_dtype == "bf16" else 4)
-    sizes = {key: sum(_padded(x.shape, n) for x in unit) for key, unit in _units(params).items()}
+    cut = t.optimizer != "muon"  # config/row_blocks.py
+    sizes = {key: sum(padded_numel(x.shape, n, cut) for x in unit) for key, unit in _units(params).items()}
     root = sizes.pop("root", 0)
     block = max(sizes.values(), default=0)
     return 2 * block * pb + 2 * (block + block // n) * rb + root * pb

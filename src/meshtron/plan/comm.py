@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
@@ -63,7 +64,7 @@ def _dp_bytes(
     full = sum(math.prod(s) for s in shapes)
     if shard == 1:
         return 0.0, 2 * reduce * full * _ring(replicate)
-    padded = sum(math.ceil(s[0] / shard) * shard * math.prod(s[1:]) for s in shapes)
+    padded = sum(padded_numel(s, shard, cfg.training.optimizer != "muon") for s in shapes)
     gather = 2 if cfg.training.dtype != "fp32" else 4  # parameters gather in the compute dtype
     if p.zero == 3:
         per_micro = gather * (2 if p.reshard_after_forward else 1) + reduce

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
 from meshtron.plan.comm import cp_token_bytes
 from meshtron.plan.compute_time import PassTimes
@@ -304,7 +305,7 @@ def _engine_sizes(cfg: Config, pp_rank: int, shard: int, edp: int) -> tuple[list
         sizes = [
             (
                 sum(math.prod(s) for s in shapes),
-                sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes),
+                sum(padded_numel(s, n, cfg.training.optimizer != "muon") for s in shapes),
             )
             for shapes, n in groups
         ]

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config.optimizer import is_muon_matrix
+from meshtron.config.row_blocks import block_rows, row_shape
 from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.flops import layer_costs
 from meshtron.schedules.actions import chunks_of_rank
@@ -251,31 +252,38 @@ def _mtp_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> list[RankPara
     return out
 
 
-def _rows(shape: tuple[int, ...], n: int, padded: bool) -> int:
-    """Elements of rank 0's dim-0 block of `shape` over n ranks (padded: its full ceil(d0/n) rows)."""
-    rows = math.ceil(shape[0] / n)
-    return (rows if padded else min(rows, shape[0])) * math.prod(shape[1:])
+def _rows(shape: tuple[int, ...], n: int, padded: bool, cut_within: bool = True) -> int:
+    """Elements of rank 0's row block of `shape` over n ranks (config/row_blocks.py; padded: its full
+    block, padding rows included)."""
+    rows_shape, rows = row_shape(shape, n, cut_within), block_rows(shape, n, cut_within)
+    return (rows if padded else min(rows, rows_shape[0])) * math.prod(rows_shape[1:])
 
 
 def engine_state_bytes(
-    shapes: list[tuple[int, ...]], shard: int, zero: int, mixed: bool = False, muon: list[bool] | None = None
+    shapes: list[tuple[int, ...]],
+    shard: int,
+    zero: int,
+    mixed: bool = False,
+    muon: list[bool] | None = None,
+    cut_within: bool = True,
 ) -> dict[str, int]:
     """Rank 0's bytes of parameters, gradients and optimizer state under the engine of a group of `shard`.
     `mixed` (bf16 training): engines with whole parameters hold them in bf16 besides fp32 masters (the
     owned rows under ZeRO-1/2, counted with the parameters); ZeRO-3's parameters are its fp32 shards
     either way (their bf16 units are gathered per use: gpu_memory.py's buffers). `muon[i]`: shape i is a
-    Muon matrix, whose state is one fp32 momentum per element (AdamW's: two moments)."""
+    Muon matrix, whose state is one fp32 momentum per element (AdamW's: two moments). `cut_within`: how
+    the engines cut stacks of matrices (config/row_blocks.py; not under Muon)."""
     full = sum(math.prod(s) for s in shapes)
-    padded = sum(_rows(s, shard, True) for s in shapes)
+    padded = sum(_rows(s, shard, True, cut_within) for s in shapes)
     state_of = [4 if m else 8 for m in (muon or [False] * len(shapes))]
     if shard == 1:
         optimizer = sum(b * math.prod(s) for b, s in zip(state_of, shapes, strict=True))
         return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": optimizer}
     if zero == 3:
-        optimizer = sum(b * _rows(s, shard, True) for b, s in zip(state_of, shapes, strict=True))
+        optimizer = sum(b * _rows(s, shard, True, cut_within) for b, s in zip(state_of, shapes, strict=True))
         return {"params": 4 * padded, "grads": 4 * padded, "optimizer": optimizer}
     params = 2 * full + 4 * padded if mixed else 4 * full
-    optimizer = sum(b * _rows(s, shard, False) for b, s in zip(state_of, shapes, strict=True))
+    optimizer = sum(b * _rows(s, shard, False, cut_within) for b, s in zip(state_of, shapes, strict=True))
     return {"params": params, "grads": 4 * (full if zero == 1 else padded), "optimizer": optimizer}
 
 
@@ -290,7 +298,7 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
 
     def engine(params: list[RankParameter], n: int) -> dict[str, int]:
         marks = [muon and is_muon_matrix(x.name, len(x.shape)) for x in params]
-        return engine_state_bytes([x.shape for x in params], n, p.zero, mixed, marks)
+        return engine_state_bytes([x.shape for x in params], n, p.zero, mixed, marks, not muon)
 
     def held() -> dict[str, int]:
         params = rank_parameters(cfg, pp_rank)
@@ -315,4 +323,5 @@ def expert_state_bytes(cfg: Config, pp_rank: int = 0) -> int:
         return 0
     edp = p.edp_of(p.dp_shard * p.cp) if p.experts_apart else p.dp_shard * p.cp
     muon = [cfg.training.optimizer == "muon"] * len(params)  # every routed expert's matrix is Muon's
-    return sum(engine_state_bytes(params, edp, p.zero, cfg.training.dtype != "fp32", muon).values())
+    mixed = cfg.training.dtype != "fp32"
+    return sum(engine_state_bytes(params, edp, p.zero, mixed, muon, not any(muon)).values())

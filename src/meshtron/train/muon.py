@@ -152,6 +152,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         device = muon[0].param.device if muon else torch.device("cpu")
         self.flat = [e for e in muon if len(e.shape) == 2]
         self.experts = [e for e in muon if len(e.shape) == 3]
+        if any(e.row_shape for e in muon):  # engines built with DataParallelSettings.cut_within
+            raise ValueError("Muon needs each expert's matrix whole on one rank: build without cut_within")
 
         def exchange(pieces: list[Piece], group: CommGroup | None, split: bool) -> MatrixExchange:
             return MatrixExchange(pieces, comm, group, split, s.dtype, s.ns_steps, device)
