@@ -80,6 +80,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
             "--parallel.zero=3",
         ],
     ),
+    # two experts over ZeRO-3's four ranks: each rank holds half of one expert's matrices (unpadded)
+    "moe2_zero3_4_experts_cut_within": (
+        4,
+        ["--model.n_experts=2", "--model.top_k=2", "--model.moe_ffn_dim=768", "--training.micro_batch=1"],
+    ),
     "fine_moe_ep4_hierarchical_zero1": (
         4,
         [
@@ -145,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.out != "-":
         write_section(
-            Path(args.out), "Memory: the planner against measured peaks", __file__, report(rows, args.steps)
+            Path(args.out),
+            "## Memory: the planner against measured peaks",
+            "memory_vs_plan.py",
+            report(rows, args.steps),
         )
     return 0
 

@@ -78,6 +78,36 @@ def test_experts_cut_by_tp_then_within_their_matrices_save_and_resume(workers, t
     assert_losses_match(rows, straight[2:])
 
 
+WIDER = {
+    "hsdp 2 x (ep2 x edp2)": [
+        "--parallel.dp_replicate=2",
+        "--parallel.dp_shard=4",
+        "--parallel.ep=2",
+        "--training.micro_batch=1",
+    ],
+    "pp2 x zero3 (ep2 x edp2)": [
+        "--parallel.pp=2",
+        "--parallel.dp_shard=4",
+        "--parallel.ep=2",
+        "--model.n_layers=4",
+        "--training.micro_batch=1",
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", WIDER.values(), ids=WIDER.keys())
+def test_experts_cut_within_under_hsdp_and_pipeline(workers, layout):
+    """Replicas all-reduce their cut shards (HSDP); a pipeline's stages each cut their own experts."""
+    overrides = [*TINY, *ONE_EXPERT_PER_EP_RANK, *layout]
+    assert all(
+        any(n.endswith("experts.w1") for n in ranks) for ranks in workers(8).run(rows_cut_within, overrides)
+    )
+    results = workers(8).run(run_layout, overrides)
+    model = [o for o in layout if o.startswith("--model")]
+    ref = reference(workers(1), [*ONE_EXPERT_PER_EP_RANK[:-1], *model])
+    assert_parity(merged(results), ref)
+
+
 def test_a_checkpoint_of_experts_cut_within_resumes_anywhere(workers, tmp_path):
     """Saved with each rank holding half of an expert's rows (ZeRO-3, ep 2 x edp 2): resumed on one device,
     under ZeRO-3 over 4 ranks without ep (cut again, other halves), and under ZeRO-1 with whole experts

@@ -145,6 +145,13 @@ LAYOUTS = {
     "tp2_ep2_zero1_fused": ("mixtral_fused", 4, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),
     "tp2_ep2_etp1": ("mixtral", 4, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.etp=1"]),
     "pp2_tp2_tied": ("llama_tied", 4, ["--parallel.pp=2", "--parallel.tp=2"]),
+    # ep 2 folded over tp 2 x dp_shard 4: 2 local experts over 4 edp ranks, each rank reading half of one
+    # expert's matrices (config/row_blocks.py)
+    "tp2_ep2_etp1_edp4_experts_cut_within": (
+        "mixtral",
+        8,
+        ["--parallel.tp=2", "--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.etp=1"],
+    ),
 }
 
 
