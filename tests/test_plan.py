@@ -38,7 +38,9 @@ def measured_state(overrides: list[str]) -> dict:
     return {
         "pp_rank": mesh.local_rank("pp"),
         "first": first,
-        "state": model_state_bytes(trainer.engine, trainer.optimizer),
+        "state": model_state_bytes(
+            trainer.engine, trainer.optimizer, trainer.job.outer.tensors() if trainer.job.outer else ()
+        ),
         "comm": second["comm_bytes_by_group"],
         "calls": second["comm_calls_by_group"],
     }
@@ -61,6 +63,9 @@ LAYOUTS = {
     "pp2_zbv_zero1_tied_cost": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=zbv", "--parallel.zero=1", "--model.tie_embeddings=true", "--model.n_layers=4", "--parallel.pp_balance=cost", "--training.micro_batch=2"]),
     "moe_tp2_qk_norm": (2, [*MOE, "--parallel.tp=2", "--model.qk_norm=true", "--model.qkv_bias=true"]),
     "moe_ep2_zero3_edp2": (4, [*MOE, "--parallel.ep=2", "--training.micro_batch=2"]),
+    # DiLoCo with H = 1: every step carries the outer all-reduce the planner spreads over H steps.
+    "diloco_replicas2_zero1": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=1", "--fault_tolerance.diloco_every=1", "--training.micro_batch=2"]),
+    "diloco_replicas2_ddp_moe_ep2": (4, [*MOE, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--fault_tolerance.diloco_every=1", "--training.micro_batch=2"]),
     # One local expert over two edp ranks: the stacks cut within their matrices (config/row_blocks.py).
     "moe_ep2_zero3_experts_cut_within": (4, [*MOE, "--model.n_experts=2", "--parallel.ep=2", "--training.micro_batch=2"]),
     "moe_zero2_experts_cut_within": (4, [*MOE, "--model.n_experts=2", "--parallel.zero=2", "--training.micro_batch=2"]),

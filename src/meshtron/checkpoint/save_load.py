@@ -105,24 +105,42 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> d
     return state
 
 
+@dataclass(frozen=True)
+class ReplicaState:
+    """DiLoCo's (train/diloco.py): replicas whose weights and moments differ between outer steps. Replica
+    `index` saves them under `name@replicaK` (replica 0 under the plain names, which export and init read),
+    and `shared` (id of an owned-rows tensor -> {key: tensor of its rows}) the state every replica holds
+    alike, under ("diloco", name, key)."""
+
+    index: int
+    shared: dict[int, dict[str, torch.Tensor]]
+
+
 def _state(
     engine: DataParallelEngine,
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     tp_blocks: ShardBlocks | None,
+    replica: ReplicaState | None = None,
 ) -> tuple[dict[str, Any], dict[KeyPath, Block | None]]:
     """The state to save or load into (views of the live tensors), and where each tp/ep block sits."""
     model_sd: dict[str, torch.Tensor] = {}
     optim_sd: dict[str, dict[str, torch.Tensor]] = {}
+    shared_sd: dict[str, dict[str, torch.Tensor]] = {}
     blocks: dict[KeyPath, Block | None] = {}
+    own = f"@replica{replica.index}" if replica is not None and replica.index else ""
     for entry in engine.owned_rows():
-        rows = slice(0, entry.rows)
+        rows, name = slice(0, entry.rows), entry.name + own
         state = _optimizer_state(optimizer, entry.param)
-        optim_sd[entry.name] = {"step": state["step"]} if "step" in state else {}
-        values = {("model", entry.name): entry.param.detach()[rows]}
+        optim_sd[name] = {"step": state["step"]} if "step" in state else {}
+        values = {("model", name): entry.param.detach()[rows]}
         for key, tensor in state.items():  # the moments, or the momentum: rows like the parameter's
             if key != "step":
-                values["optimizer", entry.name, key] = tensor[rows]
+                values["optimizer", name, key] = tensor[rows]
+        if replica is not None:
+            shared_sd[entry.name] = {}
+            for key, tensor in replica.shared[id(entry.param)].items():
+                values["diloco", entry.name, key] = tensor[rows]
         for key, local in values.items():
             if tp_blocks is not None and tp_blocks.holds(entry.name):
                 local, blocks[key] = tp_blocks.place(local, entry)
@@ -131,12 +149,14 @@ def _state(
                 local, blocks[key] = local.view(sizes), Block(tuple(offsets), tuple(sizes), entry.shape)
             else:
                 local = _wrap(local, entry, engine.shard_mesh)
-            (model_sd if key[0] == "model" else optim_sd[entry.name])[key[-1]] = local
+            part = {"model": model_sd, "optimizer": optim_sd, "diloco": shared_sd}[key[0]]
+            (part if key[0] == "model" else part[key[1]])[key[-1]] = local
     # Auxiliary-loss-free balancing biases: the same on every rank holding their layer (saved once).
     model_sd.update({n: b for n, b in engine.model.named_buffers() if n.endswith("expert_bias")})
     # Plain numbers as tensors: DCP stores other values with pickle (safe_reader.py).
     train = {k: {n: torch.tensor(v) for n, v in part.items()} for k, part in train_state.items()}
-    return {"model": model_sd, "optimizer": optim_sd, "train": train}, blocks
+    out = {"model": model_sd, "optimizer": optim_sd, "train": train}
+    return ({**out, "diloco": shared_sd} if replica is not None else out), blocks
 
 
 @dataclass(kw_only=True)
@@ -153,6 +173,7 @@ class SaveRequest:
     keep: int  # newest checkpoints kept (0: all)
     tp_blocks: ShardBlocks | None = None
     files: dict[str, bytes] | None = None  # name -> contents, written by rank 0 inside the manifest
+    replica: ReplicaState | None = None  # DiLoCo's replicas, each with its own weights and moments
 
 
 def save_checkpoint(request: SaveRequest) -> Path:
@@ -168,7 +189,7 @@ def prepare_save(request: SaveRequest) -> tuple[Path, dict[str, Any], dict[KeyPa
     directory `step-NNNNNNNN.tmp` to write it into."""
     r, comm, world, root = request, request.comm, request.world, request.root
     tmp = root / f"step-{r.step:08d}.tmp"
-    state, blocks = _state(r.engine, r.optimizer, r.train_state, r.tp_blocks)
+    state, blocks = _state(r.engine, r.optimizer, r.train_state, r.tp_blocks, r.replica)
     bad = sorted({n for part in comm.all_gather_object(_non_finite(state), world) for n in part})
     if bad:
         final = root / f"step-{r.step:08d}"
@@ -250,13 +271,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     tp_blocks: ShardBlocks | None = None,
+    replica: ReplicaState | None = None,
 ) -> dict[str, Any]:
     """Load `path` (written by any layout) into this layout in place; returns the saved train state."""
-    state, blocks = _state(engine, optimizer, train_state, tp_blocks)
+    state, blocks = _state(engine, optimizer, train_state, tp_blocks, replica)
     check_format(path)
     try:
         # Read first on its own: inside dcp.load a refused metadata file is taken for a missing one.
-        _same_optimizer(path, SafeFileSystemReader(str(path)).read_metadata(), state["optimizer"])
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+        _same_optimizer(path, metadata, state["optimizer"])
+        _same_replicas(path, metadata, replica)
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=BlockLoadPlanner(blocks))
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"checkpoint {path} is not a meshtron checkpoint: {err}") from None
@@ -287,6 +311,20 @@ def _same_optimizer(path: Path, metadata: Any, optimizer_sd: dict[str, dict[str,
             f"checkpoint {path} was written with training.optimizer={name[saved]}, and this run has "
             f"{name[ours]}: an optimizer's state does not carry over to another; resume with "
             f"training.optimizer={name[saved]}, or start a new run.dir (init_from for the weights alone)"
+        )
+
+
+def _same_replicas(path: Path, metadata: Any, replica: ReplicaState | None) -> None:
+    """Refuse a checkpoint without DiLoCo's state, or without this replica's weights, under DiLoCo."""
+    if replica is None:
+        return
+    keys = [str(k) for k in metadata.state_dict_metadata]
+    mine = f"@replica{replica.index}"
+    if not any(k.startswith("diloco.") for k in keys) or (replica.index and not any(mine in k for k in keys)):
+        raise CheckpointError(
+            f"checkpoint {path} holds no DiLoCo state for replica {replica.index} (written without "
+            "fault_tolerance.diloco_every, or with fewer dp_replicate replicas): resume with the settings "
+            "it was written with, or start a new run.dir (init_from for the weights alone)"
         )
 
 

@@ -356,6 +356,15 @@ class CheckpointConfig:
     async_save: bool = False
 
 
+@dataclass(kw_only=True)
+class FaultToleranceConfig:
+    # DiLoCo (train/diloco.py): the dp_replicate slices train on their own for this many steps, then take
+    # one outer step together on their averaged weight change; 0: off (every step all-reduces gradients).
+    diloco_every: int = non_negative(0)
+    diloco_outer_lr: float = positive(0.7)  # the outer SGD's learning rate (DiLoCo's paper: 0.7)
+    diloco_outer_momentum: float = _ranged(0.9, lambda v: 0 <= v < 1, "must be in [0, 1)")  # Nesterov
+
+
 @dataclass
 class ProfileConfig:
     steps: list[int] = field(default_factory=list)  # [first, last] (1-based) traced into run.dir/traces
@@ -389,6 +398,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -103,12 +103,16 @@ class BatchSampler:
             targets[~counts] = IGNORE_INDEX
         return inputs, targets
 
-    def counted_targets(self, dataset: PreparedData, step: int) -> int | None:
+    def counted_targets(self, dataset: PreparedData, step: int, part: tuple[int, int] = (0, 1)) -> int | None:
         """Targets of the global batch at `step` that count in the loss (a dataset with a loss mask: the
-        whole batch's, read by every rank, so no layout needs a collective for it); None: all of them."""
+        whole batch's, read by every rank, so no layout needs a collective for it); None: all of them.
+        `part` (index, parts): of that contiguous share of the batch only (a DiLoCo replica's)."""
         if dataset.loss_mask is None:
             return None
-        return int(np.count_nonzero(dataset.loss_mask[self._token_index(self.global_indices(step))[:, 1:]]))
+        index, parts = part
+        per = self.global_batch // parts
+        windows = self.global_indices(step)[index * per : (index + 1) * per]
+        return int(np.count_nonzero(dataset.loss_mask[self._token_index(windows)[:, 1:]]))
 
     def micro_batches(
         self, dataset: PreparedData, step: int, dp_rank: int, dp_size: int, micro_batch: int

@@ -34,6 +34,8 @@ class DataParallelSettings:
     # A stack of expert matrices the shard group does not divide is cut within its matrices (unpadded,
     # config/row_blocks.py); Muon needs each matrix whole on one rank, so not with Muon.
     cut_within: bool = True
+    # DiLoCo (train/diloco.py): nothing is reduced across dp_replicate; the replicas train apart.
+    replicas_apart: bool = False
 
     @classmethod
     def of(cls, cfg: Config, device: torch.device) -> DataParallelSettings:
@@ -49,6 +51,7 @@ class DataParallelSettings:
             compiled=cfg.training.compile,
             float8_all_gather=cfg.training.fp8_all_gather,
             cut_within=cfg.training.optimizer != "muon",
+            replicas_apart=cfg.fault_tolerance.diloco_every > 0,
         )
 
 

@@ -58,11 +58,15 @@ def state_bytes(
     }
 
 
-def model_state_bytes(engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """`state_bytes` of a data-parallel engine: the model's and the optimizer's parameters."""
-    return state_bytes(
+def model_state_bytes(
+    engine: DataParallelEngine, optimizer: torch.optim.Optimizer, outer: Iterable[torch.Tensor] = ()
+) -> dict[str, int]:
+    """`state_bytes` of a data-parallel engine: the model's and the optimizer's parameters; `outer`:
+    DiLoCo's outer weights and momentum (train/diloco.py), counted with the optimizer's state."""
+    held = state_bytes(
         list(engine.model.parameters()) + engine.optimizer_params(), optimizer, engine.grad_buffers()
     )
+    return {**held, "optimizer": held["optimizer"] + storage_bytes(list(outer))}
 
 
 def _human(n: float) -> str:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from torch import nn
 
 from meshtron.comm.collectives import Comm
+from meshtron.comm.group import CommGroup
 from meshtron.comm.mesh import ParallelMesh
 from meshtron.config.layout import Dim
 from meshtron.engines.ddp import DistributedDataParallel
@@ -79,13 +80,14 @@ def _engine(
     across dp_replicate), or, when that group has one rank, DDP over `whole_dim`."""
     s, model = settings, wrapped.model
     shard, replicate = mesh.group(shard_dim), mesh.group(Dim.DP_REPLICATE)
+    if s.replicas_apart:  # DiLoCo: each replica reduces within itself only (train/diloco.py)
+        replicate = CommGroup(Dim.DP_REPLICATE, (mesh.rank,), None)
     wrapped = replace(wrapped, identical_replicas=is_meta(model.parameters()))
     if shard.size == 1 or s.zero in (1, 2):  # whole parameters on every rank: they get their storage now
         materialize_(model.parameters(), s.device)
     if shard.size == 1:
-        return DistributedDataParallel(
-            wrapped, EngineGroups(comm=comm, shard=shard, replicate=mesh.group(whole_dim)), s
-        )
+        whole = shard if s.replicas_apart else mesh.group(whole_dim)
+        return DistributedDataParallel(wrapped, EngineGroups(comm=comm, shard=shard, replicate=whole), s)
     groups = EngineGroups(comm=comm, shard=shard, replicate=replicate, shard_mesh=mesh.mesh(shard_dim))
     if s.zero in (1, 2):
         return ZeroShardedOptimizer(wrapped, groups, s)

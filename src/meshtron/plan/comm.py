@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from meshtron.config.row_blocks import padded_numel
+from meshtron.config.row_blocks import block_rows, padded_numel, row_shape
 from meshtron.config.schema import Config
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
@@ -108,6 +108,21 @@ def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
     return micro * layers * per_layer
 
 
+def _outer_bytes(shapes: list[tuple[int, ...]], shard: int, replicate: int, cfg: Config) -> float:
+    """DiLoCo's outer all-reduce of the fp32 rows rank 0 owns, averaged over the H steps it comes once in
+    (train/diloco.py): DDP owns whole parameters, ZeRO-3 its padded row blocks, ZeRO-1/2 their rows."""
+    cut = cfg.training.optimizer != "muon"
+    owned = 0
+    for shape in shapes:
+        if shard == 1:
+            owned += math.prod(shape)
+            continue
+        rows_shape, rows = row_shape(shape, shard, cut), block_rows(shape, shard, cut)
+        held = rows if cfg.parallel.zero == 3 else min(rows, rows_shape[0])
+        owned += held * math.prod(rows_shape[1:])
+    return 2 * 4 * owned * _ring(replicate) / cfg.fault_tolerance.diloco_every
+
+
 def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes per group name (as the trainer's metrics name them) of one step on rank 0 of stage pp_rank."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
@@ -124,11 +139,14 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     cp = "_cp" if p.cp > 1 else ""
     dense = [x.shape for x in params if not x.expert or not p.experts_apart]
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
+    diloco = cfg.fault_tolerance.diloco_every
+    if diloco:  # the outer step's fp32 all-reduce every H steps, and the replicas' largest clipping norm
+        on_replicas = _outer_bytes(dense, shard, p.dp_replicate, cfg) + 2 * 4 * _ring(p.dp_replicate)
     if shard > 1:
         add(f"dp_shard{cp}", on_shard + 2 * 16 * _ring(shard))  # + clipping's two float64 partial sums
         add("dp_replicate", on_replicas)
     else:
-        add(f"dp{cp}", on_replicas)
+        add("dp_replicate" if diloco else f"dp{cp}", on_replicas)
     add(f"dp{cp}", 2 * 4 * _ring(dp * p.cp))  # the loss
     if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
         add("pp", 2 * 4 * _ring(p.pp) + 2 * 16 * _ring(p.pp))
@@ -143,7 +161,11 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
             [x.shape for x in params if x.expert], p.edp_of(shard), p.dp_replicate, cfg, micro
         )
         add("edp", on_edp)
-        add("dp_replicate", on_replicas)
+        experts = [x.shape for x in params if x.expert]
+        add(
+            "dp_replicate",
+            _outer_bytes(experts, p.edp_of(shard), p.dp_replicate, cfg) if diloco else on_replicas,
+        )
     for group, nbytes in muon_bytes(
         cfg, pp_rank, dp_shard
     ).items():  # Muon's owners' exchanges (plan/muon.py)

@@ -271,9 +271,11 @@ def _engine_time(
     def timed(kind: Collective, nbytes: float, group: Group) -> float:
         return collective_time(kind, nbytes, group, net.gpu, net.eff, calls)
 
+    h = cfg.fault_tolerance.diloco_every  # DiLoCo: fp32 weights across replicas every h steps instead
+    across, every = (4, h) if h else (reduce, 1)
     if shard.size == 1:
-        return 0.0, 0.0, timed("all_reduce", reduce * full, replicas), 0.0
-    replica = timed("all_reduce", reduce * padded / shard.size, replicas)
+        return 0.0, 0.0, timed("all_reduce", across * full, replicas) / every, 0.0
+    replica = timed("all_reduce", across * padded / shard.size, replicas) / every
     scatter = timed("reduce_scatter", reduce * padded, shard)
     if p.zero == 3:
         gather = timed("all_gather", (2 if t.dtype != "fp32" else 4) * padded, shard)

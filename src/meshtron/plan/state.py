@@ -266,16 +266,19 @@ def engine_state_bytes(
     mixed: bool = False,
     muon: list[bool] | None = None,
     cut_within: bool = True,
+    outer: int = 0,
 ) -> dict[str, int]:
     """Rank 0's bytes of parameters, gradients and optimizer state under the engine of a group of `shard`.
     `mixed` (bf16 training): engines with whole parameters hold them in bf16 besides fp32 masters (the
     owned rows under ZeRO-1/2, counted with the parameters); ZeRO-3's parameters are its fp32 shards
     either way (their bf16 units are gathered per use: gpu_memory.py's buffers). `muon[i]`: shape i is a
     Muon matrix, whose state is one fp32 momentum per element (AdamW's: two moments). `cut_within`: how
-    the engines cut stacks of matrices (config/row_blocks.py; not under Muon)."""
+    the engines cut stacks of matrices (config/row_blocks.py; not under Muon). `outer`: bytes per owned
+    element of DiLoCo's outer weights and momentum (train/diloco.py: 8 in fp32), counted as optimizer
+    state."""
     full = sum(math.prod(s) for s in shapes)
     padded = sum(_rows(s, shard, True, cut_within) for s in shapes)
-    state_of = [4 if m else 8 for m in (muon or [False] * len(shapes))]
+    state_of = [(4 if m else 8) + outer for m in (muon or [False] * len(shapes))]
     if shard == 1:
         optimizer = sum(b * math.prod(s) for b, s in zip(state_of, shapes, strict=True))
         return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": optimizer}
@@ -295,10 +298,11 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
     mixed = cfg.training.dtype != "fp32"
 
     muon = cfg.training.optimizer == "muon"
+    outer = 8 if cfg.fault_tolerance.diloco_every else 0  # DiLoCo's θ_outer and momentum, fp32
 
     def engine(params: list[RankParameter], n: int) -> dict[str, int]:
         marks = [muon and is_muon_matrix(x.name, len(x.shape)) for x in params]
-        return engine_state_bytes([x.shape for x in params], n, p.zero, mixed, marks, not muon)
+        return engine_state_bytes([x.shape for x in params], n, p.zero, mixed, marks, not muon, outer)
 
     def held() -> dict[str, int]:
         params = rank_parameters(cfg, pp_rank)
@@ -308,7 +312,7 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
             dense = {k: dense[k] + experts[k] for k in dense}
         return dense
 
-    return dict(_STATES.get((stage_key(cfg, pp_rank), shard, p.zero, mixed, muon), held))
+    return dict(_STATES.get((stage_key(cfg, pp_rank), shard, p.zero, mixed, muon, outer), held))
 
 
 _STATES: Memo[dict[str, int]] = Memo()
@@ -324,4 +328,5 @@ def expert_state_bytes(cfg: Config, pp_rank: int = 0) -> int:
     edp = p.edp_of(p.dp_shard * p.cp) if p.experts_apart else p.dp_shard * p.cp
     muon = [cfg.training.optimizer == "muon"] * len(params)  # every routed expert's matrix is Muon's
     mixed = cfg.training.dtype != "fp32"
-    return sum(engine_state_bytes(params, edp, p.zero, mixed, muon, not any(muon)).values())
+    outer = 8 if cfg.fault_tolerance.diloco_every else 0
+    return sum(engine_state_bytes(params, edp, p.zero, mixed, muon, not any(muon), outer).values())

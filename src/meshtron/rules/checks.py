@@ -47,6 +47,7 @@ from meshtron.rules.parallel import (
 from meshtron.rules.pipeline import pipeline_problems
 from meshtron.rules.training import (
     checkpoint_unsupported,
+    diloco_problems,
     float8_problems,
     mtp_problems,
     muon_unsupported,
@@ -90,7 +91,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += validation_problems(cfg) + mixture_problems(cfg)
     problems += wandb_problems(cfg) + recompute_problems(cfg) + float8_problems(cfg, device_type)
     problems += mtp_problems(cfg)
-    problems += profile_problems(cfg)
+    problems += profile_problems(cfg) + diloco_problems(cfg, world_size)
     return problems
 
 

@@ -21,6 +21,30 @@ def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
+def diloco_problems(cfg: Config, world_size: int) -> list[str]:
+    """What DiLoCo (fault_tolerance.diloco_every > 0, train/diloco.py) needs of the layout."""
+    p, h = cfg.parallel, cfg.fault_tolerance.diloco_every
+    if not h:
+        return []
+    problems = []
+    if p.dp_replicate < 2:
+        problems.append(
+            f"fault_tolerance.diloco_every={h} trains the dp_replicate slices apart: it needs "
+            "parallel.dp_replicate >= 2 (or set diloco_every=0)"
+        )
+    if uses_torch_fsdp(cfg, world_size):
+        problems.append(
+            "fault_tolerance.diloco_every > 0 needs meshtron's engines (PyTorch's fully_shard reduces across "
+            "dp_replicate itself): use parallel.fsdp_impl='meshtron' or 'simple'"
+        )
+    if cfg.data.sources:
+        problems.append(
+            "fault_tolerance.diloco_every > 0 with a data mixture (data.sources) is not supported yet (each replica's loss "
+            "over its own samples per source): use one data source, or diloco_every=0"
+        )
+    return problems
+
+
 def wandb_missing() -> bool:
     """Whether `import wandb` would fail; found without importing it (its import takes seconds)."""
     if "wandb" in sys.modules:  # imported already, or blocked (None), or stood in for by a test

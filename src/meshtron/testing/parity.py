@@ -55,7 +55,9 @@ def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
     return {
         "grads": grads,
         "rows": rows,
-        "state_bytes": model_state_bytes(trainer.engine, trainer.optimizer),
+        "state_bytes": model_state_bytes(
+            trainer.engine, trainer.optimizer, trainer.job.outer.tensors() if trainer.job.outer else ()
+        ),
         "n_params": trainer.job.n_params,
     }
 

@@ -63,6 +63,7 @@ from meshtron.plan.state import layer_split
 from meshtron.probe.cluster import ranks_per_node, run_cluster
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
+from meshtron.train.diloco import OuterStep, make_outer_step
 from meshtron.train.muon import make_optimizer
 from meshtron.utils.resident import release_freed_memory
 from meshtron.utils.words import plural
@@ -96,6 +97,7 @@ class Job:
     n_params: int  # the whole model's
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
+    outer: OuterStep | None  # DiLoCo's outer loop (fault_tolerance.diloco_every), else None
     loss: MicroBatchLoss
     documents: DocumentMask | None  # data.document_mask: attention within documents (train/micro_batches.py)
     tp_blocks: ShardBlocks | None  # where tensor- and expert-parallel shards sit, for checkpoints
@@ -292,6 +294,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     # data.document_mask: attention within documents, whose end token is the data's.
     documents = DocumentMask(dataset.eos_id, cfg.data.reset_positions) if cfg.data.document_mask else None
     optimizer = make_optimizer(parallel.engine, place.comm, cfg, parallel.tp_plan)
+    outer = make_outer_step(parallel.engine, place.comm, place.mesh, cfg)  # DiLoCo, if asked
     autocast = partial(autocast_context, place.device, t.dtype)
     mtp_coef = t.mtp_loss_coef if cfg.model.mtp_depth else 0.0
     loss = MicroBatchLoss(parallel.token_loss, t.global_batch * t.seq_len, autocast, mtp_coef)
@@ -319,6 +322,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         n_params=n_params,
         parallel=parallel,
         optimizer=optimizer,
+        outer=outer,
         loss=loss,
         documents=documents,
         tp_blocks=tp_blocks,
@@ -327,6 +331,8 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     resume_if_asked(job)
     if job.resumed_from is None:  # a resumed run keeps its own weights
         _initialise(job)
+        if job.outer is not None:
+            job.outer.start_from_weights()
     # What start-up freed (the build's, a checkpoint's or the initialisation's temporaries) goes back to
     # the system rather than staying in malloc's arenas until the steps happen to reuse it.
     release_freed_memory()
@@ -399,7 +405,8 @@ def resume_if_asked(job: Job) -> None:
     say(place.rank, f"loading checkpoint {newest.path}")
     state = {"sampler": job.sampler.state_dict()}
     engine = job.parallel.engine
-    train_state = load_checkpoint(newest.path, engine, job.optimizer, state, job.tp_blocks)
+    replica = job.outer.replica_state() if job.outer is not None else None  # DiLoCo's
+    train_state = load_checkpoint(newest.path, engine, job.optimizer, state, job.tp_blocks, replica)
     job.sampler.load_state_dict(train_state["sampler"])  # its next step is the step to resume at
     job.resumed_from, job.start_step = newest.path, job.sampler.step
     say(place.rank, f"resumed from {newest.path} at step {job.sampler.step}")

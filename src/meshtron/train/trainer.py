@@ -96,7 +96,7 @@ class Trainer:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
         rank's share of the mean cross-entropy (with multi-token prediction followed by each depth's)."""
         job, t = self.job, self.cfg.training
-        counted = job.sampler.counted_targets(job.dataset, job.sampler.step)
+        counted = self._counted_targets()
         # A mixture keeps each sequence's loss, for the loss per source (`_by_source`).
         self.sequence_sums = {} if isinstance(job.sampler, MixtureSampler) else None
         mtp_sums: dict[int, torch.Tensor] | None = {} if self.cfg.model.mtp_depth else None
@@ -118,6 +118,17 @@ class Trainer:
             return self.comm.all_reduce_(loss_sum, job.place.mesh.group(Dim.PP))
         return loss_sum
 
+    def _counted_targets(self) -> int | None:
+        """The targets this step's loss divides by (None: the global batch's). Under DiLoCo, each replica's
+        gradient is the mean over its own share of the batch (train/diloco.py)."""
+        job = self.job
+        if job.outer is None:
+            return job.sampler.counted_targets(job.dataset, job.sampler.step)
+        replica = job.place.mesh.group(Dim.DP_REPLICATE)
+        part = (replica.rank, replica.size)
+        counted = job.sampler.counted_targets(job.dataset, job.sampler.step, part)
+        return job.loss.global_tokens // replica.size if counted is None else counted
+
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step (0-based `step`); returns its metrics row."""
         t, pp, comm = self.cfg.training, self.job.place.mesh.group(Dim.PP), self.comm
@@ -128,21 +139,28 @@ class Trainer:
         with comm.recording() as recorded:
             loss_sum = self.compute_gradients()
             comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
+            if self.job.outer is not None:  # DiLoCo: the mean of the replicas' means
+                loss_sum /= self.job.outer.replicas.size
             by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
             tp_plan, elsewhere = self.parallel.tp_plan, self.parallel.counted_elsewhere
             with TIMES.phase("optimizer", "clip gradients"):
                 grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
+            if self.job.outer is not None:  # each replica clips its own; skip (non-finite) all or none
+                grad_norm = comm.all_reduce_(grad_norm.clone(), self.job.outer.replicas, op="max")
             # The step's one read of the device (docs/performance.md), the same on every rank.
             values = torch.cat([loss_sum.double().flatten(), grad_norm.double().flatten()]).tolist()
             loss_value, mtp_values, norm_value = values[0], values[1:-1], values[-1]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             first_bad = None
-            if finite:
-                with TIMES.phase("optimizer"):
+            with TIMES.phase("optimizer"):
+                if finite:
                     self.optimizer.step()
+                else:  # skipped: nothing changes (nonfinite.py)
+                    first_bad = first_nonfinite_gradient(self.engine, comm, self.job.place.world)
+                # DiLoCo's outer step, every diloco_every steps (train/diloco.py), on every replica
+                outer = self.job.outer is not None and self.job.outer.after_inner_step(step + 1)
+                if finite or outer:
                     self.engine.after_step()
-            else:  # skipped: nothing changes (nonfinite.py)
-                first_bad = first_nonfinite_gradient(self.engine, comm, self.job.place.world)
             skipped = self.skips.check(step + 1, loss_value, norm_value, first_bad)
             self.engine.zero_grad()
         extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
@@ -225,6 +243,7 @@ class Trainer:
             keep=keep,
             tp_blocks=job.tp_blocks,
             files=files,
+            replica=job.outer.replica_state() if job.outer is not None else None,
         )
         if self.checkpointer is not None:
             stall = self.checkpointer.save(request)
