@@ -187,6 +187,22 @@ def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
     assert [r["loss"] for r in rows] == losses(tmp_path / "straight")
 
 
+def test_a_rank_sigkilled_as_a_step_begins_restarts_and_loses_nothing(tmp_path):
+    """MESHTRON_KILL_RANK=1:4: rank 1 dies by SIGKILL as step 4 begins, rank 0 waiting in that step's
+    collectives. The launcher restarts both from the step-2 checkpoint; every step is logged once, with
+    the uninterrupted run's losses."""
+    common = ["--nproc=2", "--training.steps=5", "--training.micro_batch=4", "--checkpoint.every=2"]
+    straight = run_cli([*common, f"--run.dir={tmp_path / 'straight'}"])
+    assert straight.returncode == 0, straight.stderr
+    killed = ["--max-restarts=1", f"--run.dir={tmp_path / 'killed'}"]
+    out = run_cli([*common, *killed], env={**os.environ, "MESHTRON_KILL_RANK": "1:4"})
+    assert out.returncode == 0, out.stderr
+    assert "step-00000002 at step 2" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert [r["loss"] for r in rows] == losses(tmp_path / "straight")
+
+
 def skip_a_collective(timeout_s: float) -> str:
     """Two all-reduces on a fresh group; the last rank skips the second. Returns the error (or "skipped")."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

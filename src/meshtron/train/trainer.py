@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -302,6 +303,7 @@ class Trainer:
         checkpoint when due, the fault injection of restart drills."""
         cfg, rank, last = self.cfg, self.job.place.rank, self.cfg.training.steps - 1
         comm, world, profiler = self.comm, self.job.place.world, self.profiler
+        sigkill_if_asked(rank, step + 1)
         if profiler.recording(step + 1):
             profiler.before(step + 1, comm, world, lambda: held_bytes(self.model, self.optimizer))
             with TIMES.span(f"step {step + 1}"):
@@ -394,6 +396,15 @@ def kill_if_asked(rank: int, step: int) -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and os.environ.get("MESHTRON_KILL_AT") == f"{rank}:{step}":
         os._exit(17)
+
+
+def sigkill_if_asked(rank: int, step: int) -> None:
+    """Fault injection for drills: MESHTRON_KILL_RANK="RANK:STEP" kills rank RANK's process with SIGKILL
+    as step STEP (1-based) begins, on the first attempt only: no handler, no flush, no checkpoint, the
+    other ranks left waiting in the step's first collective, as when a GPU or its host dies."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and os.environ.get("MESHTRON_KILL_RANK") == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def by_ctrl_c(err: BaseException) -> bool:
