@@ -265,6 +265,22 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "fsdp_prefetch, tp, cp, ep, pp, or none (default: meshtron's own, printed in the header)",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON list of the ranked layouts")
+    plan.add_argument(
+        "--failures-per-gpu-day",
+        type=float,
+        help="also report the best layout's goodput under this failure rate: checkpoint-restart at the "
+        "Young/Daly interval against healing one replica group from a live one (docs/fault-tolerance.md)",
+    )
+    plan.add_argument(
+        "--storage-gbps",
+        type=float,
+        default=2000.0,
+        help="GB/s the whole job writes and reads checkpoints at (default 2000: the 2 TB/s Llama 3's "
+        "storage sustained)",
+    )
+    plan.add_argument(
+        "--restart-s", type=float, default=120.0, help="seconds to restart failed ranks (default 120)"
+    )
 
 
 def _run(

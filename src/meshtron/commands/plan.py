@@ -27,6 +27,9 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     ]
     if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
         problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
+    failures = args.failures_per_gpu_day
+    if failures is not None and not (failures > 0 and args.storage_gbps > 0 and args.restart_s >= 0):
+        problems.append("--failures-per-gpu-day and --storage-gbps must be positive, --restart-s at least 0")
     if not args.moe_imbalance >= 1.0:
         problems.append(f"--moe-imbalance={args.moe_imbalance}: max / mean expert load is at least 1")
     if args.dtype not in ("bf16", "fp8"):
@@ -81,7 +84,30 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             f"global batch {cfg.training.global_batch}; overlap: {hidden} ({whose})"
         )
         print(plan_table(plan, cluster.gpu.memory_bytes))
+        if args.failures_per_gpu_day and plan.ranked:
+            print("\n".join(_goodput(args, cluster, *plan.ranked[0])))
     if not plan.ranked:
         print(f"meshtron: {fits_nowhere(plan, cluster.gpu.memory_bytes)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _goodput(args: argparse.Namespace, cluster, layout, est) -> list[str]:  # noqa: ANN001
+    """The best layout's goodput lines (plan/goodput.py): its step, its ranks' saved state, the links."""
+    from meshtron.plan.goodput import FailureModel, goodput_lines
+
+    failures = FailureModel(
+        failures_per_gpu_day=args.failures_per_gpu_day,
+        gpus=cluster.gpus,
+        step_s=est.step_time_s,
+        # What a checkpoint (or a healing peer) sends: the owned rows' fp32 weights and AdamW's two fp32
+        # moments, 1.5 times the moments' bytes (a bf16 compute copy is derived, not saved)
+        state_bytes=1.5 * est.memory.get("optimizer", 0.0),
+        storage_bytes_per_s=args.storage_gbps * 1e9 / cluster.gpus,  # each GPU's share
+        network_bytes_per_s=cluster.gpu.inter_node_bytes_per_s,
+        restart_s=args.restart_s,
+    )
+    return [
+        f"goodput of the first layout ({layout.describe()}):",
+        *goodput_lines(failures, layout.dp_replicate),
+    ]
