@@ -87,7 +87,15 @@ def assert_matches_reference(results: list[dict], ref: dict) -> None:
 LAYOUTS = {
     "ddp replicas 2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
     "replicas 2 x zero2 2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=2"]),
-    "replicas 2 x zero3 2": (4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]),
+    "replicas 2 x zero3 2, small buckets": (
+        4,
+        [
+            "--parallel.dp_replicate=2",
+            "--parallel.dp_shard=2",
+            "--parallel.zero=3",
+            "--parallel.bucket_mb=0.02",
+        ],
+    ),
     "replicas 2 x tp 2 + sp": (
         4,
         ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.sp=true"],

@@ -5,7 +5,8 @@ The replicas are the dp_replicate slices of the mesh; inside one, everything els
 ep, ZeRO) runs as always, and its inner optimizer (AdamW or Muon) steps on gradients averaged over the
 replica's own data only: nothing crosses replicas on an inner step.
 
-  after inner step s, when s is a multiple of H, on the rows θ this rank holds (its engine's owned rows):
+  after inner step s, when s is a multiple of H, on the rows θ this rank holds (its engine's owned rows),
+  a bucket of parallel.bucket_mb at a time:
     Δ      = θ_outer − θ                   the replica's pseudo-gradient
     Δ̄      = mean of Δ over the replicas    one all-reduce over dp_replicate (fp32), every H steps
     v      = μ·v + Δ̄                       outer SGD with Nesterov momentum (torch.optim.SGD's rule)
@@ -46,6 +47,7 @@ class OuterStep:
         replicas: the ranks holding the same rows in the other replicas.
         every: H, inner steps per outer step.
         lr, momentum: the outer SGD's η and μ (Nesterov).
+        bucket_elements: fp32 elements per all-reduce (parallel.bucket_mb's worth).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class OuterStep:
         every: int,
         lr: float,
         momentum: float,
+        bucket_elements: int = 25 * 2**18,
     ):
         self.comm, self.replicas = comm, replicas
         self.every, self.lr, self.momentum = every, lr, momentum
@@ -63,6 +66,14 @@ class OuterStep:
         # θ_outer (set by `start_from_weights`) and v: fp32, the rows this rank owns
         self.outer = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self.velocity = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        # The all-reduce in buckets of about `bucket_elements` (one parameter larger than that alone): the
+        # weight changes are formed a bucket at a time, never a whole copy of the rows at once.
+        self.buckets: list[list[int]] = [[]]
+        for i, p in enumerate(self.params):
+            filled = sum(self.params[j].numel() for j in self.buckets[-1])
+            if self.buckets[-1] and filled + p.numel() > bucket_elements:
+                self.buckets.append([])
+            self.buckets[-1].append(i)
 
     @torch.no_grad()
     def start_from_weights(self) -> None:
@@ -90,17 +101,18 @@ class OuterStep:
         it ran."""
         if completed % self.every:
             return False
-        deltas = [outer - p.float() for outer, p in zip(self.outer, self.params, strict=True)]
-        if deltas:
-            flat = torch.cat([d.flatten() for d in deltas])
+        for bucket in self.buckets:
+            like = self.outer[bucket[0]] if bucket else torch.empty(0)
+            flat = like.new_empty(sum(self.params[i].numel() for i in bucket))
+            deltas = list(flat.split([self.params[i].numel() for i in bucket]))
+            for i, d in zip(bucket, deltas, strict=True):
+                torch.sub(self.outer[i].flatten(), self.params[i].flatten(), out=d)
             self.comm.all_reduce_(flat, self.replicas, op="avg")
-            deltas = [
-                d.view_as(o) for d, o in zip(flat.split([d.numel() for d in deltas]), self.outer, strict=True)
-            ]
-        for p, outer, v, d in zip(self.params, self.outer, self.velocity, deltas, strict=True):
-            v.mul_(self.momentum).add_(d)
-            outer.sub_(d.add(v, alpha=self.momentum), alpha=self.lr)
-            p.copy_(outer)
+            for i, d in zip(bucket, deltas, strict=True):
+                outer, v, d = self.outer[i], self.velocity[i], d.view_as(self.outer[i])
+                v.mul_(self.momentum).add_(d)
+                outer.sub_(d.add_(v, alpha=self.momentum), alpha=self.lr)
+                self.params[i].copy_(outer)
         return True
 
 
@@ -112,4 +124,7 @@ def make_outer_step(
     if not f.diloco_every:
         return None
     replicas = mesh.group(Dim.DP_REPLICATE)
-    return OuterStep(engine, comm, replicas, f.diloco_every, f.diloco_outer_lr, f.diloco_outer_momentum)
+    elements = int(cfg.parallel.bucket_mb * 2**20) // 4
+    return OuterStep(
+        engine, comm, replicas, f.diloco_every, f.diloco_outer_lr, f.diloco_outer_momentum, elements
+    )
