@@ -153,6 +153,36 @@ def test_diloco_with_experts_spread_inside_each_replica(workers):
             assert relative(a, b) <= 1e-5, (step, a, b)
 
 
+def weights_after(overrides: list[str], steps: int) -> dict[str, torch.Tensor]:
+    """This rank's owned rows after `steps` steps."""
+    trainer = trainer_for(overrides)
+    for step in range(steps):
+        trainer.step(step)
+    return {e.name: e.param.detach().float().clone() for e in trainer.engine.owned_rows()}
+
+
+COMPOSED = {
+    "bf16, zero1 inside": ["--training.dtype=bf16", "--parallel.dp_shard=2", "--parallel.zero=1"],
+    "muon, ddp inside": ["--training.optimizer=muon", "--parallel.dp_shard=1", "--training.micro_batch=4"],
+    "moe ep2, zero3 inside": [*MOE, "--parallel.dp_shard=2", "--parallel.ep=2"],
+}
+
+
+@pytest.mark.parametrize("inside", COMPOSED.values(), ids=COMPOSED.keys())
+def test_every_replica_holds_the_outer_weights_after_an_outer_step(workers, inside):
+    """Whatever trains inside a replica (bf16 with fp32 masters, Muon, experts over ep), the outer step
+    leaves every replica with the same weights: the rank at the same place in each replica holds the same
+    rows, bit for bit, after step H; one inner step later they differ."""
+    world = 2 if "--parallel.dp_shard=1" in inside else 4
+    overrides = [*TINY, *DILOCO, "--parallel.dp_replicate=2", "--training.micro_batch=2", *inside]
+    per_replica = world // 2
+    for steps, same in ((H, True), (H + 1, False)):
+        held = workers(world).run(weights_after, overrides, steps)
+        for k in range(per_replica):
+            a, b = held[k], held[k + per_replica]
+            assert all(torch.equal(a[n], b[n]) for n in a) == same, (steps, k)
+
+
 def test_diloco_without_replicas_or_with_fully_shard_is_refused():
     with pytest.raises(ConfigError, match=r"needs parallel.dp_replicate >= 2"):
         check(load_config(None, [*TINY, "--fault_tolerance.diloco_every=4"]), 2)
