@@ -41,15 +41,16 @@ def reference_loop(overrides: list[str], replicas: int) -> dict:
         step_losses = []
         for r, (model, opt) in enumerate(zip(models, inner, strict=True)):
             inputs, targets = job.sampler.rank_batch(job.dataset, step, r, replicas)
-            logits = model(inputs)
+            logits, aux = model(inputs, return_aux=True)  # aux: an MoE's balancing and z losses
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="mean")
+            loss = loss + aux.float()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, t)
             opt.step()
             opt.zero_grad()
-            step_losses.append(loss.item())
+            step_losses.append(loss.item() - float(aux))
         losses.append(sum(step_losses) / replicas)
         if (step + 1) % H == 0:
             for i, p in enumerate(outer_params):
@@ -110,6 +111,15 @@ def test_diloco_is_the_published_algorithm(workers, layout):
     overrides = [*TINY, *DILOCO, "--training.micro_batch=2", *parallel]
     ref = workers(1).run(reference_loop, [*TINY, *DILOCO, "--training.micro_batch=4"], 2)[0]
     results = workers(world).run(diloco_run, overrides)
+    assert_matches_reference(results, ref)
+
+
+def test_an_moe_replica_weighs_its_auxiliary_losses_as_a_run_of_its_own(workers):
+    """The balancing and z losses of each replica are shared over its own tokens, as the reference's
+    replicas (single-device models) weigh them."""
+    moe = [*TINY, *MOE, *DILOCO, "--training.micro_batch=4"]
+    ref = workers(1).run(reference_loop, moe, 2)[0]
+    results = workers(2).run(diloco_run, [*moe, "--parallel.dp_replicate=2", "--parallel.dp_shard=1"])
     assert_matches_reference(results, ref)
 
 

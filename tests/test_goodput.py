@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from meshtron.checkpoint.save_load import _state
 from meshtron.commands.main import main
 from meshtron.plan.goodput import (
     FailureModel,
@@ -14,6 +15,10 @@ from meshtron.plan.goodput import (
     checkpoint_restart_goodput,
     healing_goodput,
 )
+from meshtron.plan.state import saved_bytes
+from meshtron.rules.checks import load_config
+from meshtron.testing.parity import trainer_for
+from meshtron.testing.tiny import MOE, TINY
 
 # Llama 3 405B's pre-training: 419 unexpected interruptions in 54 days on 16,384 GPUs.
 LLAMA3 = FailureModel(
@@ -63,3 +68,29 @@ def test_plan_reports_goodput_of_its_first_layout(capsys):
     assert "needs dp_replicate >= 2" in capsys.readouterr().out
     assert main([*args, "--storage-gbps", "0"]) == 2
     assert "--storage-gbps must be positive" in capsys.readouterr().err
+
+
+def checkpoint_bytes(overrides: list[str]) -> int:
+    """The bytes of weights and optimizer state this rank puts in a checkpoint (before any step: the
+    moments as a fresh optimizer has them)."""
+    trainer = trainer_for(overrides)
+    state, _ = _state(trainer.engine, trainer.optimizer, {}, trainer.job.tp_blocks)
+    tensors = [*state["model"].values(), *(t for part in state["optimizer"].values() for t in part.values())]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if t.dim() > 0 and "expert_bias" not in str(t))
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (1, []),
+        (2, ["--parallel.zero=1", "--training.optimizer=muon"]),
+        (4, ["--parallel.zero=3", "--model.vocab_size=301"]),  # its padded rows are not saved
+        (4, ["--parallel.zero=3", *MOE, "--model.n_experts=2", "--parallel.ep=2"]),
+    ],
+    ids=["one rank", "muon zero1 x 2", "zero3 x 4 odd vocabulary", "zero3 moe ep2 x edp2"],
+)
+def test_saved_bytes_are_what_a_rank_writes(workers, world, layout):
+    overrides = [*TINY, "--training.micro_batch=2", *layout]
+    got = workers(world).run(checkpoint_bytes, overrides)[0]
+    assert got == saved_bytes(load_config(None, overrides), world)

@@ -85,27 +85,27 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         print(plan_table(plan, cluster.gpu.memory_bytes))
         if args.failures_per_gpu_day and plan.ranked:
-            print("\n".join(_goodput(args, cluster, *plan.ranked[0])))
+            print("\n".join(_goodput(args, cfg, cluster, *plan.ranked[0])))
     if not plan.ranked:
         print(f"meshtron: {fits_nowhere(plan, cluster.gpu.memory_bytes)}", file=sys.stderr)
         return 1
     return 0
 
 
-def _goodput(args: argparse.Namespace, cluster, layout, est) -> list[str]:  # noqa: ANN001
+def _goodput(args: argparse.Namespace, cfg, cluster, layout, est) -> list[str]:  # noqa: ANN001
     """The best layout's goodput lines (plan/goodput.py): its step, its ranks' saved state, the links."""
     from meshtron.plan.goodput import FailureModel, goodput_lines
+    from meshtron.plan.state import saved_bytes
 
     failures = FailureModel(
         failures_per_gpu_day=args.failures_per_gpu_day,
         gpus=cluster.gpus,
         step_s=est.step_time_s,
-        # What a checkpoint (or a healing peer) sends: the owned rows' fp32 weights and AdamW's two fp32
-        # moments, 1.5 times the moments' bytes (a bf16 compute copy is derived, not saved)
-        state_bytes=1.5 * est.memory.get("optimizer", 0.0),
+        state_bytes=saved_bytes(layout.apply(cfg), cluster.gpus),
         storage_bytes_per_s=args.storage_gbps * 1e9 / cluster.gpus,  # each GPU's share
         network_bytes_per_s=cluster.gpu.inter_node_bytes_per_s,
         restart_s=args.restart_s,
+        replicas=layout.dp_replicate,
     )
     return [
         f"goodput of the first layout ({layout.describe()}):",

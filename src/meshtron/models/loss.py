@@ -45,14 +45,16 @@ class MicroBatchLoss:
         counted_tokens: int | None,
         sequence_sums: dict[int, torch.Tensor] | None = None,
         mtp_sums: dict[int, torch.Tensor] | None = None,
+        share_tokens: int | None = None,
     ) -> StepLoss:
         """This loss in one step. `counted_tokens`: the targets of the step's global batch that count
         (loss masks; None: all global_tokens of them). `sequence_sums`: when a dict, each micro-batch's
         per-sequence cross-entropy sums [B] are kept in it under its index (a mixture's loss per source is
         formed from them after the step); `mtp_sums` likewise each micro-batch's MTP cross-entropy [D]
-        over the divisor (for the metrics)."""
+        over the divisor (for the metrics). `share_tokens`: the tokens the auxiliary losses are shared over
+        (None: the global batch's; a DiLoCo replica: its own share of it)."""
         divisor = self.global_tokens if counted_tokens is None else max(1, counted_tokens)
-        return StepLoss(self, divisor, sequence_sums, mtp_sums)
+        return StepLoss(self, divisor, sequence_sums, mtp_sums, share_tokens or self.global_tokens)
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,14 @@ class StepLoss:
     divisor: int  # what each micro-batch's summed cross-entropy is divided by: the step's counted targets
     sequence_sums: dict[int, torch.Tensor] | None = None  # (MicroBatchLoss.for_step)
     mtp_sums: dict[int, torch.Tensor] | None = None  # (MicroBatchLoss.for_step)
+    share_tokens: int = 0  # the tokens the aux losses are shared over (MicroBatchLoss.for_step)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.job_loss.autocast()
 
     def aux_share(self, aux: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The aux loss weighted by this micro-batch's share of the step's tokens."""
-        return aux.float() * (targets.numel() / self.job_loss.global_tokens)
+        return aux.float() * (targets.numel() / (self.share_tokens or self.job_loss.global_tokens))
 
     def of(
         self,

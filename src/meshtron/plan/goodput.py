@@ -6,18 +6,20 @@ GPUs failing f times per GPU-day:
 
   the job's mean time between failures      M = 86,400 / (f·N) seconds
   checkpoint-restart                        every failure stops every rank and rolls back to the last
-  (Young 1974; Daly 2006)                   checkpoint. Saving stalls C = B / storage; the interval that
-                                            wastes least is τ = sqrt(2·C·M) − C (Daly's first order, for
-                                            C < 2M). Per failure: τ/2 of rolled-back work on average, and
-                                            the restart R plus reading the checkpoint back (B / storage).
-                                            goodput = (1 − C/τ) · (1 − (τ/2 + R + B/storage) / M)
+  (Young 1974; Daly 2006)                   checkpoint. Saving stalls C = B / (r·storage): each row is
+                                            written once, whatever the r = dp_replicate copies of it; the
+                                            interval that wastes least is τ = sqrt(2·C·M) − C (Daly's first
+                                            order, for C < 2M). Per failure: τ/2 of rolled-back work on
+                                            average, and the restart R plus every rank reading its B back.
+                                            goodput = (1 − C/(τ + C)) · (1 − (τ/2 + R + B/storage) / M)
   healing a replica group                   only the failed dp_replicate slice (1/r of the job) stops; it
   (torchft: quorum per step, state          restarts (R) and copies its state from a live replica over the
   sent by a live peer)                      network (B / network), while the r − 1 others keep stepping;
                                             the step in flight is discarded everywhere.
                                             goodput = 1 − (T + (R + B/network) / r) / M
 
-The first factor of checkpoint-restart is the time spent saving; the second, the time lost per failure.
+The first factor of checkpoint-restart is the time spent saving (C of every τ + C); the second, the time
+lost per failure. `storage` is each GPU's share of the job's checkpoint bandwidth.
 Healing still needs periodic checkpoints against the loss of the whole job, far rarer; they are not
 counted. Llama 3 405B's pre-training saw 419 unexpected interruptions in 54 days on 16,384 GPUs
 (Llama 3 paper, §3.3.4): f = 4.7e-4 per GPU-day, M = 3.1 hours.
@@ -42,6 +44,7 @@ class FailureModel:
     storage_bytes_per_s: float  # per GPU, writing and reading checkpoints
     network_bytes_per_s: float  # per GPU, between replicas (across nodes)
     restart_s: float  # R: a process (group) back, its communicators formed
+    replicas: int = 1  # r: dp_replicate copies of every row, of which a checkpoint writes one
 
     @property
     def mtbf_s(self) -> float:
@@ -49,6 +52,12 @@ class FailureModel:
 
     @property
     def checkpoint_s(self) -> float:
+        """C: each GPU's share of writing the job's state, once per row (DCP skips the replicas' copies)."""
+        return self.state_bytes / self.replicas / self.storage_bytes_per_s
+
+    @property
+    def load_s(self) -> float:
+        """Every rank reads back its own rows."""
         return self.state_bytes / self.storage_bytes_per_s
 
     @property
@@ -67,7 +76,7 @@ def checkpoint_restart_goodput(f: FailureModel, interval_s: float | None = None)
     """Useful share of wall time with checkpoints every `interval_s` (default: Daly's optimum)."""
     tau = checkpoint_interval_s(f.checkpoint_s, f.mtbf_s) if interval_s is None else interval_s
     saving = f.checkpoint_s / (tau + f.checkpoint_s)
-    lost = (tau / 2 + f.restart_s + f.checkpoint_s) / f.mtbf_s
+    lost = (tau / 2 + f.restart_s + f.load_s) / f.mtbf_s
     return max(0.0, (1 - saving) * (1 - lost))
 
 
@@ -85,7 +94,7 @@ def goodput_lines(f: FailureModel, replicas: int) -> list[str]:
         f"failures: {f.failures_per_gpu_day:g} per GPU-day on {f.gpus:,} GPUs, one every "
         f"{f.mtbf_s / 60:,.1f} min; each rank holds {f.state_bytes / 2**30:.1f} GiB to save or send",
         f"  checkpoint-restart: save {f.checkpoint_s:.0f} s every {tau / 60:,.1f} min (Young/Daly), "
-        f"restart and load {f.restart_s + f.checkpoint_s:.0f} s: goodput {100 * checkpoint_restart_goodput(f):.1f}%",
+        f"restart and load {f.restart_s + f.load_s:.0f} s: goodput {100 * checkpoint_restart_goodput(f):.1f}%",
     ]
     if replicas < 2:
         lines.append(

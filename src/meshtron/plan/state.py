@@ -318,6 +318,23 @@ def state_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, int
 _STATES: Memo[dict[str, int]] = Memo()
 
 
+def saved_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> int:
+    """What rank 0 of stage `pp_rank` saves in a checkpoint (or sends a healing peer): the fp32 weights of
+    the rows it owns, without padding, and their optimizer state (AdamW's two moments, Muon's momentum
+    for its matrices), and DiLoCo's outer weights and momentum when it runs."""
+    p = cfg.parallel
+    shard = p.dp_shard_for(world_size) * p.cp
+    muon, cut = cfg.training.optimizer == "muon", cfg.training.optimizer != "muon"
+    outer = 8 if cfg.fault_tolerance.diloco_every else 0
+    total = 0
+    for x in rank_parameters(cfg, pp_rank):
+        n = p.edp_of(shard) if x.expert and p.experts_apart else shard
+        owned = math.prod(x.shape) if n == 1 else _rows(x.shape, n, False, cut)
+        moments = 4 if muon and is_muon_matrix(x.name, len(x.shape)) else 8
+        total += (4 + moments + outer) * owned
+    return total
+
+
 def expert_state_bytes(cfg: Config, pp_rank: int = 0) -> int:
     """Bytes of the routed experts' parameters, gradients and optimizer state on a rank of stage
     `pp_rank` (0 when the experts are sharded like the dense weights: they are part of those)."""

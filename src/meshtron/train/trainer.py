@@ -105,7 +105,7 @@ class Trainer:
         loss_sum = run_micro_batches(
             self.parallel,
             batches,
-            job.loss.for_step(counted, self.sequence_sums, mtp_sums),
+            job.loss.for_step(counted, self.sequence_sums, mtp_sums, self._share_tokens()),
             device=job.place.device,
             documents=job.documents,
             before_grads=self.engine.prepare_micro_batch,
@@ -118,6 +118,12 @@ class Trainer:
         if self.parallel.pipeline is not None:  # the loss is on the last stage only
             return self.comm.all_reduce_(loss_sum, job.place.mesh.group(Dim.PP))
         return loss_sum
+
+    def _share_tokens(self) -> int | None:
+        """The tokens the MoE auxiliary losses are shared over: the global batch's, or under DiLoCo the
+        replica's own share of it (so that each replica weighs them as a run of its own would)."""
+        outer = self.job.outer
+        return None if outer is None else self.job.loss.global_tokens // outer.replicas.size
 
     def _counted_targets(self) -> int | None:
         """The targets this step's loss divides by (None: the global batch's). Under DiLoCo, each replica's
@@ -147,7 +153,8 @@ class Trainer:
             with TIMES.phase("optimizer", "clip gradients"):
                 grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             if self.job.outer is not None:  # each replica clips its own; skip (non-finite) all or none
-                grad_norm = comm.all_reduce_(grad_norm.clone(), self.job.outer.replicas, op="max")
+                seen = torch.nan_to_num(grad_norm, nan=math.inf)  # max() may drop a NaN; inf it keeps
+                grad_norm = comm.all_reduce_(seen, self.job.outer.replicas, op="max")
             # The step's one read of the device (docs/performance.md), the same on every rank.
             values = torch.cat([loss_sum.double().flatten(), grad_norm.double().flatten()]).tolist()
             loss_value, mtp_values, norm_value = values[0], values[1:-1], values[-1]
