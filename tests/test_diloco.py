@@ -193,6 +193,24 @@ def test_every_replica_holds_the_outer_weights_after_an_outer_step(workers, insi
             assert all(torch.equal(a[n], b[n]) for n in a) == same, (steps, k)
 
 
+def biases_after(overrides: list[str], steps: int) -> list[torch.Tensor]:
+    """This rank's auxiliary-loss-free balancing biases after `steps` steps."""
+    trainer = trainer_for(overrides)
+    for step in range(steps):
+        trainer.step(step)
+    return [b.clone() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")]
+
+
+def test_each_replica_steps_its_balancing_bias_on_its_own_loads(workers):
+    """DeepSeek-V3's bias, like the weights, is each replica's own between outer steps: after one inner
+    step the replicas' biases differ (each saw its own tokens' loads), and a replica's ranks agree."""
+    deepseek = ["--model.name=tiny-deepseek", "--model.mtp_depth=0", "--model.vocab_size=260"]
+    overrides = [*TINY, *deepseek, *DILOCO, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
+    biases = workers(4).run(biases_after, [*overrides, "--training.micro_batch=2"], 1)
+    assert biases[0] and all(torch.equal(a, b) for a, b in zip(biases[0], biases[1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(biases[0], biases[2], strict=True))
+
+
 def test_diloco_without_replicas_or_with_fully_shard_is_refused():
     with pytest.raises(ConfigError, match=r"needs parallel.dp_replicate >= 2"):
         check(load_config(None, [*TINY, "--fault_tolerance.diloco_every=4"]), 2)

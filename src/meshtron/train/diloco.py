@@ -3,8 +3,9 @@
 Douillard et al. 2023 ("DiLoCo: Distributed Low-Communication Training of Language Models", Algorithm 1).
 The replicas are the dp_replicate slices of the mesh; inside one, everything else (dp_shard, tp, pp, cp,
 ep, ZeRO) runs as always, and its inner optimizer (AdamW or Muon) steps on gradients averaged over the
-replica's own data only. On an inner step only small reductions cross replicas: the loss for the metrics,
-the largest clipping norm (every replica skips a non-finite step or none does), an MoE's expert loads.
+replica's own data only (an MoE's balancing bias too steps on the replica's own loads). On an inner step
+only two small reductions cross replicas: the loss for the metrics, and the largest clipping norm (every
+replica skips a non-finite step or none does).
 
   after inner step s, when s is a multiple of H, on the rows θ this rank holds (its engine's owned rows),
   a bucket of parallel.bucket_mb at a time:

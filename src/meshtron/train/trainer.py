@@ -63,8 +63,10 @@ class Trainer:
         place, t = job.place, cfg.training
         self.dp, self.dp_cp = place.mesh.group(Dim.DP), place.mesh.group(place.mesh.with_cp(Dim.DP))
         self.skips = SkipGuard(t.max_skipped_steps)
+        # The loads the balancing bias steps on: the global batch's, or under DiLoCo the replica's own.
+        loads_over = self.dp_cp if job.outer is None else place.mesh.group(place.mesh.with_cp(Dim.DP_SHARD))
         self.expert_loads = ExpertLoads(
-            job.model, place.comm, self.dp_cp, place.mesh.group(Dim.PP), cfg.model.is_moe
+            job.model, place.comm, loads_over, place.mesh.group(Dim.PP), cfg.model.is_moe
         )
         self.peak, self.peak_source = job_peak_flops(place.device, DTYPES[t.dtype], place.comm, place.world)
         self.evaluator = None
