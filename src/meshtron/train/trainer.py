@@ -299,7 +299,6 @@ class Trainer:
         TIMES.take()  # the straggler report's first interval starts here (not at an earlier job's steps)
         for step in range(job.start_step, cfg.training.steps):
             self.run_step(step, logger)
-            self.completed = step + 1
         self.engine.finish_params()  # e.g. ZeRO-1/2's last gathers: the model is whole when the run ends
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last save is published before the run ends
@@ -325,6 +324,7 @@ class Trainer:
         straggler = self.straggler_fields(step) if due and world.size > 1 else {}
         row.update(straggler)
         logger.log(row)
+        self.completed = step + 1  # before its evaluation and checkpoint: an interrupt there is after it
         if rank == 0 and (due or row.get("skipped")):
             print(MetricsLogger.console_line(row), flush=True)
             line = straggler and straggler_line(straggler, cfg.profile.straggler_threshold)
