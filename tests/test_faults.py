@@ -171,36 +171,35 @@ def test_a_checkpoint_never_holds_non_finite_values(workers, tmp_path):
     assert not any((tmp_path / "ckpt").glob("step-*"))
 
 
-def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
-    """Two ranks with checkpoints every 2 steps; rank 1 dies right after step 5. The launcher restarts
-    both, they resume from step 4, and the run ends with one metrics row per step and the losses of an
-    uninterrupted run, exactly."""
-    common = ["--nproc=2", "--training.steps=7", "--training.micro_batch=4", "--checkpoint.every=2"]
-    straight = run_cli([*common, f"--run.dir={tmp_path / 'straight'}"])
+def killed_and_restarted(run_dir: Path, steps: int, drill: dict[str, str]) -> tuple[str, list[dict]]:
+    """Two ranks with checkpoints every 2 steps, one killed by `drill` (an environment) and restarted once:
+    (the killed run's output, its metrics rows), after checking that it finished, logged every step once
+    and gave the uninterrupted run's losses exactly."""
+    common = ["--nproc=2", f"--training.steps={steps}", "--training.micro_batch=4", "--checkpoint.every=2"]
+    straight = run_cli([*common, f"--run.dir={run_dir / 'straight'}"])
     assert straight.returncode == 0, straight.stderr
-    killed = ["--max-restarts=1", f"--run.dir={tmp_path / 'killed'}"]
-    out = run_cli([*common, *killed], env={**os.environ, "MESHTRON_KILL_AT": "1:5"})
+    killed = ["--max-restarts=1", f"--run.dir={run_dir / 'killed'}"]
+    out = run_cli([*common, *killed], env={**os.environ, **drill})
     assert out.returncode == 0, out.stderr
-    assert "resumed from" in out.stdout and "step-00000004 at step 4" in out.stdout
-    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 8))
-    assert [r["loss"] for r in rows] == losses(tmp_path / "straight")
+    rows = [json.loads(line) for line in (run_dir / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == losses(run_dir / "straight")
+    return out.stdout, rows
+
+
+def test_a_rank_killed_mid_run_restarts_and_loses_nothing(tmp_path):
+    """Rank 1 dies right after step 5. The launcher restarts both ranks, they resume from step 4, and the
+    run ends with one metrics row per step and the losses of an uninterrupted run, exactly."""
+    stdout, _ = killed_and_restarted(tmp_path, 7, {"MESHTRON_KILL_AT": "1:5"})
+    assert "resumed from" in stdout and "step-00000004 at step 4" in stdout
 
 
 def test_a_rank_sigkilled_as_a_step_begins_restarts_and_loses_nothing(tmp_path):
     """MESHTRON_KILL_RANK=1:4: rank 1 dies by SIGKILL as step 4 begins, rank 0 waiting in that step's
     collectives. The launcher restarts both from the step-2 checkpoint; every step is logged once, with
     the uninterrupted run's losses."""
-    common = ["--nproc=2", "--training.steps=5", "--training.micro_batch=4", "--checkpoint.every=2"]
-    straight = run_cli([*common, f"--run.dir={tmp_path / 'straight'}"])
-    assert straight.returncode == 0, straight.stderr
-    killed = ["--max-restarts=1", f"--run.dir={tmp_path / 'killed'}"]
-    out = run_cli([*common, *killed], env={**os.environ, "MESHTRON_KILL_RANK": "1:4"})
-    assert out.returncode == 0, out.stderr
-    assert "step-00000002 at step 2" in out.stdout
-    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 6))
-    assert [r["loss"] for r in rows] == losses(tmp_path / "straight")
+    stdout, _ = killed_and_restarted(tmp_path, 5, {"MESHTRON_KILL_RANK": "1:4"})
+    assert "step-00000002 at step 2" in stdout
 
 
 def skip_a_collective(timeout_s: float) -> str:

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import math
 
-from meshtron.config.row_blocks import block_rows, padded_numel, row_shape
+from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
-from meshtron.plan.state import rank_parameters
+from meshtron.plan.state import rank_parameters, row_block_elements
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
 
@@ -111,15 +111,8 @@ def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
 def _outer_bytes(shapes: list[tuple[int, ...]], shard: int, replicate: int, cfg: Config) -> float:
     """DiLoCo's outer all-reduce of the fp32 rows rank 0 owns, averaged over the H steps it comes once in
     (train/diloco.py): DDP owns whole parameters, ZeRO-3 its padded row blocks, ZeRO-1/2 their rows."""
-    cut = cfg.training.optimizer != "muon"
-    owned = 0
-    for shape in shapes:
-        if shard == 1:
-            owned += math.prod(shape)
-            continue
-        rows_shape, rows = row_shape(shape, shard, cut), block_rows(shape, shard, cut)
-        held = rows if cfg.parallel.zero == 3 else min(rows, rows_shape[0])
-        owned += held * math.prod(rows_shape[1:])
+    cut, padded = cfg.training.optimizer != "muon", cfg.parallel.zero == 3
+    owned = sum(math.prod(s) if shard == 1 else row_block_elements(s, shard, padded, cut) for s in shapes)
     return 2 * 4 * owned * _ring(replicate) / cfg.fault_tolerance.diloco_every
 
 

@@ -252,7 +252,7 @@ def _mtp_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> list[RankPara
     return out
 
 
-def _rows(shape: tuple[int, ...], n: int, padded: bool, cut_within: bool = True) -> int:
+def row_block_elements(shape: tuple[int, ...], n: int, padded: bool, cut_within: bool = True) -> int:
     """Elements of rank 0's row block of `shape` over n ranks (config/row_blocks.py; padded: its full
     block, padding rows included)."""
     rows_shape, rows = row_shape(shape, n, cut_within), block_rows(shape, n, cut_within)
@@ -277,16 +277,20 @@ def engine_state_bytes(
     element of DiLoCo's outer weights and momentum (train/diloco.py: 8 in fp32), counted as optimizer
     state."""
     full = sum(math.prod(s) for s in shapes)
-    padded = sum(_rows(s, shard, True, cut_within) for s in shapes)
+    padded = sum(row_block_elements(s, shard, True, cut_within) for s in shapes)
     state_of = [(4 if m else 8) + outer for m in (muon or [False] * len(shapes))]
     if shard == 1:
         optimizer = sum(b * math.prod(s) for b, s in zip(state_of, shapes, strict=True))
         return {"params": (6 if mixed else 4) * full, "grads": 4 * full, "optimizer": optimizer}
     if zero == 3:
-        optimizer = sum(b * _rows(s, shard, True, cut_within) for b, s in zip(state_of, shapes, strict=True))
+        optimizer = sum(
+            b * row_block_elements(s, shard, True, cut_within) for b, s in zip(state_of, shapes, strict=True)
+        )
         return {"params": 4 * padded, "grads": 4 * padded, "optimizer": optimizer}
     params = 2 * full + 4 * padded if mixed else 4 * full
-    optimizer = sum(b * _rows(s, shard, False, cut_within) for b, s in zip(state_of, shapes, strict=True))
+    optimizer = sum(
+        b * row_block_elements(s, shard, False, cut_within) for b, s in zip(state_of, shapes, strict=True)
+    )
     return {"params": params, "grads": 4 * (full if zero == 1 else padded), "optimizer": optimizer}
 
 
@@ -329,7 +333,7 @@ def saved_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> int:
     total = 0
     for x in rank_parameters(cfg, pp_rank):
         n = p.edp_of(shard) if x.expert and p.experts_apart else shard
-        owned = math.prod(x.shape) if n == 1 else _rows(x.shape, n, False, cut)
+        owned = math.prod(x.shape) if n == 1 else row_block_elements(x.shape, n, False, cut)
         moments = 4 if muon and is_muon_matrix(x.name, len(x.shape)) else 8
         total += (4 + moments + outer) * owned
     return total
