@@ -148,7 +148,7 @@ def test_a_checkpoint_between_outer_steps_resumes_exactly(workers, tmp_path):
         assert [r["step"] for r in rows] == [5, 6, 7]
         assert_losses_match(rows, straight[4:])
     more = [*base, "--parallel.dp_replicate=4", "--parallel.dp_shard=1", "--training.micro_batch=2"]
-    with pytest.raises(WorkerError, match=r"holds no DiLoCo state for replica 2"):
+    with pytest.raises(WorkerError, match=r"holds no DiLoCo state for replica [23]"):
         workers(4).run(train_rows, [*more, "--checkpoint.resume=true", saved, f"--run.dir={tmp_path / 'x'}"])
 
 

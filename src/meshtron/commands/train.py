@@ -17,6 +17,7 @@ from pathlib import Path
 from meshtron.checkpoint import CheckpointError
 from meshtron.commands.dry_run import resolved
 from meshtron.commands.memory_check import too_big
+from meshtron.commands.rank_errors import ERROR_DIR, first_rank_error
 from meshtron.config.schema import Config, refuse
 from meshtron.rules.checks import check, config_notes, load_config
 from meshtron.train import TrainingInterrupted, catch_sigint, sigint_received
@@ -29,17 +30,9 @@ def _under_launcher() -> bool:
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
 
 
-def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[str], cfg: Config) -> int:
-    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
-    when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
-    newest complete checkpoint (Trainer.resume_if_asked). `extra`: overrides for the ranks only (what
-    parallel.auto chose); `cfg`: theirs, for the line an interrupt ends with (commands/interrupt.py)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import get_args_parser, run
-
-    from meshtron.commands import interrupt
-
-    # Drop the launcher's own flags (as "--flag=N" or "--flag N") so the ranks do not launch again.
+def rank_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` without the launcher's own flags (as "--flag=N" or "--flag N"): what the ranks run, so
+    that they do not launch again."""
     cleaned: list[str] = []
     skip = False
     for arg in argv:
@@ -52,6 +45,19 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[
         if arg.split("=", 1)[0] in LAUNCHER_FLAGS:
             continue
         cleaned.append(arg)
+    return cleaned
+
+
+def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[str], cfg: Config) -> int:
+    """Start `nproc` local ranks of `meshtron train` through torch's elastic launcher (what torchrun runs);
+    when a rank dies, the launcher restarts them all up to `max_restarts` times, and they resume from the
+    newest complete checkpoint (Trainer.resume_if_asked). `extra`: overrides for the ranks only (what
+    parallel.auto chose); `cfg`: theirs, for the line an interrupt ends with (commands/interrupt.py)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import get_args_parser, run
+
+    from meshtron.commands import interrupt
+
     launcher_args = get_args_parser().parse_args(
         [
             "--standalone",
@@ -60,7 +66,7 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[
             "--monitor-interval=0.5",
             "--module",
             "meshtron",
-            *cleaned,
+            *rank_argv(argv),
             *extra,
         ]
     )
@@ -84,9 +90,6 @@ def _launch(nproc: int, max_restarts: int, argv: Sequence[str], extra: Sequence[
     return 0
 
 
-ERROR_DIR = "MESHTRON_ERROR_DIR"
-
-
 class _NoDeathSignal(logging.Filter):
     """Drops the launcher's own warning of a Ctrl-C ("Received 2 death signal, shutting down workers"):
     the line the interrupt ends with says it."""
@@ -95,20 +98,14 @@ class _NoDeathSignal(logging.Filter):
         return "death signal" not in str(record.msg)
 
 
-def first_rank_error(errors: Path, err: Exception) -> str:
-    """The message of the lowest rank that left one in `errors`, else what the launcher says."""
-    files = sorted(errors.glob("rank-*.txt"), key=lambda f: int(f.stem.removeprefix("rank-")))
-    if files:
-        return f"rank {files[0].stem.removeprefix('rank-')}: {files[0].read_text().strip()}"
-    return str(err).strip() or f"a rank exited abnormally ({type(err).__name__}); see its output above"
-
-
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str]) -> int:
     if args.profile_steps:  # "3,4" or "3-4": profile.steps = [3, 4]
         overrides = [*overrides, f"--profile.steps=[{args.profile_steps.replace('-', ',')}]"]
     cfg = load_config(args.config, overrides)
     say_notes(args.config, overrides)
     world_size = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.fault_tolerance.enabled and "MESHTRON_REPLICA_GROUP" in os.environ:  # one replica group's ranks
+        world_size *= cfg.parallel.dp_replicate
     rank_flags: list[str] = []
     if cfg.parallel.auto:  # the planner picks the keys left open, before any rank starts
         from meshtron.commands.auto_layout import announce, choose_layout, explicit_keys
@@ -135,6 +132,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: Sequence[str
         if problem := earlier_run(cfg):  # before any rank starts, as the checks above
             raise CheckpointError(problem)
     if args.nproc and args.nproc > 1 and not _under_launcher():
+        if cfg.fault_tolerance.enabled:  # a launcher per replica group (commands/replica_launch.py)
+            from meshtron.commands.replica_launch import launch_replica_groups
+
+            ranks = [*rank_argv(argv), *rank_flags]
+            return launch_replica_groups(args.nproc, args.max_restarts, ranks, argv, cfg)
         return _launch(args.nproc, args.max_restarts, argv, rank_flags, cfg)
     return _train_here(cfg, world_size)
 

@@ -358,6 +358,9 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class FaultToleranceConfig:
+    # Replica groups (train/fault_tolerance.py): each dp_replicate slice fails, restarts and heals from a
+    # live one on its own (torchft), while the others keep training.
+    enabled: bool = False
     # DiLoCo (train/diloco.py): the dp_replicate slices train on their own for this many steps, then take
     # one outer step together on their averaged weight change; 0: off (every step all-reduces gradients).
     diloco_every: int = non_negative(0)

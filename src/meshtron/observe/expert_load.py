@@ -15,6 +15,7 @@ Under pipeline parallel each stage reports its own layers; rank 0 collects them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,15 +38,25 @@ class ExpertLoads:
         }
         self.comm, self.data, self.pp = comm, data, pp
 
-    def after_step(self, update_bias: bool = True) -> dict[str, Any]:
-        """Collective over the data-parallel and pipeline groups: the global batch's loads, the bias step
-        (not after a skipped step), and the metrics (complete on rank 0 of each pipeline)."""
+    def reduced(self, across: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Collective over the data-parallel group: this step's loads of this rank's MoE layers over the
+        global batch, [layers, 2 (routed, kept), experts] (None: no MoE layer here); `across` sums them
+        over what the group does not span (replica groups under fault tolerance)."""
+        if not self.is_moe or not self.layers:
+            return None
+        loads_L2E = torch.stack([moe.take_loads() for moe in self.layers.values()])
+        self.comm.all_reduce_(loads_L2E, self.data)
+        if across is not None:
+            across(loads_L2E)
+        return loads_L2E
+
+    def after_step(self, loads_L2E: torch.Tensor | None, update_bias: bool = True) -> dict[str, Any]:
+        """Collective over the pipeline group: the bias step on the step's `reduced()` loads (not after a
+        skipped step), and the metrics (complete on rank 0 of each pipeline)."""
         if not self.is_moe:
             return {}
         per_layer = {}
-        if self.layers:
-            loads_L2E = torch.stack([moe.take_loads() for moe in self.layers.values()])
-            self.comm.all_reduce_(loads_L2E, self.data)
+        if loads_L2E is not None:
             for moe, loads_2E in zip(self.layers.values(), loads_L2E, strict=True):
                 if moe.router.expert_bias is not None and update_bias:
                     moe.router.update_bias(loads_2E[0])

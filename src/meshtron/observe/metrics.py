@@ -92,11 +92,12 @@ class MetricsLogger:
         enabled: bool,
         append: bool = False,
         tensorboard: bool = True,
-        last_step: int = 0,
+        last_step: int | None = 0,
         wandb: WandbSettings | None = None,
     ):
         """`append`: continue a resumed run's file, dropping any rows after `last_step` (the steps a crash
-        lost since the checkpoint, which the resumed run computes and logs again)."""
+        lost since the checkpoint, which the resumed run computes and logs again; None: keeping every row,
+        as a replica group that writes beside others does)."""
         self.run_dir = run_dir
         self.enabled = enabled
         self.rows: list[dict[str, Any]] = []  # this attempt's steps (its summary's)
@@ -110,8 +111,10 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
         if append and path.is_file():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in path.read_text().splitlines() if line.strip()]
+            if last_step is not None:
+                kept = [line for line in kept if json.loads(line)["step"] <= last_step]
+                path.write_text("".join(line + "\n" for line in kept))
             self.earlier = [json.loads(line) for line in kept]
         self._file = path.open("a" if append else "w")
         if tensorboard:

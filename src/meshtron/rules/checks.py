@@ -53,6 +53,7 @@ from meshtron.rules.training import (
     muon_unsupported,
     profile_problems,
     recompute_problems,
+    replica_group_problems,
     wandb_problems,
 )
 from meshtron.utils.words import suggest
@@ -91,7 +92,9 @@ def validate(cfg: Config, world_size: int = 1, device_type: str | None = None) -
     problems += validation_problems(cfg) + mixture_problems(cfg)
     problems += wandb_problems(cfg) + recompute_problems(cfg) + float8_problems(cfg, device_type)
     problems += mtp_problems(cfg)
-    problems += profile_problems(cfg) + diloco_problems(cfg, world_size)
+    problems += (
+        profile_problems(cfg) + diloco_problems(cfg, world_size) + replica_group_problems(cfg, world_size)
+    )
     return problems
 
 

@@ -45,6 +45,37 @@ def diloco_problems(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
+def replica_group_problems(cfg: Config, world_size: int) -> list[str]:
+    """What replica groups that fail and heal (fault_tolerance.enabled, train/fault_tolerance.py) need."""
+    p, f = cfg.parallel, cfg.fault_tolerance
+    if not f.enabled:
+        return []
+    problems = []
+    if p.dp_replicate < 2:
+        problems.append(
+            "fault_tolerance.enabled makes each dp_replicate slice a replica group that fails and heals on "
+            f"its own: it needs parallel.dp_replicate >= 2 (got {p.dp_replicate}); e.g. "
+            "--parallel.dp_replicate=2, or fault_tolerance.enabled=false"
+        )
+    if f.diloco_every:
+        problems.append(
+            "fault_tolerance.enabled with diloco_every > 0 is not supported yet (a healing group would need "
+            "DiLoCo's outer weights too): use one of them"
+        )
+    if uses_torch_fsdp(cfg, world_size):
+        problems.append(
+            "fault_tolerance.enabled needs meshtron's engines (PyTorch's fully_shard reduces across "
+            "dp_replicate itself): use parallel.fsdp_impl='meshtron' or 'simple'"
+        )
+    if cfg.data.sources:
+        problems.append(
+            "fault_tolerance.enabled with a data mixture (data.sources) is not supported yet: use one data source"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        problems.append("fault_tolerance.enabled needs torchft: pip install torchft (or meshtron[ft])")
+    return problems
+
+
 def wandb_missing() -> bool:
     """Whether `import wandb` would fail; found without importing it (its import takes seconds)."""
     if "wandb" in sys.modules:  # imported already, or blocked (None), or stood in for by a test

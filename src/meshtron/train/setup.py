@@ -64,6 +64,13 @@ from meshtron.probe.cluster import ranks_per_node, run_cluster
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
 from meshtron.train.diloco import OuterStep, make_outer_step
+from meshtron.train.fault_tolerance import (
+    GROUP_ENV,
+    FaultTolerance,
+    ReplicaShare,
+    join_replica_groups,
+    replica_config,
+)
 from meshtron.train.muon import make_optimizer
 from meshtron.utils.resident import release_freed_memory
 from meshtron.utils.words import plural
@@ -92,12 +99,13 @@ class Job:
     environment: dict[str, Any] | None  # what observe/records.py wrote (rank 0)
     dataset: PreparedData | Mixture  # the training tokens (one dataset, or a mixture: data.sources)
     val_data: PreparedData | Mixture | None  # the validation tokens, if any
-    sampler: BatchSampler | MixtureSampler
+    sampler: BatchSampler | MixtureSampler | ReplicaShare
     model: Transformer  # this rank's part of the model
     n_params: int  # the whole model's
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     outer: OuterStep | None  # DiLoCo's outer loop (fault_tolerance.diloco_every), else None
+    replicas: FaultTolerance | None  # this replica group's part (fault_tolerance.enabled), else None
     loss: MicroBatchLoss
     documents: DocumentMask | None  # data.document_mask: attention within documents (train/micro_batches.py)
     tp_blocks: ShardBlocks | None  # where tensor- and expert-parallel shards sit, for checkpoints
@@ -273,18 +281,25 @@ def _resolve_exchange(cfg: Config, place: RankPlace) -> Config:
 def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     """Steps 1-11 above on this rank (collective over the job); `mesh` as in `_join`."""
     started = time.perf_counter()
+    whole = cfg  # under fault tolerance this rank's replica group runs a job of its own (fault_tolerance.py)
+    if cfg.fault_tolerance.enabled:
+        cfg = replica_config(cfg)
     place, dims = _join(cfg, mesh)
     cfg = _resolve_exchange(cfg, place)
     rank, t = place.rank, cfg.training
     # Before the long phases, so that a run dying in start-up still says what it was (observe/records.py).
-    environment = write_run_records(cfg.run.dir, cfg, place.world_size) if rank == 0 else None
+    records = rank == 0 and os.environ.get(GROUP_ENV, "0") == "0"
+    world_size = place.world_size * whole.parallel.dp_replicate if whole is not cfg else place.world_size
+    environment = write_run_records(cfg.run.dir, whole, world_size) if records else None
     torch.manual_seed(t.seed)
     # With data.val_fraction, training samples only the tokens before the held-out tail.
     dataset, val_data = split_validation(cfg, open_dataset(cfg, place))
     if isinstance(dataset, Mixture):
-        sampler: BatchSampler | MixtureSampler = MixtureSampler(dataset, t.seq_len, t.global_batch, t.seed)
+        sampler: Any = MixtureSampler(dataset, t.seq_len, t.global_batch, t.seed)
     else:
-        sampler = BatchSampler(dataset.n_tokens, t.seq_len, t.global_batch, t.seed)
+        sampler = BatchSampler(dataset.n_tokens, t.seq_len, whole.training.global_batch, t.seed)
+        if whole is not cfg:  # the group's share of each global batch
+            sampler = ReplicaShare(sampler, int(os.environ[GROUP_ENV]), whole.parallel.dp_replicate)
     m = cfg.model
     model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {place.device.type}"
     say(rank, f"building the model ({model_says}) and parallelizing it: {dims.summary()}")
@@ -323,6 +338,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         parallel=parallel,
         optimizer=optimizer,
         outer=outer,
+        replicas=None,
         loss=loss,
         documents=documents,
         tp_blocks=tp_blocks,
@@ -333,6 +349,8 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         _initialise(job)
         if job.outer is not None:
             job.outer.start_from_weights()
+    if whole is not cfg:
+        job.replicas = join_replica_groups(job, whole)
     # What start-up freed (the build's, a checkpoint's or the initialisation's temporaries) goes back to
     # the system rather than staying in malloc's arenas until the steps happen to reuse it.
     release_freed_memory()

@@ -14,8 +14,6 @@ report (observe/stragglers.py), evaluations, checkpoints (synchronous, or asynch
 from __future__ import annotations
 
 import math
-import os
-import signal
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 from meshtron.checkpoint.async_save import AsyncCheckpointer
 from meshtron.checkpoint.save_load import SaveRequest, save_checkpoint
 from meshtron.comm.mesh import ParallelMesh
+from meshtron.comm.replica_groups import restart_attempt
 from meshtron.comm.timing import TIMES
 from meshtron.config.layout import Dim
 from meshtron.config.schema import Config
@@ -46,6 +45,7 @@ from meshtron.plan.flops import training_flops_per_token
 from meshtron.probe.peak import cpu_peak_beaten, job_peak_flops, shown_mfu
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.train import TrainingDiverged, TrainingInterrupted, sigint_received
+from meshtron.train.drills import kill_if_asked, sigkill_if_asked
 from meshtron.train.evaluate import Evaluator
 from meshtron.train.micro_batches import finish_gradients, run_micro_batches
 from meshtron.train.nonfinite import SkipGuard, first_nonfinite_gradient
@@ -86,6 +86,7 @@ class Trainer:
         self.interval_start = job.start_step  # the straggler report's interval: steps after this one
         self.completed = job.start_step  # steps done (and logged), what an interrupt reports
         self.sequence_sums: dict[int, torch.Tensor] | None = None  # a mixture's, of the last step
+        self.replicas_equal: bool | None = None  # fault tolerance: the groups' bytes at the end
 
     # What a test or a benchmark reaches for most, by name.
     cfg = property(lambda self: self.job.cfg)
@@ -99,7 +100,7 @@ class Trainer:
         """Forward and backward over this step's micro-batches, gradients synchronised; returns this
         rank's share of the mean cross-entropy (with multi-token prediction followed by each depth's)."""
         job, t = self.job, self.cfg.training
-        counted = self._counted_targets()
+        counted, share = self._divisors()
         # A mixture keeps each sequence's loss, for the loss per source (`_by_source`).
         self.sequence_sums = {} if isinstance(job.sampler, MixtureSampler) else None
         mtp_sums: dict[int, torch.Tensor] | None = {} if self.cfg.model.mtp_depth else None
@@ -107,7 +108,7 @@ class Trainer:
         loss_sum = run_micro_batches(
             self.parallel,
             batches,
-            job.loss.for_step(counted, self.sequence_sums, mtp_sums, self._share_tokens()),
+            job.loss.for_step(counted, self.sequence_sums, mtp_sums, share),
             device=job.place.device,
             documents=job.documents,
             before_grads=self.engine.prepare_micro_batch,
@@ -121,26 +122,31 @@ class Trainer:
             return self.comm.all_reduce_(loss_sum, job.place.mesh.group(Dim.PP))
         return loss_sum
 
-    def _share_tokens(self) -> int | None:
-        """The tokens the MoE auxiliary losses are shared over: the global batch's, or under DiLoCo the
-        replica's own share of it (so that each replica weighs them as a run of its own would)."""
-        outer = self.job.outer
-        return None if outer is None else self.job.loss.global_tokens // outer.replicas.size
-
-    def _counted_targets(self) -> int | None:
-        """The targets this step's loss divides by (None: the global batch's). Under DiLoCo, each replica's
-        gradient is the mean over its own share of the batch (train/diloco.py)."""
+    def _divisors(self) -> tuple[int | None, int | None]:
+        """(the targets this step's loss divides by, the tokens the MoE auxiliary losses are shared over);
+        None: the global batch's. Under DiLoCo each replica's gradient is the mean over its own share of
+        the batch (train/diloco.py); under fault tolerance, over the live replica groups' shares
+        (train/fault_tolerance.py)."""
         job = self.job
+        if job.replicas is not None:
+            return job.replicas.loss_divisor(job.sampler.counted_targets(job.dataset, job.sampler.step))
         if job.outer is None:
-            return job.sampler.counted_targets(job.dataset, job.sampler.step)
+            return job.sampler.counted_targets(job.dataset, job.sampler.step), None
         replica = job.place.mesh.group(Dim.DP_REPLICATE)
         part = (replica.rank, replica.size)
         counted = job.sampler.counted_targets(job.dataset, job.sampler.step, part)
-        return job.loss.global_tokens // replica.size if counted is None else counted
+        share = job.loss.global_tokens // replica.size
+        return (share if counted is None else counted), share
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One optimizer step (0-based `step`); returns its metrics row."""
-        t, pp, comm = self.cfg.training, self.job.place.mesh.group(Dim.PP), self.comm
+    def step(self, step: int) -> dict[str, Any] | None:
+        """One optimizer step (0-based `step`); returns its metrics row (None: a replica group's peer
+        failed during it, nothing was applied, and the step is to be taken again)."""
+        t, pp, comm, replicas = (
+            self.cfg.training,
+            self.job.place.mesh.group(Dim.PP),
+            self.comm,
+            self.job.replicas,
+        )
         start = time.perf_counter()
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
@@ -148,6 +154,8 @@ class Trainer:
         with comm.recording() as recorded:
             loss_sum = self.compute_gradients()
             comm.all_reduce_(loss_sum, self.dp_cp)  # cp ranks hold parts of the same sequences
+            if replicas is not None:  # gradients and loss summed over the live replica groups
+                loss_sum = replicas.reduce(loss_sum)
             if self.job.outer is not None:  # DiLoCo: the mean of the replicas' means
                 loss_sum /= self.job.outer.replicas.size
             by_source = self._by_source(step) if isinstance(self.job.sampler, MixtureSampler) else {}
@@ -161,6 +169,10 @@ class Trainer:
             values = torch.cat([loss_sum.double().flatten(), grad_norm.double().flatten()]).tolist()
             loss_value, mtp_values, norm_value = values[0], values[1:-1], values[-1]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+            loads = self.expert_loads.reduced(replicas.sum_ if replicas is not None else None)
+            if replicas is not None and not replicas.commit(step):
+                self.engine.zero_grad()
+                return None
             first_bad = None
             with TIMES.phase("optimizer"):
                 if finite:
@@ -173,20 +185,16 @@ class Trainer:
                     self.engine.after_step()
             skipped = self.skips.check(step + 1, loss_value, norm_value, first_bad)
             self.engine.zero_grad()
-        extra = self.expert_loads.after_step(finite)  # MoE loads: the balancing bias step and the metrics
+        extra = self.expert_loads.after_step(loads, finite)  # MoE loads: the bias step and the metrics
         elapsed = time.perf_counter() - start
         TIMES.settle()
-        tokens_per_sec = self.job.loss.global_tokens / elapsed
+        live = len(replicas.live_ids) if replicas is not None else 1  # each group trained its share
+        tokens_per_sec = live * self.job.loss.global_tokens / elapsed
         pipeline = self.parallel.pipeline
         if pipeline is not None:  # the mean over stages of the time each spent not computing
             bubble = torch.tensor(pipeline.idle_fraction(), dtype=torch.float64)
             extra["pp_bubble"] = float(comm.all_reduce_(bubble, pp, op="avg"))
-        world = self.job.place.world_size
-        raw_mfu = self.model_flops * tokens_per_sec / (self.peak * world)
-        if raw_mfu > 1.0 and self.job.place.device.type == "cpu":  # the reference was measured too low
-            self.peak, self.peak_source = cpu_peak_beaten(DTYPES[self.cfg.training.dtype], self.peak)
-            raw_mfu = self.model_flops * tokens_per_sec / (self.peak * world)
-        mfu, mfu_note = shown_mfu(raw_mfu)
+        mfu, mfu_note = self._mfu(tokens_per_sec, self.job.place.world_size * live)
         stats = recorded.stats
         return {
             "step": step + 1,
@@ -205,6 +213,7 @@ class Trainer:
             "comm_network_bytes_by_group": dict(stats.network),
             **extra,
             **skipped,
+            **(replicas.row() if replicas is not None else {}),
             **by_source,
             **(
                 {"mtp_loss": sum(mtp_values) / len(mtp_values), "mtp_loss_by_depth": mtp_values}
@@ -212,6 +221,14 @@ class Trainer:
                 else {}
             ),
         }
+
+    def _mfu(self, tokens_per_sec: float, ranks: int) -> tuple[float | None, str | None]:
+        """The step's MFU over `ranks` ranks as shown (probe/peak.py), and its note."""
+        raw_mfu = self.model_flops * tokens_per_sec / (self.peak * ranks)
+        if raw_mfu > 1.0 and self.job.place.device.type == "cpu":  # the reference was measured too low
+            self.peak, self.peak_source = cpu_peak_beaten(DTYPES[self.cfg.training.dtype], self.peak)
+            raw_mfu = self.model_flops * tokens_per_sec / (self.peak * ranks)
+        return shown_mfu(raw_mfu)
 
     def _by_source(self, step: int) -> dict[str, Any]:
         """A mixture's tokens and mean cross-entropy per source at `step` (collective over the job)."""
@@ -239,7 +256,11 @@ class Trainer:
         job, start = self.job, time.perf_counter()
         place = job.place
         # What export and generate need besides the state (train/sample.py).
-        files = checkpoint_files(self.cfg, place.world_size, job.dataset) if place.rank == 0 else None
+        replicas = job.replicas  # a replica group saves the whole job's config and world
+        cfg, world_size = (
+            (replicas.cfg, replicas.count * place.world_size) if replicas else (self.cfg, place.world_size)
+        )
+        files = checkpoint_files(cfg, world_size, job.dataset) if place.rank == 0 else None
         state = {"sampler": job.sampler.state_dict()}
         root, keep = checkpoint_root(self.cfg), self.cfg.checkpoint.keep
         request = SaveRequest(
@@ -287,8 +308,14 @@ class Trainer:
         cfg, job = self.cfg, self.job
         rank, run_dir, resumed = job.place.rank, Path(cfg.run.dir), job.start_step > 0
         wandb = WandbSettings.of(cfg, job.environment, resume=resumed) if rank == 0 else None
+        # Replica groups share one file: only group 0's first attempt may start it or cut it back.
+        shared = job.replicas is not None and (job.replicas.index > 0 or restart_attempt() > 0)
         logger = MetricsLogger(
-            run_dir, enabled=rank == 0, append=resumed, last_step=job.start_step, wandb=wandb
+            run_dir,
+            enabled=rank == 0,
+            append=resumed or shared,
+            last_step=None if shared else job.start_step,
+            wandb=wandb,
         )
         if rank == 0:
             print(
@@ -297,20 +324,38 @@ class Trainer:
                 flush=True,
             )
         TIMES.take()  # the straggler report's first interval starts here (not at an earlier job's steps)
-        for step in range(job.start_step, cfg.training.steps):
-            self.run_step(step, logger)
+        step = job.start_step
+        while step < cfg.training.steps:
+            if job.replicas is not None:  # the quorum; a restarted group heals and jumps ahead
+                step = job.replicas.begin(step)
+                if step >= cfg.training.steps:
+                    break
+            step += self.run_step(step, logger)
         self.engine.finish_params()  # e.g. ZeRO-1/2's last gathers: the model is whole when the run ends
+        if job.replicas is not None and not job.replicas.idle:  # the live groups' bytes compared
+            self.replicas_equal = job.replicas.replicas_equal()
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last save is published before the run ends
         self.finish(logger)
         logger.close()
         return logger.rows
 
-    def run_step(self, step: int, logger: MetricsLogger) -> None:
+    def _group_writes(self) -> bool:
+        """Whether this rank's replica group is the one that writes (every group, without replicas)."""
+        return self.job.replicas is None or self.job.replicas.writes()
+
+    def leads(self) -> bool:
+        """Whether this rank speaks for the job: rank 0 (of the lowest live replica group)."""
+        replicas = self.job.replicas
+        return self.job.place.rank == 0 and (replicas is None or replicas.writes())
+
+    def run_step(self, step: int, logger: MetricsLogger) -> bool:
         """Step `step` and what follows it: its metrics row and console line, the evaluation and the
-        checkpoint when due, the fault injection of restart drills."""
-        cfg, rank, last = self.cfg, self.job.place.rank, self.cfg.training.steps - 1
+        checkpoint when due, the fault injection of restart drills. Returns whether the step was taken
+        (not: a replica group's peer failed during it)."""
+        cfg, last, replicas = self.cfg, self.cfg.training.steps - 1, self.job.replicas
         comm, world, profiler = self.comm, self.job.place.world, self.profiler
+        rank = self.job.place.rank if replicas is None else replicas.global_rank(self.job.place.rank)
         sigkill_if_asked(rank, step + 1)
         if profiler.recording(step + 1):
             profiler.before(step + 1, comm, world, lambda: held_bytes(self.model, self.optimizer))
@@ -320,12 +365,16 @@ class Trainer:
             profiler.after(step + 1, comm, world, predicted, staging_bytes(self.engine))
         else:
             row = self.step(step)
+        if row is None:
+            return False
         due = step % cfg.run.log_every == 0 or step == last
         straggler = self.straggler_fields(step) if due and world.size > 1 else {}
         row.update(straggler)
-        logger.log(row)
+        leads = self.leads()
+        if leads:
+            logger.log(row)
         self.completed = step + 1  # before its evaluation and checkpoint: an interrupt there is after it
-        if rank == 0 and (due or row.get("skipped")):
+        if leads and (due or row.get("skipped")):
             print(MetricsLogger.console_line(row), flush=True)
             line = straggler and straggler_line(straggler, cfg.profile.straggler_threshold)
             if line:
@@ -333,18 +382,20 @@ class Trainer:
         if self.evaluator is not None and self.evaluator.due(step + 1):
             with self.comm.recording():  # not the next step's communication
                 val = self.evaluator.evaluate(step + 1)
-            logger.log(val)
-            if rank == 0:
+            if leads:
+                logger.log(val)
                 print(MetricsLogger.val_line(val), flush=True)
-        if cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last):
+        due = cfg.checkpoint.every and ((step + 1) % cfg.checkpoint.every == 0 or step == last)
+        if due and self._group_writes():  # one replica group's copy
             stall = self.save(step + 1)
-            if rank == 0:
+            if leads:
                 how = "staged; writing it in the background" if self.checkpointer else "written"
                 print(
                     f"meshtron: checkpoint step-{step + 1:08d} {how}: training stalled {stall:.2f} s",
                     flush=True,
                 )
         kill_if_asked(rank, step + 1)
+        return True
 
     def straggler_fields(self, step: int) -> dict[str, Any]:
         """Collective over the job: the straggler report of the steps since the last one (observe/stragglers.py)."""
@@ -355,18 +406,18 @@ class Trainer:
     def finish(self, logger: MetricsLogger) -> None:
         """After the last step: the pictures, a sample of text, the run summary."""
         cfg, job = self.cfg, self.job
-        rank, run_dir, ran = job.place.rank, Path(cfg.run.dir), cfg.training.steps > job.start_step
-        if rank == 0 and cfg.run.plot and logger.rows:
+        run_dir, ran, lead = Path(cfg.run.dir), cfg.training.steps > job.start_step, self.leads()
+        if lead and cfg.run.plot and logger.rows:
             title = f"{cfg.model.name or run_dir.name}: {job.n_params:,} parameters, {job.dims.summary()}"
             rows, eval_rows = logger.history()  # a resumed run's earlier steps too
             plot_loss(rows, run_dir / "loss.png", title, eval_rows)
             draw_expert_load(rows, run_dir / "expert-load.png", f"expert load per MoE layer: {title}")
-        if cfg.run.plot and self.parallel.pipeline is not None and ran:
+        if cfg.run.plot and self.parallel.pipeline is not None and ran and self._group_writes():
             self.draw_pipeline_timeline(run_dir / "pipeline-timeline.png")
-        if rank == 0 and cfg.run.sample_tokens and ran:
+        if lead and cfg.run.sample_tokens and ran:
             data = job.val_data if job.val_data is not None else job.dataset
             print_sample(cfg, job.place.world_size, self.model, checkpoint_root(cfg), data)
-        if rank == 0:
+        if lead:
             wall = time.perf_counter() - job.started
             summary = run_summary(
                 logger.rows,
@@ -388,6 +439,8 @@ class Trainer:
         out: dict[str, Any] = {}
         if self.profiler.peaks_by_rank:  # each rank's peak bytes per phase and the planner's parts
             out["memory_by_phase"] = self.profiler.peaks_by_rank
+        if self.replicas_equal is not None or self.job.replicas is not None:
+            out["replicas_equal"] = self.replicas_equal  # (train/fault_tolerance.py; None: not compared)
         if self.checkpoint_stalls:
             stalls = self.checkpoint_stalls
             out["checkpoint_stall_s"] = {
@@ -397,23 +450,6 @@ class Trainer:
                 "max": max(stalls),
             }
         return out
-
-
-def kill_if_asked(rank: int, step: int) -> None:
-    """Fault injection for restart tests and drills: MESHTRON_KILL_AT="RANK:STEP" ends rank RANK's process
-    abruptly after step STEP (and its checkpoint, if one is due), on the first attempt only."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and os.environ.get("MESHTRON_KILL_AT") == f"{rank}:{step}":
-        os._exit(17)
-
-
-def sigkill_if_asked(rank: int, step: int) -> None:
-    """Fault injection for drills: MESHTRON_KILL_RANK="RANK:STEP" kills rank RANK's process with SIGKILL
-    as step STEP (1-based) begins, on the first attempt only: no handler, no flush, no checkpoint, the
-    other ranks left waiting in the step's first collective, as when a GPU or its host dies."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and os.environ.get("MESHTRON_KILL_RANK") == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def by_ctrl_c(err: BaseException) -> bool:

@@ -1,0 +1,193 @@
+"""Replica groups that fail and heal (fault_tolerance.enabled, train/fault_tolerance.py), run as a user runs
+them: `meshtron train --nproc 4 --parallel.dp_replicate=2`, one rank SIGKILLed as a step begins
+(MESHTRON_KILL_RANK). The run must finish with every step logged once, rows with one live group and the
+last with two, the healthy group never restarted, and the groups' bytes equal at the end; and its losses
+must be those of a replay of its live-group history written here in plain torch: one model, each step's
+loss the token mean over the live groups' shares of the global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.config.schema import ConfigError
+from meshtron.data.sampler import BatchSampler
+from meshtron.models.llama import build_model
+from meshtron.rules.checks import check, load_config
+from meshtron.testing.parity import relative, trainer_for
+from meshtron.testing.tiny import TINY
+from meshtron.train.fault_tolerance import ReplicaShare, checksum
+from meshtron.train.optim import build_optimizer, lr_at
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+# Four ranks, two replica groups of two. Each group's rank 0 sleeps 0.3 s in every forward
+# (MESHTRON_SLOW_RANK names a group's own rank), so that the killed group is back while steps are left.
+COMMON = [
+    *TINY,
+    f"--training.steps={STEPS}",
+    "--training.micro_batch=2",
+    "--parallel.dp_replicate=2",
+    "--checkpoint.every=0",
+    "--run.sample_tokens=0",
+    "--run.log_every=5",
+]
+
+
+def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True) -> tuple[str, list[dict]]:
+    """`meshtron train --nproc 4` with `layout` and the drill `env`; (its output, its metrics rows)."""
+    args = [*COMMON, *layout, f"--run.dir={run_dir}", f"--fault_tolerance.enabled={str(ft).lower()}"]
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", "--nproc", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out.stdout, rows
+
+
+def replay(overrides: list[str], history: list[list[int]]) -> list[float]:
+    """The run's live-group history replayed on one device: at step s, one AdamW step on the token mean
+    of the cross-entropy over the shares of global batch s of the groups in history[s]."""
+    trainer = trainer_for([*overrides, "--parallel.dp_replicate=1"])  # the data and the config, one rank
+    cfg, job, t = trainer.cfg, trainer.job, trainer.cfg.training
+    model = build_model(cfg.model, seed=t.seed)
+    optimizer = build_optimizer(list(model.parameters()), t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)
+    losses = []
+    for step, groups in enumerate(history):
+        shares = [job.sampler.rank_batch(job.dataset, step, g, 2) for g in groups]
+        inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[int]]:
+    """The checks every drill shares; returns the live groups of each step."""
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once
+    history = [r["replicas"]["groups"] for r in rows]
+    assert [0] in history and history[-1] == [0, 1]
+    assert all(
+        r["replicas"]["live"] == len(g) and r["replicas"]["of"] == 2
+        for r, g in zip(rows, history, strict=True)
+    )
+    assert "replica group 0 of 2 started (attempt 1)" not in stdout  # the healthy group never restarted
+    assert "replica group 1 of 2 started (attempt 1)" in stdout and "replica group 1 healed" in stdout
+    assert json.loads((run_dir / "summary.json").read_text())["replicas_equal"] is True
+    return history
+
+
+@pytest.mark.parametrize(
+    "layout,killed",
+    [
+        (["--parallel.dp_shard=2"], "3:8"),  # the issue's own drill: ZeRO-3 inside each group
+        (["--parallel.tp=2", "--parallel.sp=true"], "2:6"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], "3:6"),
+    ],
+    ids=["dp_shard2", "tp2", "pp2"],
+)
+def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(workers, tmp_path, layout, killed):
+    env = {"MESHTRON_KILL_RANK": killed, "MESHTRON_SLOW_RANK": "0:0.3"}
+    stdout, rows = train(tmp_path, layout, env)
+    history = assert_survived(stdout, rows, tmp_path)
+    expected = workers(1).run(replay, COMMON, history)[0]  # (the same model on one device)
+    for step, (row, want) in enumerate(zip(rows, expected, strict=True), 1):
+        assert relative(row["loss"], want) <= 1e-5, (step, row["loss"], want)
+
+
+def test_a_moe_replica_group_heals_its_balancing_bias_too(tmp_path):
+    """Experts over ep 2 inside each group, DeepSeek-V3's balancing bias moving on the loads of the live
+    groups' tokens: healed with the rest (the summary's equality covers the model's buffers)."""
+    moe = ["--model.name=tiny-moe", "--model.router=sigmoid", "--model.router_bias_rate=0.01"]
+    layout = [*moe, "--parallel.dp_shard=2", "--parallel.ep=2"]
+    stdout, rows = train(tmp_path, layout, {"MESHTRON_KILL_RANK": "2:6", "MESHTRON_SLOW_RANK": "0:0.3"})
+    assert_survived(stdout, rows, tmp_path)
+    tokens = 8 * 32 * 2  # the global batch's assignments (top-2): both groups' loads, summed
+    assert sum(rows[-1]["moe"]["layers.0"]["load"]) == tokens
+    alone = next(r for r in rows if r["replicas"]["live"] == 1)
+    assert sum(alone["moe"]["layers.0"]["load"]) == tokens // 2
+
+
+def test_without_a_failure_fault_tolerance_changes_nothing(tmp_path):
+    """The same layout (HSDP: ZeRO-3 over 2, replicated over 2) with and without fault tolerance: the same
+    gradient norms bit for bit, so the same weights; the loss metric is summed in another order (within
+    one rounding)."""
+    layout = ["--parallel.dp_shard=2", "--training.steps=6"]
+    _, with_ft = train(tmp_path / "ft", layout, {})
+    _, without = train(tmp_path / "plain", layout, {}, ft=False)
+    assert [r["grad_norm"] for r in with_ft] == [r["grad_norm"] for r in without]
+    for a, b in zip(with_ft, without, strict=True):
+        assert relative(a["loss"], b["loss"]) <= 1e-6
+        assert a["replicas"] == {"live": 2, "of": 2, "groups": [0, 1]} and "replicas" not in b
+
+
+def test_every_replica_group_dying_is_refused_with_the_way_on(tmp_path):
+    """Both groups killed at step 4: no live group holds the weights; the restarted ones say so and the
+    job ends (never a hang, never a silent restart from step 1)."""
+    args = [*COMMON, "--parallel.dp_shard=2", f"--run.dir={tmp_path}", "--fault_tolerance.enabled=true"]
+    out = subprocess.run(
+        [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", "--nproc", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MESHTRON_KILL_RANK": "1:4,3:4"},
+    )
+    assert out.returncode == 1
+    assert "the job had reached step 3 and no replica group is left that holds it" in out.stderr
+    assert "--checkpoint.resume=true" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["--parallel.dp_shard=4"], "needs parallel.dp_replicate >= 2"),
+        (["--parallel.dp_replicate=2", "--fault_tolerance.diloco_every=2"], "not supported yet"),
+        (["--parallel.dp_replicate=2", "--parallel.fsdp_impl=torch"], "needs meshtron's engines"),
+    ],
+)
+def test_layouts_it_cannot_heal_are_refused_before_work_starts(overrides, says):
+    cfg = load_config(ROOT / "configs/demo.toml", [*TINY, "--fault_tolerance.enabled=true", *overrides])
+    with pytest.raises(ConfigError, match=says):
+        check(cfg, 4)
+
+
+def test_a_group_takes_its_share_of_the_whole_jobs_batch():
+    """Group g's rank r takes what dp_replicate coordinate g, dp_shard coordinate r would take in the
+    whole job, and the data position is the whole job's."""
+
+    class Tokens:
+        n_tokens, path = 33 * 64, "tokens"
+        tokens = torch.arange(33 * 64).numpy()
+        loss_mask = None
+
+    whole = BatchSampler(Tokens.n_tokens, 32, 8, seed=0)
+    share = ReplicaShare(BatchSampler(Tokens.n_tokens, 32, 8, seed=0), 1, 2)
+    got = share.next_micro_batches(Tokens, 1, 2, 2)  # group 1, its rank 1 of 2
+    want = whole.micro_batches(Tokens, 0, 3, 4, 2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True))
+    assert share.step == 1 and share.state_dict() == {**whole.state_dict(), "step": 1}
+
+
+def test_the_equality_checksum_sees_one_changed_bit():
+    t = torch.randn(1000)
+    flipped = t.clone()
+    flipped.view(torch.int32)[517] ^= 1
+    assert checksum(t) == checksum(t.clone()) and checksum(t) != checksum(flipped)
