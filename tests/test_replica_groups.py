@@ -27,7 +27,7 @@ from meshtron.train.fault_tolerance import ReplicaShare, checksum
 from meshtron.train.optim import build_optimizer, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 20
+STEPS = 24
 # Four ranks, two replica groups of two. Each group's rank 0 sleeps 0.3 s in every forward
 # (MESHTRON_SLOW_RANK names a group's own rank), so that the killed group is back while steps are left.
 COMMON = [
@@ -95,18 +95,23 @@ def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[i
 
 
 @pytest.mark.parametrize(
-    "layout,killed",
+    "layout,drill",
     [
-        (["--parallel.dp_shard=2"], "3:8"),  # the issue's own drill: ZeRO-3 inside each group
-        (["--parallel.tp=2", "--parallel.sp=true"], "2:6"),
-        (["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], "3:6"),
+        (["--parallel.dp_shard=2"], {"MESHTRON_KILL_RANK": "3:8"}),  # the issue's drill: ZeRO-3 inside
+        # tp 2 inside, and the killed rank killed again as it heals: its group restarts twice
+        (
+            ["--parallel.tp=2", "--parallel.sp=true"],
+            {"MESHTRON_KILL_RANK": "2:5", "MESHTRON_KILL_HEALING": "2"},
+        ),
+        (["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], {"MESHTRON_KILL_RANK": "3:6"}),
     ],
-    ids=["dp_shard2", "tp2", "pp2"],
+    ids=["dp_shard2", "tp2-killed-healing", "pp2"],
 )
-def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(workers, tmp_path, layout, killed):
-    env = {"MESHTRON_KILL_RANK": killed, "MESHTRON_SLOW_RANK": "0:0.3"}
-    stdout, rows = train(tmp_path, layout, env)
+def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(workers, tmp_path, layout, drill):
+    stdout, rows = train(tmp_path, layout, {**drill, "MESHTRON_SLOW_RANK": "0:0.3"})
     history = assert_survived(stdout, rows, tmp_path)
+    if "MESHTRON_KILL_HEALING" in drill:
+        assert "replica group 1 of 2 started (attempt 2)" in stdout
     expected = workers(1).run(replay, COMMON, history)[0]  # (the same model on one device)
     for step, (row, want) in enumerate(zip(rows, expected, strict=True), 1):
         assert relative(row["loss"], want) <= 1e-5, (step, row["loss"], want)
@@ -191,3 +196,28 @@ def test_the_equality_checksum_sees_one_changed_bit():
     flipped = t.clone()
     flipped.view(torch.int32)[517] ^= 1
     assert checksum(t) == checksum(t.clone()) and checksum(t) != checksum(flipped)
+
+
+def test_a_lighthouse_that_is_not_there_is_named_within_the_deadline(tmp_path):
+    """A group started under a launcher of the user's own (torchrun) with a wrong TORCHFT_LIGHTHOUSE:
+    the run ends within run.comm_timeout_s, naming the address it could not reach."""
+    args = [*TINY, "--parallel.dp_replicate=2", "--fault_tolerance.enabled=true", "--run.comm_timeout_s=3"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    out = subprocess.run(
+        [*launch, "-m", "meshtron", "train", "--config", "configs/demo.toml", *args, f"--run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MESHTRON_REPLICA_GROUP": "0",
+            "TORCHFT_LIGHTHOUSE": "http://localhost:1",
+        },
+    )
+    assert out.returncode != 0
+    assert (
+        "replica group 0 could not reach the lighthouse at http://localhost:1 (TORCHFT_LIGHTHOUSE)"
+        in out.stderr
+    )

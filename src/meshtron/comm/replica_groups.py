@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.comm.group import CollectiveTimeout
+from meshtron.config.schema import ConfigError
 
 FATAL_KEY = "fatal"  # in the launcher's store: why the job cannot go on (and, under FATAL_KEY-group, whose)
 CONSECUTIVE_FAILED_STEPS = 8  # votes in a row that may fail (peers dying) before the run stops
@@ -83,7 +84,6 @@ class ReplicaGroups:
         load_state_dict: Callable[[dict[str, Any]], None],
         job_store: str = "",
     ):
-        from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         # torchft logs each failed reduction's traceback and a warning per quorum; the training loop says
@@ -104,7 +104,27 @@ class ReplicaGroups:
         dist.broadcast_object_list(where, src=dist.get_global_rank(world, 0), group=world)
         cuda = torch.cuda.is_available() and dist.get_backend(world) == "nccl"
         pg = ProcessGroupNCCL(self.timeout) if cuda else ProcessGroupGloo(self.timeout)
-        self.manager = Manager(
+        try:
+            self.manager = self._manager(pg, where[0], state_dict, load_state_dict)
+        except RuntimeError as err:  # (torchft says which address and deadline)
+            raise ConfigError(
+                [
+                    f"replica group {index} could not reach the lighthouse at {lighthouse} (TORCHFT_LIGHTHOUSE) "
+                    f"within run.comm_timeout_s={timeout_s:g}: is it running? {err}"
+                ]
+            ) from err
+        self.job_store = _store_at(job_store, self.timeout) if job_store and self.rank == 0 else None
+
+    def _manager(
+        self,
+        pg: Any,
+        store: tuple[str, int],
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ) -> Any:
+        from torchft.manager import Manager
+
+        return Manager(
             pg=pg,
             load_state_dict=load_state_dict,
             state_dict=state_dict,
@@ -115,14 +135,13 @@ class ReplicaGroups:
             connect_timeout=self.timeout,
             rank=self.rank,
             world_size=self.size,
-            store_addr=where[0][0],
-            store_port=where[0][1],
-            lighthouse_addr=lighthouse,
-            replica_id=f"meshtron_{index:05d}",  # (torchft reads the index back from the trailing digits)
+            store_addr=store[0],
+            store_port=store[1],
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"meshtron_{self.index:05d}",  # (torchft reads the index back from the trailing digits)
             init_sync=False,  # every group starts from the same seeded (or loaded) weights
             max_retries=CONSECUTIVE_FAILED_STEPS,
         )
-        self.job_store = _store_at(job_store, self.timeout) if job_store and self.rank == 0 else None
 
     def wait_for_every_group(self) -> None:
         """At the job's start (not after a restart): every group ready before the first quorum, so that

@@ -36,6 +36,7 @@ from meshtron.comm.replica_groups import ReplicaGroups, restart_attempt
 from meshtron.config.schema import Config
 from meshtron.data.dataset import PreparedData
 from meshtron.data.sampler import Batch, BatchSampler
+from meshtron.train.drills import sigkill_if_healing
 
 GROUP_ENV, LIGHTHOUSE_ENV, STORE_ENV = "MESHTRON_REPLICA_GROUP", "TORCHFT_LIGHTHOUSE", "MESHTRON_FT_STORE"
 
@@ -106,6 +107,7 @@ def job_state(job: Any) -> dict[str, Any]:
 @torch.no_grad()
 def load_job_state(job: Any, state: dict[str, Any]) -> None:
     """Heal this rank from a live group's `job_state` (on every rank of the group at once)."""
+    sigkill_if_healing(job.replicas.global_rank(job.place.rank))
     engine = job.parallel.engine
     for entry, rows in zip(engine.owned_rows(), state["rows"], strict=True):
         entry.param.copy_(rows)
@@ -173,8 +175,8 @@ class FaultTolerance:
         """A line when this group healed, when the last step was not taken, and when the groups change."""
         if at > step:
             self.say(
-                f"replica group {self.index} healed from a live group: weights, optimizer and data "
-                f"position of step {at}, over the network"
+                f"replica group {self.index} healed from a live group: weights, optimizer state and data "
+                f"position after step {at}, over the network"
             )
         if self.retried:
             self.say(f"step {step + 1} taken again: a replica group failed during it")
