@@ -57,7 +57,7 @@ def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True
     return out.stdout, rows
 
 
-def replay(overrides: list[str], history: list[list[int]]) -> list[float]:
+def replay(overrides: list[str], history: list[list[int]]) -> dict:
     """The run's live-group history replayed on one device: at step s, one AdamW step on the token mean
     of the cross-entropy over the shares of global batch s of the groups in history[s]."""
     trainer = trainer_for([*overrides, "--parallel.dp_replicate=1"])  # the data and the config, one rank
@@ -76,7 +76,13 @@ def replay(overrides: list[str], history: list[list[int]]) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def saved_weights(overrides: list[str]) -> dict[str, torch.Tensor]:
+    """The whole weights of the newest checkpoint in the run's directory, loaded on one rank."""
+    trainer = trainer_for([*overrides, "--parallel.dp_replicate=1", "--checkpoint.resume=true"])
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
 def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[int]]:
@@ -103,7 +109,11 @@ def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[i
             ["--parallel.tp=2", "--parallel.sp=true"],
             {"MESHTRON_KILL_RANK": "2:5", "MESHTRON_KILL_HEALING": "2"},
         ),
-        (["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], {"MESHTRON_KILL_RANK": "3:6"}),
+        # pp 2 inside, and the lowest live group's checkpoint at the end (compared with the replay's weights)
+        (
+            ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", f"--checkpoint.every={STEPS}"],
+            {"MESHTRON_KILL_RANK": "3:6"},
+        ),
     ],
     ids=["dp_shard2", "tp2-killed-healing", "pp2"],
 )
@@ -113,8 +123,12 @@ def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(workers, tmp
     if "MESHTRON_KILL_HEALING" in drill:
         assert "replica group 1 of 2 started (attempt 2)" in stdout
     expected = workers(1).run(replay, COMMON, history)[0]  # (the same model on one device)
-    for step, (row, want) in enumerate(zip(rows, expected, strict=True), 1):
+    for step, (row, want) in enumerate(zip(rows, expected["losses"], strict=True), 1):
         assert relative(row["loss"], want) <= 1e-5, (step, row["loss"], want)
+    if any(arg.startswith("--checkpoint.every") for arg in layout):
+        saved = workers(1).run(saved_weights, [*COMMON, f"--run.dir={tmp_path}"])[0]
+        for name, want in expected["weights"].items():  # (AdamW: within 1e-4 of each tensor's norm)
+            assert (saved[name] - want).norm() <= 1e-4 * want.norm(), name
 
 
 def test_a_moe_replica_group_heals_its_balancing_bias_too(tmp_path):

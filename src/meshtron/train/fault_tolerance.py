@@ -33,7 +33,7 @@ import torch
 
 from meshtron.checkpoint import CheckpointError
 from meshtron.comm.replica_groups import ReplicaGroups, restart_attempt
-from meshtron.config.schema import Config
+from meshtron.config.schema import Config, ConfigError
 from meshtron.data.dataset import PreparedData
 from meshtron.data.sampler import Batch, BatchSampler
 from meshtron.train.drills import sigkill_if_healing
@@ -278,9 +278,11 @@ def slot_from_env() -> tuple[int, str, str]:
     """(this replica group's index, the lighthouse's address, the launcher's store) from the environment
     that commands/replica_launch.py (or the user's own launcher, docs/fault-tolerance.md) sets."""
     if GROUP_ENV not in os.environ or LIGHTHOUSE_ENV not in os.environ:
-        raise RuntimeError(
-            f"fault_tolerance.enabled: each replica group's ranks need {GROUP_ENV} (the group's index) and "
-            f"{LIGHTHOUSE_ENV} (the lighthouse's address); `meshtron train --nproc N` sets both, and under a "
-            "launcher of your own export them (docs/fault-tolerance.md)"
+        raise ConfigError(
+            [
+                f"fault_tolerance.enabled: each replica group's ranks need {GROUP_ENV} (the group's index) "
+                f"and {LIGHTHOUSE_ENV} (the lighthouse's address); `meshtron train --nproc N` sets both, and "
+                "under a launcher of your own export them (docs/fault-tolerance.md)"
+            ]
         )
     return int(os.environ[GROUP_ENV]), os.environ[LIGHTHOUSE_ENV], os.environ.get(STORE_ENV, "")

@@ -70,6 +70,7 @@ from meshtron.train.fault_tolerance import (
     ReplicaShare,
     join_replica_groups,
     replica_config,
+    slot_from_env,
 )
 from meshtron.train.muon import make_optimizer
 from meshtron.utils.resident import release_freed_memory
@@ -283,6 +284,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     started = time.perf_counter()
     whole = cfg  # under fault tolerance this rank's replica group runs a job of its own (fault_tolerance.py)
     if cfg.fault_tolerance.enabled:
+        slot_from_env()  # (refused before anything starts when the launcher did not say which group)
         cfg = replica_config(cfg)
     place, dims = _join(cfg, mesh)
     cfg = _resolve_exchange(cfg, place)
