@@ -13,6 +13,7 @@ group left to heal from) ends the others too, and its first rank's message is th
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -34,6 +35,7 @@ def launch_replica_groups(
     """Start cfg.parallel.dp_replicate replica groups of nproc / dp_replicate local ranks each, running
     `meshtron <rank_argv>`; returns the job's exit status. `argv`: what the user typed."""
     from meshtron.comm.replica_groups import FATAL_KEY, launcher_store, start_lighthouse
+    from meshtron.commands import interrupt
     from meshtron.commands.rank_errors import ERROR_DIR, first_rank_error
     from meshtron.train.fault_tolerance import GROUP_ENV, LIGHTHOUSE_ENV, STORE_ENV
 
@@ -66,13 +68,13 @@ def launch_replica_groups(
             procs.append(subprocess.Popen(launcher, env={**env, GROUP_ENV: str(g), ERROR_DIR: str(folder)}))
         try:
             failed = _wait(procs, store, FATAL_KEY)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the ranks had it too (one process group); the launchers once more
             for p in procs:
                 p.send_signal(signal.SIGINT)
             for p in procs:
                 p.wait()
-            print("meshtron: interrupted", file=sys.stderr)
-            return 130
+            newest = max(dirs, key=lambda d: _completed(d / interrupt.STEPS_FILE))
+            return interrupt.end_launch(cfg, nproc, newest)
         finally:
             lighthouse.shutdown()
         if failed is None:
@@ -83,6 +85,11 @@ def launch_replica_groups(
             message = first_rank_error(dirs[failed], RuntimeError("its ranks exited abnormally"))
         print(f"meshtron: training failed: replica group {failed}, {message}", file=sys.stderr)
         return 1
+
+
+def _completed(steps_file: Path) -> int:
+    """The complete steps a group's rank 0 left when Ctrl-C ended it (-1: none)."""
+    return json.loads(steps_file.read_text())["completed"] if steps_file.is_file() else -1
 
 
 def _wait(procs: list[subprocess.Popen], store: object, fatal: str) -> int | None:

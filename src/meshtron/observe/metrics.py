@@ -100,6 +100,7 @@ class MetricsLogger:
         as a replica group that writes beside others does)."""
         self.run_dir = run_dir
         self.enabled = enabled
+        self.shared = last_step is None  # other processes write rows to the same file
         self.rows: list[dict[str, Any]] = []  # this attempt's steps (its summary's)
         self.eval_rows: list[dict[str, Any]] = []  # validation rows (train/evaluate.py), same file
         self.earlier: list[dict[str, Any]] = []  # a resumed run's rows before it (the pictures show all)
@@ -141,7 +142,12 @@ class MetricsLogger:
 
     def history(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(training rows, validation rows) of the whole run as metrics.jsonl holds it: a resumed run's
-        earlier steps, then this attempt's."""
+        earlier steps, then this attempt's (a file shared with other writers: read again)."""
+        if self.shared and self._file is not None:
+            self._file.flush()
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+            return [r for r in rows if "val_loss" not in r], [r for r in rows if "val_loss" in r]
         earlier_eval = [r for r in self.earlier if "val_loss" in r]
         return [r for r in self.earlier if "val_loss" not in r] + self.rows, earlier_eval + self.eval_rows
 

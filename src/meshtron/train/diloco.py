@@ -29,6 +29,8 @@ per step: 1/H of it, in fp32. What the planner counts: plan/comm.py.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshtron.checkpoint.save_load import ReplicaState
@@ -95,6 +97,12 @@ class OuterStep:
             for p, o, v in zip(self.params, self.outer, self.velocity, strict=True)
         }
         return ReplicaState(self.replicas.rank, shared)
+
+    def largest_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The largest of the replicas' clipping norms, a NaN counted as inf (max() may drop a NaN): every
+        replica skips a non-finite step or none does."""
+        seen = torch.nan_to_num(grad_norm, nan=math.inf)
+        return self.comm.all_reduce_(seen, self.replicas, op="max")
 
     @torch.no_grad()
     def after_inner_step(self, completed: int) -> bool:

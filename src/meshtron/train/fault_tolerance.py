@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import torch
@@ -154,8 +155,9 @@ class FaultTolerance:
             self.idle = True
             self.say(f"replica group {self.index} restarted after the job's last step; nothing left to do")
             return reached
+        started = time.perf_counter()
         at = self.groups.start_step(step)
-        self.say_quorum(step, at)
+        self.say_quorum(step, at, time.perf_counter() - started)
         if first and restart_attempt() > 0 and at < reached:
             lost = ReplicasLost(
                 f"it restarted at step {at}, but the job had reached step {reached} and no replica group "
@@ -171,12 +173,13 @@ class FaultTolerance:
         if self.job.place.rank == 0:
             print(f"meshtron: {line}", flush=True)
 
-    def say_quorum(self, step: int, at: int) -> None:
-        """A line when this group healed, when the last step was not taken, and when the groups change."""
+    def say_quorum(self, step: int, at: int, seconds: float) -> None:
+        """A line when this group healed (in `seconds`, the quorum's), when the last step was not taken,
+        and when the groups change."""
         if at > step:
             self.say(
                 f"replica group {self.index} healed from a live group: weights, optimizer state and data "
-                f"position after step {at}, over the network"
+                f"position after step {at}, over the network in {seconds:.2f} s"
             )
         if self.retried:
             self.say(f"step {step + 1} taken again: a replica group failed during it")

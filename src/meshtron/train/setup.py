@@ -282,8 +282,8 @@ def _resolve_exchange(cfg: Config, place: RankPlace) -> Config:
 def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     """Steps 1-11 above on this rank (collective over the job); `mesh` as in `_join`."""
     started = time.perf_counter()
-    whole = cfg  # under fault tolerance this rank's replica group runs a job of its own (fault_tolerance.py)
-    if cfg.fault_tolerance.enabled:
+    whole, grouped = cfg, cfg.fault_tolerance.enabled  # a replica group runs a job of its own
+    if grouped:  # (train/fault_tolerance.py)
         slot_from_env()  # (refused before anything starts when the launcher did not say which group)
         cfg = replica_config(cfg)
     place, dims = _join(cfg, mesh)
@@ -291,7 +291,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
     rank, t = place.rank, cfg.training
     # Before the long phases, so that a run dying in start-up still says what it was (observe/records.py).
     records = rank == 0 and os.environ.get(GROUP_ENV, "0") == "0"
-    world_size = place.world_size * whole.parallel.dp_replicate if whole is not cfg else place.world_size
+    world_size = place.world_size * whole.parallel.dp_replicate if grouped else place.world_size
     environment = write_run_records(cfg.run.dir, whole, world_size) if records else None
     torch.manual_seed(t.seed)
     # With data.val_fraction, training samples only the tokens before the held-out tail.
@@ -300,7 +300,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         sampler: Any = MixtureSampler(dataset, t.seq_len, t.global_batch, t.seed)
     else:
         sampler = BatchSampler(dataset.n_tokens, t.seq_len, whole.training.global_batch, t.seed)
-        if whole is not cfg:  # the group's share of each global batch
+        if grouped:  # the group's share of each global batch
             sampler = ReplicaShare(sampler, int(os.environ[GROUP_ENV]), whole.parallel.dp_replicate)
     m = cfg.model
     model_says = f"{m.name or 'custom'}: {m.n_layers} layers, dim {m.dim}, on {place.device.type}"
@@ -351,7 +351,7 @@ def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
         _initialise(job)
         if job.outer is not None:
             job.outer.start_from_weights()
-    if whole is not cfg:
+    if grouped:
         job.replicas = join_replica_groups(job, whole)
     # What start-up freed (the build's, a checkpoint's or the initialisation's temporaries) goes back to
     # the system rather than staying in malloc's arenas until the steps happen to reuse it.

@@ -163,16 +163,16 @@ class Trainer:
             with TIMES.phase("optimizer", "clip gradients"):
                 grad_norm = clip_grad_norm_(self.engine, t.grad_clip, comm, tp_plan, pp, elsewhere)
             if self.job.outer is not None:  # each replica clips its own; skip (non-finite) all or none
-                seen = torch.nan_to_num(grad_norm, nan=math.inf)  # max() may drop a NaN; inf it keeps
-                grad_norm = comm.all_reduce_(seen, self.job.outer.replicas, op="max")
+                grad_norm = self.job.outer.largest_norm(grad_norm)
             # The step's one read of the device (docs/performance.md), the same on every rank.
             values = torch.cat([loss_sum.double().flatten(), grad_norm.double().flatten()]).tolist()
             loss_value, mtp_values, norm_value = values[0], values[1:-1], values[-1]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-            loads = self.expert_loads.reduced(replicas.sum_ if replicas is not None else None)
-            if replicas is not None and not replicas.commit(step):
-                self.engine.zero_grad()
-                return None
+            if replicas is not None:  # the loads summed before the vote, then the vote
+                loads = self.expert_loads.reduced(replicas.sum_)
+                if not replicas.commit(step):
+                    self.engine.zero_grad()
+                    return None
             first_bad = None
             with TIMES.phase("optimizer"):
                 if finite:
@@ -185,6 +185,7 @@ class Trainer:
                     self.engine.after_step()
             skipped = self.skips.check(step + 1, loss_value, norm_value, first_bad)
             self.engine.zero_grad()
+        loads = self.expert_loads.reduced() if replicas is None else loads  # (not the step's traffic)
         extra = self.expert_loads.after_step(loads, finite)  # MoE loads: the bias step and the metrics
         elapsed = time.perf_counter() - start
         TIMES.settle()
@@ -419,9 +420,10 @@ class Trainer:
             print_sample(cfg, job.place.world_size, self.model, checkpoint_root(cfg), data)
         if lead:
             wall = time.perf_counter() - job.started
+            rows, eval_rows = logger.history() if logger.shared else (logger.rows, logger.eval_rows)
             summary = run_summary(
-                logger.rows,
-                logger.eval_rows,
+                rows,
+                eval_rows,
                 wall,
                 self.model_flops,
                 self.peak,
