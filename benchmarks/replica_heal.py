@@ -30,7 +30,7 @@ from pathlib import Path
 
 from reporting import RESULTS, table, write_section
 
-STEPS, KILL, EVERY = 40, 14, 8
+STEPS, KILL, EVERY = 80, 14, 8
 COMMON = [
     "--config", "configs/demo.toml", "--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
     "--training.micro_batch=2", "--training.seq_len=64", "--training.global_batch=8", f"--training.steps={STEPS}",
@@ -64,8 +64,9 @@ def main() -> None:
     assert [r["step"] for r in healed["rows"]] == list(range(1, STEPS + 1))
     assert [r["step"] for r in restarted["rows"]] == list(range(1, STEPS + 1))
     alone = [r["step"] for r in healed["rows"] if r["replicas"]["live"] == 1]
+    if healed["rows"][-1]["replicas"]["live"] != 2:
+        raise SystemExit("group 1 did not rejoin before the last step: raise STEPS")
     heal_s = re.search(r"over the network in ([0-9.]+) s", healed["stdout"])
-    retried = next(r["step_time_s"] for r in healed["rows"] if r["step"] == KILL)
     step_s = sorted(r["step_time_s"] for r in plain["rows"])[STEPS // 2]
     recomputed = KILL - 1 - (KILL - 1) // EVERY * EVERY
     rows = [
@@ -89,16 +90,19 @@ def main() -> None:
         [
             f"- job: the demo model, 4 gloo ranks on this CPU as dp_replicate 2 x dp_shard 2, {STEPS} steps of "
             f"8 x 64 tokens; rank 3 SIGKILLed as step {KILL} begins",
-            f"- median step {step_s:.2f} s; under healing, the step the kill fell in took {retried:.2f} s "
-            f"(its retry included: the quorum without the dead group waits for its heartbeat to lapse, 1 s)",
+            f"- median step {step_s:.2f} s uninterrupted",
             f"- the healed group's quorum, with the state transfer over HTTP: {heal_s.group(1) if heal_s else '?'} s",
+            "- under healing the live group loses the failed attempt of the step and the wait for a quorum "
+            "without the dead group (the lighthouse drops it 1 s after its last heartbeat)",
             "",
             *table(
-                "| run | wall s | vs uninterrupted | steps computed again | samples not trained |",
+                "run | wall s | vs uninterrupted | steps computed again | samples not trained",
                 rows,
             ),
             "",
-            "The live group never stops under healing: the wall time lost is about the failed step's retry. "
+            "The live group never stops under healing: the wall time lost is about the failed step's retry "
+            "(on this 2-core machine the live group even runs faster while it is alone, its share of the cores "
+            "doubled, which the wall time above includes). "
             "Checkpoint-restart stops every rank, starts them again (the processes, the process groups, the "
             "checkpoint read) and computes the steps since the checkpoint again; it loses no sample.",
         ]
