@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshtron.config.schema import ConfigError
+from meshtron.data.dataset import META_FILE, prepare_data
 from meshtron.data.sampler import BatchSampler
 from meshtron.models.llama import build_model
 from meshtron.rules.checks import check, load_config
@@ -39,6 +41,19 @@ COMMON = [
     "--run.sample_tokens=0",
     "--run.log_every=5",
 ]
+
+
+@pytest.fixture(scope="module")
+def masked_data(tmp_path_factory) -> str:
+    """`--data.path=` a byte-level dataset of the docs in which a fixed 30% of the targets do not count (a
+    loss mask): each step's loss divides by the counted targets of the live groups' shares."""
+    out = tmp_path_factory.mktemp("masked") / "data"
+    data = prepare_data(sorted((ROOT / "docs").glob("*.md")), out, tokenizer="byte", progress=False)
+    mask = (np.random.default_rng(0).random(data.n_tokens) > 0.3).astype(np.uint8)
+    mask.tofile(out / "mask.bin")
+    meta = json.loads((out / META_FILE).read_text())
+    (out / META_FILE).write_text(json.dumps({**meta, "loss_mask": "mask.bin"}))
+    return f"--data.path={out}"
 
 
 def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True) -> tuple[str, list[dict]]:
@@ -109,24 +124,29 @@ def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[i
             ["--parallel.tp=2", "--parallel.sp=true"],
             {"MESHTRON_KILL_RANK": "2:5", "MESHTRON_KILL_HEALING": "2"},
         ),
-        # pp 2 inside, and the lowest live group's checkpoint at the end (compared with the replay's weights)
+        # pp 2 inside, a loss mask, and the lowest live group's checkpoint at the end (against the replay's
+        # weights)
         (
-            ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", f"--checkpoint.every={STEPS}"],
+            ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", f"--checkpoint.every={STEPS}", "masked"],
             {"MESHTRON_KILL_RANK": "3:6"},
         ),
     ],
     ids=["dp_shard2", "tp2-killed-healing", "pp2"],
 )
-def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(workers, tmp_path, layout, drill):
+def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(
+    workers, tmp_path, masked_data, layout, drill
+):
+    data = [masked_data] if "masked" in layout else []
+    layout = [arg for arg in layout if arg != "masked"] + data
     stdout, rows = train(tmp_path, layout, {**drill, "MESHTRON_SLOW_RANK": "0:0.3"})
     history = assert_survived(stdout, rows, tmp_path)
     if "MESHTRON_KILL_HEALING" in drill:
         assert "replica group 1 of 2 started (attempt 2)" in stdout
-    expected = workers(1).run(replay, COMMON, history)[0]  # (the same model on one device)
+    expected = workers(1).run(replay, [*COMMON, *data], history)[0]  # (the same model on one device)
     for step, (row, want) in enumerate(zip(rows, expected["losses"], strict=True), 1):
         assert relative(row["loss"], want) <= 1e-5, (step, row["loss"], want)
     if any(arg.startswith("--checkpoint.every") for arg in layout):
-        saved = workers(1).run(saved_weights, [*COMMON, f"--run.dir={tmp_path}"])[0]
+        saved = workers(1).run(saved_weights, [*COMMON, *data, f"--run.dir={tmp_path}"])[0]
         for name, want in expected["weights"].items():  # (AdamW: within 1e-4 of each tensor's norm)
             assert (saved[name] - want).norm() <= 1e-4 * want.norm(), name
 
@@ -144,11 +164,11 @@ def test_a_moe_replica_group_heals_its_balancing_bias_too(tmp_path):
     assert sum(alone["moe"]["layers.0"]["load"]) == tokens // 2
 
 
-def test_without_a_failure_fault_tolerance_changes_nothing(workers, tmp_path):
-    """The same layout (HSDP: ZeRO-3 over 2, replicated over 2) with and without fault tolerance: the same
-    gradient norms and final weights bit for bit; the loss metric is summed in another order (within one
-    rounding)."""
-    layout = ["--parallel.dp_shard=2", "--training.steps=6", "--checkpoint.every=6"]
+def test_without_a_failure_fault_tolerance_changes_nothing(workers, tmp_path, masked_data):
+    """The same layout (HSDP: ZeRO-3 over 2, replicated over 2) with and without fault tolerance, on data
+    with a loss mask: the same gradient norms and final weights bit for bit; the loss metric is summed in
+    another order (within one rounding)."""
+    layout = ["--parallel.dp_shard=2", "--training.steps=6", "--checkpoint.every=6", masked_data]
     _, with_ft = train(tmp_path / "ft", layout, {})
     _, without = train(tmp_path / "plain", layout, {}, ft=False)
     assert [r["grad_norm"] for r in with_ft] == [r["grad_norm"] for r in without]
@@ -156,7 +176,8 @@ def test_without_a_failure_fault_tolerance_changes_nothing(workers, tmp_path):
         assert relative(a["loss"], b["loss"]) <= 1e-6
         assert a["replicas"] == {"live": 2, "of": 2, "groups": [0, 1]} and "replicas" not in b
     pool = workers(1)
-    saved = [pool.run(saved_weights, [*COMMON, f"--run.dir={tmp_path / d}"])[0] for d in ("ft", "plain")]
+    runs = [[*COMMON, masked_data, f"--run.dir={tmp_path / d}"] for d in ("ft", "plain")]
+    saved = [pool.run(saved_weights, run)[0] for run in runs]
     assert all(torch.equal(saved[0][name], saved[1][name]) for name in saved[1])
 
 
