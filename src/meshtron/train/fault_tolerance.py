@@ -196,14 +196,14 @@ class FaultTolerance:
         tokens = self.job.loss.global_tokens * self.groups.live()
         if own is None:
             return tokens, tokens
-        counted = torch.tensor([float(own)], dtype=torch.float64)
+        counted = torch.tensor([float(own)], dtype=torch.float64, device=self.job.place.device)
         self.groups.sum_in_buckets_([counted], 1)
         return max(1, int(counted.item())), tokens
 
     def reduce(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Sum this step's gradients and loss over the live groups; returns the loss (every group's)."""
         grads = [p.grad for p in self.job.parallel.engine.optimizer_params() if p.grad is not None]
-        present = torch.zeros(self.count, dtype=torch.float64)
+        present = torch.zeros(self.count, dtype=torch.float64, device=loss_sum.device)
         present[self.index] = 1.0
         values = torch.cat([loss_sum.double().flatten(), present])
         self.groups.sum_in_buckets_([*grads, values], self.bucket_elements)
@@ -225,12 +225,13 @@ class FaultTolerance:
     def replicas_equal(self) -> bool | None:
         """Collective over the live groups: whether every one holds, on every rank, the same bytes of its
         owned rows and optimizer state (None: a group failed while they were compared)."""
-        sums = torch.tensor([checksum(t) for t in held_tensors(self.job)], dtype=torch.float64)
+        device = self.job.place.device  # (NCCL reduces device tensors only)
+        sums = torch.tensor([checksum(t) for t in held_tensors(self.job)], dtype=torch.float64, device=device)
         both = torch.cat([sums, -sums])  # the max of each, and of its negation: equal when max = min
         self.groups.max_(both)
         if self.groups.errored():
             return None
-        differs = torch.tensor([float(not torch.equal(both[: len(sums)], -both[len(sums) :]))])
+        differs = torch.tensor([float(not torch.equal(both[: len(sums)], -both[len(sums) :]))], device=device)
         self.job.place.comm.all_reduce_(differs, self.job.place.world, op="max")  # on any rank of the group
         return not differs.item()
 
