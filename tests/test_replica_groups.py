@@ -56,10 +56,9 @@ def masked_data(tmp_path_factory) -> str:
     return f"--data.path={out}"
 
 
-def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True) -> tuple[str, list[dict]]:
-    """`meshtron train --nproc 4` with `layout` and the drill `env`; (its output, its metrics rows)."""
-    args = [*COMMON, *layout, f"--run.dir={run_dir}", f"--fault_tolerance.enabled={str(ft).lower()}"]
-    out = subprocess.run(
+def launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`meshtron train --nproc 4` on the demo config with `args`, the drill `env` in its environment."""
+    return subprocess.run(
         [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", "--nproc", "4", *args],
         capture_output=True,
         text=True,
@@ -67,6 +66,12 @@ def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
+
+
+def train(run_dir: Path, layout: list[str], env: dict[str, str], ft: bool = True) -> tuple[str, list[dict]]:
+    """`launch` with `layout`, which must succeed; (its output, its metrics rows)."""
+    args = [*COMMON, *layout, f"--run.dir={run_dir}", f"--fault_tolerance.enabled={str(ft).lower()}"]
+    out = launch(args, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return out.stdout, rows
@@ -185,14 +190,7 @@ def test_every_replica_group_dying_is_refused_with_the_way_on(tmp_path):
     """Both groups killed at step 4: no live group holds the weights; the restarted ones say so and the
     job ends (never a hang, never a silent restart from step 1)."""
     args = [*COMMON, "--parallel.dp_shard=2", f"--run.dir={tmp_path}", "--fault_tolerance.enabled=true"]
-    out = subprocess.run(
-        [sys.executable, "-m", "meshtron", "train", "--config", "configs/demo.toml", "--nproc", "4", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MESHTRON_KILL_RANK": "1:4,3:4"},
-    )
+    out = launch(args, {"MESHTRON_KILL_RANK": "1:4,3:4"})
     assert out.returncode == 1
     assert "the job had reached step 3 and no replica group is left that holds it" in out.stderr
     assert "--checkpoint.resume=true" in out.stderr

@@ -21,6 +21,13 @@ def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
+def _needs_own_engines(what: str) -> str:
+    return (
+        f"{what} needs meshtron's engines (PyTorch's fully_shard reduces across dp_replicate itself): "
+        "use parallel.fsdp_impl='meshtron' or 'simple'"
+    )
+
+
 def diloco_problems(cfg: Config, world_size: int) -> list[str]:
     """What DiLoCo (fault_tolerance.diloco_every > 0, train/diloco.py) needs of the layout."""
     p, h = cfg.parallel, cfg.fault_tolerance.diloco_every
@@ -33,10 +40,7 @@ def diloco_problems(cfg: Config, world_size: int) -> list[str]:
             "parallel.dp_replicate >= 2 (or set diloco_every=0)"
         )
     if uses_torch_fsdp(cfg, world_size):
-        problems.append(
-            "fault_tolerance.diloco_every > 0 needs meshtron's engines (PyTorch's fully_shard reduces across "
-            "dp_replicate itself): use parallel.fsdp_impl='meshtron' or 'simple'"
-        )
+        problems.append(_needs_own_engines("fault_tolerance.diloco_every > 0"))
     if cfg.data.sources:
         problems.append(
             "fault_tolerance.diloco_every > 0 with a data mixture (data.sources) is not supported yet (each replica's loss "
@@ -63,10 +67,7 @@ def replica_group_problems(cfg: Config, world_size: int) -> list[str]:
             "DiLoCo's outer weights too): use one of them"
         )
     if uses_torch_fsdp(cfg, world_size):
-        problems.append(
-            "fault_tolerance.enabled needs meshtron's engines (PyTorch's fully_shard reduces across "
-            "dp_replicate itself): use parallel.fsdp_impl='meshtron' or 'simple'"
-        )
+        problems.append(_needs_own_engines("fault_tolerance.enabled"))
     if cfg.data.sources:
         problems.append(
             "fault_tolerance.enabled with a data mixture (data.sources) is not supported yet: use one data source"

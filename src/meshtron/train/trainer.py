@@ -141,12 +141,8 @@ class Trainer:
     def step(self, step: int) -> dict[str, Any] | None:
         """One optimizer step (0-based `step`); returns its metrics row (None: a replica group's peer
         failed during it, nothing was applied, and the step is to be taken again)."""
-        t, pp, comm, replicas = (
-            self.cfg.training,
-            self.job.place.mesh.group(Dim.PP),
-            self.comm,
-            self.job.replicas,
-        )
+        t, comm, replicas = self.cfg.training, self.comm, self.job.replicas
+        pp = self.job.place.mesh.group(Dim.PP)
         start = time.perf_counter()
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
