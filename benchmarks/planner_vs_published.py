@@ -227,6 +227,16 @@ QWEN3_30B = dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, 
                  n_experts=128, top_k=8, moe_ffn_dim=768, qk_norm="true", rope_theta=1e6)  # fmt: skip
 BRIDGE = "Megatron Bridge performance summary ({}), DGX-H100, FP8, seq 4096, DeepEP"
 TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
+# Mixtral in Megatron-Core: the layouts are Megatron-MoE-ModelZoo's benchmark configs
+# (runtime_configs/benchmarking/runtime.conf: BF16, seq 4096, batch 256, micro-batch 1, NCCL all-to-all
+# dispatcher, distributed optimizer with overlapped reduce and gather, no recompute flag). The 8x22B rate is
+# the one its run script states for that config (best_practice/mixtral/run_mixtral_8x22B.sh: dropless,
+# about 445 TFLOP/s/GPU); the 8x7B rate is Megatron-Core's MoE README (v0.9, 468 TFLOP/s/GPU), which does
+# not print its layout beside it: the zoo's 8x7B config is taken as that run's.
+MIXTRAL_8X7B = dict(name="mixtral-8x7b")
+MIXTRAL_8X22B = dict(name="mixtral-8x7b", dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384)
+ZOO = "Megatron-MoE-ModelZoo runtime.conf layout, {} H100, BF16, seq 4096, batch 256; {}"
+FLAT = ("--parallel.ep_dispatch=alltoall",)
 
 
 def moe_runs() -> list[Run]:
@@ -245,6 +255,13 @@ def moe_runs() -> list[Run]:
         Run("MCore Qwen3-30B-A3B", BRIDGE.format("26.04.01, batch 1024"), "h100", 16, QWEN3_30B, 4096, 1024,
             dict(tp=1, pp=1, ep=16, dp_shard=16, zero=1, cp=1, micro_batch=1), 8960, MEGATRON_DEEPEP, dtype="fp8",
             settings=TWO_HOPS),
+        Run("MCore Mixtral 8x7B", ZOO.format(64, "468 TFLOP/s/GPU: Megatron-Core MoE README v0.9"), "h100", 64,
+            MIXTRAL_8X7B, 4096, 256, dict(tp=1, pp=4, vpp=8, pp_schedule="interleaved", ep=8, dp_shard=16, zero=1,
+            cp=1, micro_batch=1), from_tflops(MIXTRAL_8X7B, 4096, 468), MEGATRON, settings=FLAT),
+        Run("MCore Mixtral 8x22B", ZOO.format(128, "445 TFLOP/s/GPU dropless: best_practice/mixtral/"
+            "run_mixtral_8x22B.sh"), "h100", 128, MIXTRAL_8X22B, 4096, 256, dict(tp=2, sp=True, pp=8, vpp=7,
+            pp_schedule="interleaved", ep=8, etp=1, dp_shard=8, zero=1, cp=1, micro_batch=1),
+            from_tflops(MIXTRAL_8X22B, 4096, 445), MEGATRON, settings=FLAT),
     ]  # fmt: skip
 
 
@@ -457,6 +474,12 @@ def main(argv: list[str]) -> int:
             else ""
         ),
     ]
+    moe = [r for r in rows if r["run"] in moe_runs()]
+    facts.append(
+        f"- the MoE runs: {sum(abs(r['error']) <= 0.15 for r in moe)} of {len(moe)} within ±15%"
+        + (f", the search finds {sum(_found(r).startswith('yes') for r in moe)}" if not args.no_search else "")
+        + f", {sum(r['fits'] for r in moe)} fit meshtron's memory"
+    )
     fitting = f"- the published layouts in meshtron's memory: {sum('does not fit' not in m for m in memory)} of {len(memory)} fit"
     facts.append(fitting)
     body = "\n".join([*facts, "", HEADER, *(_line(r) for r in rows), "", MEMORY_HEADER, *memory]) + "\n"
