@@ -477,7 +477,11 @@ def main(argv: list[str]) -> int:
     moe = [r for r in rows if r["run"] in moe_runs()]
     facts.append(
         f"- the MoE runs: {sum(abs(r['error']) <= 0.15 for r in moe)} of {len(moe)} within ±15%"
-        + (f", the search finds {sum(_found(r).startswith('yes') for r in moe)}" if not args.no_search else "")
+        + (
+            f", the search finds {sum(_found(r).startswith('yes') for r in moe)}"
+            if not args.no_search
+            else ""
+        )
         + f", {sum(r['fits'] for r in moe)} fit meshtron's memory"
     )
     fitting = f"- the published layouts in meshtron's memory: {sum('does not fit' not in m for m in memory)} of {len(memory)} fit"
