@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from meshtron.commands.auto_layout import AutoChoice
 from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
 from meshtron.config.schema import ConfigError
@@ -436,3 +437,31 @@ def test_fp8_gemms_take_their_own_share_of_the_fp8_peak():
     assert (fp8.eff.matmul, bf16.eff.matmul) == (ComputeEfficiency().matmul_fp8, 0.6)
     big = (8192, 8192, 8192)  # compute-bound in both
     assert matmul_time(*big, bf16) / matmul_time(*big, fp8) == pytest.approx(1979 * 0.45 / (989 * 0.6))
+
+
+def test_the_search_tries_deepeps_two_hops_where_ep_crosses_nodes():
+    """With the dispatch left open, a layout whose ep group spans whole nodes is tried with the all-to-all
+    and with the hierarchical dispatch, and the faster is ranked first (each estimated as that config);
+    ep inside a node, or a dispatch the user set, is tried alone."""
+    small = ["--model.name=deepseek-v3", "--model.n_layers=4", "--model.vocab_size=32000"]
+    cfg = config(small, batch=64)
+    cluster = Cluster(accelerator("h800"), 16)
+    held = dict(tp=1, pp=1, ep=16, dp_shard=16, zero=1, micro_batch=1, recompute="full")
+    plan = search(cfg, cluster, held, top=5)
+    tried = {layout.ep_dispatch: est.step_time_s for layout, est in plan.ranked}
+    assert set(tried) == {"alltoall", "hierarchical"}
+    for dispatch, step in tried.items():
+        alone = Layout(**{**held, "ep_dispatch": dispatch}).apply(cfg)
+        assert step == pytest.approx(estimate(alone, cluster).step_time_s)
+    assert plan.ranked[0][0].ep_dispatch == min(tried, key=tried.__getitem__)
+    assert (
+        "ep_dispatch=hierarchical"
+        in next(x for x, _ in plan.ranked if x.ep_dispatch == "hierarchical").describe()
+    )
+    # parallel.auto's launched ranks are told the chosen dispatch and experts' grid, not left at defaults
+    flags = AutoChoice(cfg, plan.ranked, {}, "").rank_flags()
+    assert f"--parallel.ep_dispatch={plan.ranked[0][0].ep_dispatch}" in flags and "--parallel.etp=1" in flags
+    inside = search(cfg, cluster, {**held, "ep": 8, "zero": 3}, top=5)
+    assert {layout.ep_dispatch for layout, _ in inside.ranked} == {"alltoall"}
+    dedup = config([*small, "--parallel.ep_dispatch=dedup"], batch=64)
+    assert {layout.ep_dispatch for layout, _ in search(dedup, cluster, held, top=5).ranked} == {"dedup"}

@@ -36,8 +36,8 @@ from meshtron.plan.search import rank_key
 GiB = 2**30
 TRAINING_KEYS = ("micro_batch", "recompute")
 # The Layout keys the search fills (pp_head_layers follows pp: the planner sets it with the split).
-SEARCHED = ("tp", "sp", "cp", "cp_impl", "pp", "vpp", "pp_schedule", "ep", "dp_replicate", "dp_shard",
-            "zero", "micro_batch", "recompute")  # fmt: skip
+SEARCHED = ("tp", "sp", "cp", "cp_impl", "pp", "vpp", "pp_schedule", "ep", "etp", "ep_dispatch", "dp_replicate",
+            "dp_shard", "zero", "micro_batch", "recompute")  # fmt: skip
 
 
 @dataclass

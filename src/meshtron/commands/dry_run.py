@@ -46,6 +46,8 @@ def layout_of(cfg: Config) -> Layout:
         pp=p.pp,
         vpp=p.vpp,
         ep=p.ep,
+        etp=p.etp,
+        ep_dispatch=p.ep_dispatch,
         dp_replicate=p.dp_replicate,
         dp_shard=p.dp_shard,
         zero=p.zero,

@@ -16,6 +16,9 @@ own rules (checks.validate) deciding what is allowed.
   ep             expert parallel (parallel.ep; MoE only)        divisors of the experts that fold in
   etp            expert tensor parallel (parallel.etp)          tp (experts split) and 1 (whole experts,
                                                                 ep over tp ranks too)
+  ep_dispatch    alltoall, hierarchical, ... (parallel.        the config's; with it alltoall, also
+                 ep_dispatch)                                   hierarchical where the ep group crosses
+                                                                nodes (DeepEP's two hops)
   dp_replicate   replicas (parallel.dp_replicate)               1, or the groups of an HSDP shard
   dp_shard       sharded data parallel (parallel.dp_shard)      what the world size leaves
   zero           1, 2, 3 (parallel.zero)                        each
@@ -36,7 +39,7 @@ from meshtron.config.schema import V_SCHEDULES, Config, ConfigError
 from meshtron.utils.words import suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "etp", "dp_replicate", "dp_shard", "zero", "micro_batch")
-TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp")
+TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp", "ep_dispatch")
 FLOAT_KEYS = ("pp_head_layers",)
 KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
 
@@ -52,6 +55,7 @@ class Layout(ParallelDims):
     recompute: str = "none"
     pp_schedule: str = "1f1b"
     cp_impl: str = "ring"
+    ep_dispatch: str = ""  # "": the config's
     sp: bool = False
     pp_head_layers: float = 0.0
 
@@ -70,6 +74,7 @@ class Layout(ParallelDims):
             pp_head_layers=self.pp_head_layers,
             ep=self.ep,
             etp=self.expert_tp,
+            ep_dispatch=self.ep_dispatch or cfg.parallel.ep_dispatch,
             dp_replicate=self.dp_replicate,
             dp_shard=self.dp_shard,
             zero=self.zero,
@@ -92,6 +97,8 @@ class Layout(ParallelDims):
             parts.append(f"ep={self.ep}")
         if self.expert_tp != self.tp:
             parts.append(f"etp={self.expert_tp}")
+        if self.ep > 1 and self.ep_dispatch not in ("", "alltoall"):
+            parts.append(f"ep_dispatch={self.ep_dispatch}")
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate={self.dp_replicate}")
         parts += [

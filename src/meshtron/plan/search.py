@@ -29,6 +29,7 @@ from meshtron.config.schema import Config
 from meshtron.plan.estimate import Cluster, Estimate, estimate, least_memory, stage_memories
 from meshtron.plan.flops import head_layers
 from meshtron.plan.layout import Layout
+from meshtron.plan.network import Group
 from meshtron.rules.checks import not_yet_supported, validate
 from meshtron.rules.data import micro_batches_per_step
 
@@ -105,7 +106,7 @@ def candidates(cfg: Config, gpus: int, per_node: int, fixed: dict[str, Any]) -> 
                     cp_impl=impl,
                     sp=tp > 1,
                 )
-                yield from _finish(cfg, gpus, fixed, base)
+                yield from _finish(cfg, gpus, per_node, fixed, base)
 
 
 def _schedules(fixed: dict[str, Any], pp: int) -> list[tuple[str, int]]:
@@ -117,8 +118,21 @@ def _schedules(fixed: dict[str, Any], pp: int) -> list[tuple[str, int]]:
     return [("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 4)]
 
 
-def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iterator[Layout | str]:
-    """The micro-batch, recompute, ep and sp choices of one mesh, with their arithmetic rules."""
+def _dispatches(cfg: Config, fixed: dict[str, Any], ep: int, etp: int, per_node: int) -> list[str]:
+    """The expert dispatches to try: the held one (--layout, or a config's other than the default), else
+    the all-to-all and, where the ep group crosses nodes in whole nodes, DeepEP's two hops."""
+    if "ep_dispatch" in fixed or cfg.parallel.ep_dispatch != "alltoall" or ep == 1:
+        return [fixed.get("ep_dispatch", cfg.parallel.ep_dispatch)]
+    group = Group(ep, etp, per_node)  # the experts' grid puts ep's neighbours etp ranks apart
+    whole_nodes = group.crosses_nodes and ep % group.per_node == 0
+    return ["alltoall", "hierarchical"] if whole_nodes else ["alltoall"]
+
+
+def _finish(
+    cfg: Config, gpus: int, per_node: int, fixed: dict[str, Any], base: Layout
+) -> Iterator[Layout | str]:
+    """The micro-batch, recompute, ep, its dispatch and sp choices of one mesh, with their arithmetic
+    rules."""
     m, t = cfg.model, cfg.training
     head = head_layers(m, t.seq_len) if base.pp > 1 else 0.0
     if base.world_size != gpus:
@@ -130,6 +144,7 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
     # The experts' grid: split over tp (etp = tp, ep over dp_shard x cp) or whole (etp = 1, ep over the
     # stage's ranks, tp's included: MoE parallel folding).
     etps = _options(fixed, "etp", list(dict.fromkeys((base.tp, 1))) if m.is_moe else [base.tp])
+    etps = [etp or base.tp for etp in etps]  # a held etp of 0 is the config's "= tp"
     experts = [
         (etp, ep) for etp in etps for ep in _options(fixed, "ep", divisors(m.n_experts) if m.is_moe else [1])
     ]
@@ -157,7 +172,8 @@ def _finish(cfg: Config, gpus: int, fixed: dict[str, Any], base: Layout) -> Iter
         )
         # The head counted as its FLOPs in layers, so the split does not make the last stage the slowest.
         chosen["pp_head_layers"] = fixed.get("pp_head_layers", head)
-        yield dataclasses.replace(base, **chosen)
+        for dispatch in _dispatches(cfg, fixed, ep, etp or base.tp, per_node):
+            yield dataclasses.replace(base, **chosen, ep_dispatch=dispatch)
 
 
 def _walked_bytes(cfg: Config, cluster: Cluster) -> float:
