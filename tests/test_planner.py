@@ -269,6 +269,13 @@ def test_parse_layout_refuses_malformed_items():
         parse_layout("tp=0")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_layout("tp")
+    # a choice outside its key's values is refused before any search, with the nearest one named
+    with pytest.raises(
+        ConfigError, match="ep_dispatch=hierarchcal is not one of .*did you mean 'hierarchical'"
+    ):
+        parse_layout("ep_dispatch=hierarchcal")
+    with pytest.raises(ConfigError, match="pp_schedule=1f1 is not one of"):
+        parse_layout("pp_schedule=1f1")
 
 
 def test_pass_times_add_and_scale():

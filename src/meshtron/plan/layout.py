@@ -32,16 +32,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from meshtron.config.layout import ParallelDims
-from meshtron.config.schema import V_SCHEDULES, Config, ConfigError
+from meshtron.config.schema import (
+    V_SCHEDULES,
+    Config,
+    ConfigError,
+    CpImpl,
+    EpDispatch,
+    PipelineSchedule,
+    Recompute,
+)
 from meshtron.utils.words import suggest
 
 INT_KEYS = ("tp", "cp", "pp", "vpp", "ep", "etp", "dp_replicate", "dp_shard", "zero", "micro_batch")
 TEXT_KEYS = ("recompute", "pp_schedule", "cp_impl", "sp", "ep_dispatch")
 FLOAT_KEYS = ("pp_head_layers",)
 KEYS = INT_KEYS + TEXT_KEYS + FLOAT_KEYS
+CHOICES: dict[str, tuple[str, ...]] = {
+    "recompute": get_args(Recompute),
+    "pp_schedule": get_args(PipelineSchedule),
+    "cp_impl": get_args(CpImpl),
+    "ep_dispatch": get_args(EpDispatch),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +129,7 @@ class Layout(ParallelDims):
 
 def parse_layout(text: str) -> dict[str, Any]:
     """`"tp=8,pp=2,recompute=full"` -> {"tp": 8, "pp": 2, "recompute": "full"}; unknown keys and
-    malformed values are refused (the fix named). Enumerated values are checked by checks.validate."""
+    malformed values, and a choice that is not one of its key's, are refused (the fix named)."""
     fixed: dict[str, Any] = {}
     problems = []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -141,6 +155,10 @@ def parse_layout(text: str) -> dict[str, Any]:
             if value.lower() not in ("true", "false"):
                 problems.append(f"--layout sp={value} must be true or false")
             fixed[key] = value.lower() == "true"
+        elif value not in CHOICES[key]:  # refused now, not after a search of every layout
+            problems.append(
+                f"--layout {key}={value} is not one of {', '.join(CHOICES[key])}{suggest(value, CHOICES[key], False)}"
+            )
         else:
             fixed[key] = value
     if problems:
