@@ -475,7 +475,8 @@ def main(argv: list[str]) -> int:
             else ""
         ),
     ]
-    moe = [r for r in rows if r["run"] in moe_runs()]
+    moe_names = {run.name for run in moe_runs()}
+    moe = [r for r in rows if r["run"].name in moe_names]
     facts.append(
         f"- the MoE runs: {sum(abs(r['error']) <= 0.15 for r in moe)} of {len(moe)} within ±15%"
         + (

@@ -172,7 +172,7 @@ def _finish(
         )
         # The head counted as its FLOPs in layers, so the split does not make the last stage the slowest.
         chosen["pp_head_layers"] = fixed.get("pp_head_layers", head)
-        for dispatch in _dispatches(cfg, fixed, ep, etp or base.tp, per_node):
+        for dispatch in _dispatches(cfg, fixed, ep, etp, per_node):
             yield dataclasses.replace(base, **chosen, ep_dispatch=dispatch)
 
 
