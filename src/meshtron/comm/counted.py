@@ -72,6 +72,17 @@ class CountedCollectives:
             if spans and outer_spans is not None:
                 outer_spans.extend(rec.spans or [])
 
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Collectives inside the block are counted in no recording: a check's own gathers issued in the
+        middle of a step (parity's whole gradients) stay out of the step's statistics."""
+        stats, spans = self.stats, self.spans
+        self.stats, self.spans = CommStats(), None
+        try:
+            yield
+        finally:
+            self.stats, self.spans = stats, spans
+
     def add_pair_lane(self, twins: dict[str, Any]) -> None:
         """{process group name: its twin}: the groups collectives use on the pair lane (`pair_lane`);
         empty when no group a forward uses has more than one rank."""

@@ -133,8 +133,8 @@ def report(result: dict[str, Any], ref: dict[str, Any], tolerance: float) -> tup
 
 
 def quiet_run_layout(overrides: list[str], steps: int) -> dict[str, Any]:
-    """`run_layout` without the trainers' console lines (each run builds two trainers, each saying which
-    torch and backend it runs and what it builds): verify prints its own report."""
+    """`run_layout` without the trainer's console lines (which torch and backend it runs and what it
+    builds): verify prints its own report."""
     with contextlib.redirect_stdout(io.StringIO()):
         return run_layout(overrides, steps)
 

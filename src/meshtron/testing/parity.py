@@ -44,13 +44,23 @@ def trainer_for(overrides: list[str], config: Path | None = None) -> Trainer:
 
 
 def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
-    """On every rank: the step-1 gradients (whole, logical shapes) and `steps` steps of metrics."""
-    probe = trainer_for(overrides)
-    probe.compute_gradients()
-    grads = probe.engine.full_gradients(probe.comm)
-    if probe.parallel.tp_plan is not None:
-        grads = probe.parallel.tp_plan.gather_full(grads, probe.comm)
+    """On every rank: the step-1 gradients (whole, logical shapes, before clipping) and `steps` steps of
+    metrics, from one trainer: its first step's gradients are read as its backward ends, by collectives
+    that stay out of that step's statistics."""
     trainer = trainer_for(overrides)
+    compute, grads = trainer.compute_gradients, {}
+
+    def first_step_gradients() -> torch.Tensor:
+        trainer.compute_gradients = compute  # the later steps compute as the trainer does
+        loss_sum = compute()
+        with trainer.comm.unrecorded():
+            full = trainer.engine.full_gradients(trainer.comm)
+            if trainer.parallel.tp_plan is not None:
+                full = trainer.parallel.tp_plan.gather_full(full, trainer.comm)
+        grads.update(full)
+        return loss_sum
+
+    trainer.compute_gradients = first_step_gradients
     rows = [trainer.step(step) for step in range(steps)]
     return {
         "grads": grads,
