@@ -165,6 +165,9 @@ PARITY = {
     "tp2_sp_selective": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.recompute=selective"]),
     "tp2_sp_full_q": (2, ["--model.q_lora_rank=0", "--parallel.tp=2", "--parallel.sp=true"]),
     "tp2_sp_op_recompute": (2, ["--parallel.tp=2", "--parallel.sp=true", "--training.recompute=op"]),
+    # DeepSeek-V3's recompute: every matmul's output kept but the up-projections'
+    "tp2_op_recompute_up_projections": (2, ["--parallel.tp=2", "--training.recompute=op",
+                                            "--training.op_recompute_saves=matmuls_but_mla_up"]),
     "cp2_ring_full_recompute": (2, ["--parallel.cp=2", "--training.recompute=full"]),
     "cp2_alltoall_x_tp2": (4, ["--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.tp=2"]),
     "zero2_x_ep2": (2, ["--parallel.zero=2", "--parallel.ep=2", "--training.micro_batch=4"]),
@@ -173,8 +176,9 @@ PARITY = {
                         "--model.n_layers=4", "--parallel.zero=1", "--training.micro_batch=2"]),
     # The latents travel instead of the keys and values (parallel/context_latent.py)
     "cp2_ring_latent": (2, ["--parallel.cp=2", "--parallel.cp_exchange=latent"]),
-    "cp2_allgather_latent_zero3": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather",
-                                       "--parallel.cp_exchange=latent", "--training.micro_batch=4"]),
+    "cp2_allgather_latent_zero3_op_recompute_up_projections": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather",
+        "--parallel.cp_exchange=latent", "--training.micro_batch=4", "--training.recompute=op",
+        "--training.op_recompute_saves=matmuls_but_mla_up"]),
     "cp2_ring_latent_x_tp2_sp": (4, ["--parallel.cp=2", "--parallel.cp_exchange=latent", "--parallel.tp=2",
                                      "--parallel.sp=true", "--training.recompute=selective"]),
     "cp4_ring_latent_full_recompute": (4, ["--parallel.cp=4", "--parallel.cp_exchange=latent",

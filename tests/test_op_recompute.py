@@ -97,15 +97,26 @@ DENSE = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vo
 MOE_MODEL = dataclasses.replace(
     DENSE, n_experts=4, top_k=2, moe_ffn_dim=48, n_shared_experts=1, shared_expert_gate=True
 )
+# MLA: a query latent (or none), the key/value latent, up-projections of N + R and N + Dv per head.
+LATENT = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+MODELS = {
+    "dense": DENSE,
+    "moe": MOE_MODEL,
+    "mla_moe": dataclasses.replace(MOE_MODEL, n_kv_heads=4, **LATENT),
+    "mla_no_query_latent": dataclasses.replace(DENSE, n_kv_heads=4, **{**LATENT, "q_lora_rank": 0}),
+}
 
 
-@pytest.mark.parametrize("saves", ["matmuls", "every_other_matmul"])
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("saves", ["matmuls", "every_other_matmul", "matmuls_but_mla_up"])
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("keep_attention", [True, False], ids=["attention_kept", "attention_recomputed"])
 def test_kept_bytes_equal_the_formula(model, saves, keep_attention):
-    """Every matmul's output (or every other one's, counted in forward order), the attention kernel's
-    output and log-sum-exp (not under cp), the block input: plan/memory.py's op terms, to the byte."""
-    cfg = DENSE if model == "dense" else MOE_MODEL
+    """Every matmul's output (or every other one's, counted in forward order, or all but MLA's
+    up-projections), the attention kernel's output and log-sum-exp (not under cp), the block input:
+    plan/memory.py's op terms, to the byte."""
+    cfg = MODELS[model]
+    if saves == "matmuls_but_mla_up" and not cfg.is_mla:
+        pytest.skip("refused for models without MLA (test_bad_policy_is_refused)")
     measured = kept_bytes(cfg, saves, keep_attention)
     cp = 1 if keep_attention else 2  # the formula's cp = 2 means: attention recomputed (seq 64 / 2 = 32)
     want = layer_activation_bytes(
@@ -130,6 +141,8 @@ def test_op_recompute_keeps_between_selective_and_full():
 def test_bad_policy_is_refused():
     with pytest.raises(ConfigError, match="op_recompute_saves"):
         check(load_config(None, [*TINY, *OP, "--training.op_recompute_saves=sometimes"]))
+    with pytest.raises(ConfigError, match="model.kv_lora_rank = 0"):
+        check(load_config(None, [*TINY, *OP, "--training.op_recompute_saves=matmuls_but_mla_up"]))
 
 
 def test_planner_prices_op_recompute_between_none_and_selective():

@@ -63,7 +63,9 @@ V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V: paralle
 SPLIT_BACKWARD = ("zero_bubble", *V_SCHEDULES)  # backward split into input (B) and weight (W) gradients
 PipelineBalance = Literal["layers", "cost"]  # pipeline split: even layer counts, or by predicted FLOPs
 Recompute = Literal["none", "selective", "op", "full"]
-OpRecomputeSaves = Literal["matmuls", "every_other_matmul"]  # what training.recompute="op" keeps
+# What training.recompute="op" keeps: every matmul's output, every other one's, or every one's but MLA's
+# up-projections (DeepSeek-V3's recipe, report §3.3.1).
+OpRecomputeSaves = Literal["matmuls", "every_other_matmul", "matmuls_but_mla_up"]
 OptimizerName = Literal["adamw", "muon"]  # muon: Muon on the blocks' matrices, AdamW on the rest
 MuonLrRule = Literal["match_rms_adamw", "original"]  # the scale of Muon's update (train/muon.py)
 Device = Literal["auto", "cpu", "cuda"]

@@ -3,8 +3,9 @@
   full       each transformer block keeps only its input; its whole forward is rerun in backward
   selective  only the attention core (rotary embedding + attention) is rerun; everything else is kept
   op         each block keeps its input and the outputs of chosen operations, per operation: every
-             matmul's (or every other one's, `training.op_recompute_saves`) and the attention kernels'
-             (with their log-sum-exp); backward reruns the block's forward, where a kept output is taken
+             matmul's (or every other one's, or every one's but MLA's up-projections, DeepSeek-V3's
+             recipe: `training.op_recompute_saves`) and the attention kernels' (with their
+             log-sum-exp); backward reruns the block's forward, where a kept output is taken
              from the store instead of computed (torch's selective checkpoint API), so only the cheap
              operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. Collectives are
              not kept, so they run again, as under full recompute. torchtitan's op-level policy does
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from meshtron.comm.autograd import out_of_place
 from meshtron.config.schema import OpRecomputeSaves, Recompute
+from meshtron.models.latent_attention import LatentAttention
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
 from meshtron.pipeline.zero_bubble import active_deferrals
@@ -83,22 +85,25 @@ ATTENTION = {
 
 
 class _Region(threading.local):
-    """Whether this thread is inside an attention core (`_in_attention`): its operations follow the
-    attention rule of the op policy, not the matmul one."""
+    """Whether this thread is inside an attention core (its operations follow the attention rule of the
+    op policy, not the matmul one), or inside an MLA up-projection (its matmul is recomputed under
+    "matmuls_but_mla_up"): set by `_inside`."""
 
     attention = False
+    up_projection = False
 
 
 _REGION = _Region()
 
 
-def _in_attention(core: Callable[..., Any]) -> Callable[..., Any]:
+def _inside(region: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        before, _REGION.attention = _REGION.attention, True
+        before = getattr(_REGION, region)
+        setattr(_REGION, region, True)
         try:
-            return core(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            _REGION.attention = before
+            setattr(_REGION, region, before)
 
     return run
 
@@ -117,9 +122,11 @@ def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tup
             if _REGION.attention:
                 keep = keep_attention and op in ATTENTION
                 return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            if op in MATMULS and _REGION.up_projection:  # (only marked under "matmuls_but_mla_up")
+                return CheckpointPolicy.PREFER_RECOMPUTE
             if op in MATMULS:
                 index, counts[ctx.is_recompute] = counts[ctx.is_recompute], counts[ctx.is_recompute] + 1
-                if saves == "matmuls" or index % 2 == 0:
+                if saves != "every_other_matmul" or index % 2 == 0:
                     return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -153,5 +160,15 @@ def apply_recompute(
         elif mode == "selective":
             block.attention.core = _checkpointed(block.attention.core)
         elif mode == "op":
-            block.attention.core = _in_attention(block.attention.core)
+            block.attention.core = _inside("attention", block.attention.core)
+            if op_saves == "matmuls_but_mla_up" and isinstance(block.attention, LatentAttention):
+                _mark_up_projections(block.attention)
             block.forward = _checkpointed(block.forward, op_policy(op_saves, keep_attention))
+
+
+def _mark_up_projections(attention: LatentAttention) -> None:
+    """MLA's up-projections (the queries' from their latent, the keys' and values' from theirs) run
+    inside the up-projection region, so the op policy recomputes their outputs from the latents."""
+    attention.up = _inside("up_projection", attention.up)
+    if attention.wq_b is not None:
+        attention.wq_b.forward = _inside("up_projection", attention.wq_b.forward)

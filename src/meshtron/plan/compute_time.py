@@ -152,6 +152,18 @@ def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list
     return out
 
 
+def _op_rerun_matmuls(cfg: Config, rows: int, gemm: float, rates: Rates) -> float:
+    """Seconds of the matmuls recompute = "op" runs again: none, about half, or MLA's up-projections
+    (of this rank's heads)."""
+    m, p, saves = cfg.model, cfg.parallel, cfg.training.op_recompute_saves
+    if saves != "matmuls_but_mla_up":
+        return gemm / 2 if saves == "every_other_matmul" else 0.0
+    heads = m.n_heads // p.tp
+    queries = matmul_time(rows, m.q_lora_rank, heads * m.head_size, rates) if m.q_lora_rank else 0.0
+    keys = matmul_time(rows, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), rates)
+    return queries + keys
+
+
 def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
     """F, B and W seconds of transformer layer `layer` for one micro-batch on one rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -164,11 +176,7 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     forward = gemm + core + elementwise / 4
     # "op": the block's forward again, its kept matmuls (and, without cp, attention) taken from the store
-    rerun = (
-        elementwise / 4
-        + (core if p.cp > 1 else 0.0)
-        + (gemm / 2 if t.op_recompute_saves != "matmuls" else 0.0)
-    )
+    rerun = elementwise / 4 + (core if p.cp > 1 else 0.0) + _op_rerun_matmuls(cfg, rows, gemm, rates)
     recompute = {"none": 0.0, "selective": core, "op": rerun, "full": forward}[t.recompute]
     up_f, up_b = latent_exchange_matmuls(cfg, rows)
     if up_f:  # the latents up-projected again per arriving block (parallel/context_latent.py)

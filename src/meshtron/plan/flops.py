@@ -172,6 +172,16 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, attention: Attentio
     return model_flops(cfg, seq_len, attention).training
 
 
+def mla_up_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one layer's MLA up-projections (0 without MLA): the queries' from their
+    latent and the keys' and values' from theirs, 2 FLOPs per multiply-add."""
+    if not cfg.is_mla:
+        return 0.0
+    q = cfg.q_lora_rank * cfg.n_heads * cfg.head_size
+    kv = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return 2.0 * (q + kv)
+
+
 def recompute_flops_per_token(
     cfg: ModelConfig,
     seq_len: int,
@@ -183,14 +193,17 @@ def recompute_flops_per_token(
 ) -> float:
     """Extra forward FLOPs per token that activation recompute runs in backward, over `layers` (all by
     default): a whole block's forward with "full", the attention core with "selective", none with "none";
-    with "op" the matmuls it does not keep (half of them with every_other_matmul, about) and, under
-    context parallel, the attention core."""
+    with "op" the matmuls it does not keep (half of them with every_other_matmul, about; MLA's
+    up-projections with matmuls_but_mla_up) and, under context parallel, the attention core."""
     if recompute == "none":
         return 0.0
     blocks = model_flops(cfg, seq_len, attention, layers, head=False)
     if recompute == "op":
         matmuls = blocks.attention_projections + blocks.ffn + blocks.router
-        return (matmuls / 2 if op_saves != "matmuls" else 0.0) + (blocks.attention_core if cp > 1 else 0.0)
+        rerun = {"matmuls": 0.0, "every_other_matmul": matmuls / 2}.get(op_saves)
+        if rerun is None:  # "matmuls_but_mla_up": the up-projections of every layer
+            rerun = mla_up_flops_per_token(cfg) * len(list(range(cfg.n_layers) if layers is None else layers))
+        return rerun + (blocks.attention_core if cp > 1 else 0.0)
     return blocks.total if recompute == "full" else blocks.attention_core
 
 

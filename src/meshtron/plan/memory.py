@@ -117,6 +117,11 @@ def _norm_elements(sb: int, h: int, tp: int, sp: bool) -> int:
     return (3 * sb * h + sb) // tp if sp else 3 * sb * h + sb
 
 
+def _latents_exchanged(exchange: str, cp: int, ulysses: int) -> bool:
+    """Whether context parallel exchanges MLA's latents (parallel/context_latent.py: ring or all-gather)."""
+    return exchange == "latent" and cp > 1 and ulysses == 1
+
+
 def _latent_attention(
     cfg: ModelConfig, sb: int, tp: int, sp: bool, recompute: Recompute, where: tuple
 ) -> int:
@@ -133,7 +138,7 @@ def _latent_attention(
     H, Dk, Dv, N = cfg.n_heads // tp, cfg.head_size, cfg.v_head_dim, cfg.qk_nope_head_dim
     ql, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     shard = tp if sp and ql else 1  # the latents enter the tp region: gathered, kept as the shard
-    latent = exchange == "latent" and cp > 1 and ulysses == 1
+    latent = _latents_exchanged(exchange, cp, ulysses)
     queries = (ql // shard + 1 + 2 * ql) if ql else 0
     keys = (C + R) // shard + 1 + C + (0 if latent and recompute != "selective" else C)
     if recompute == "selective":
@@ -206,7 +211,8 @@ def layer_activation_elements(
         )
         return kept.elements
     if recompute == "op":
-        return sum(op_kept_elements(cfg, batch, seq, tp, sp, cp, op_saves, None))
+        latent = _latents_exchanged(exchange, cp, ulysses)
+        return sum(op_kept_elements(cfg, batch, seq, tp, sp, cp, op_saves, None, latent_exchange=latent))
     seq //= cp
     if recompute == "full":
         return seq * batch * cfg.dim // tp if sp else seq * batch * cfg.dim
@@ -256,7 +262,8 @@ def moe_layer_activation_elements(
     if recompute == "op":
         slots = slot_rows(cfg, tokens, ep, ep_dispatch)
         rows = assignments if slots is None or kept is not None else slots
-        floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp)
+        latent = _latents_exchanged(exchange, cp, ulysses)
+        floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp, latent)
         return SavedElements(floats=floats, fp32=fp32)
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process

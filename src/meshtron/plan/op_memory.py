@@ -7,17 +7,23 @@ k the key/value width held per rank, f the FFN width, the matmuls' outputs are:
 
   attention     q, k, v projections T·q/t, T·k, T·k; the output projection T·h (a row-parallel partial
                 sum: whole h on every tp rank, reduced after)
+  MLA           the query latent T·q_lora and its up-projection T·H·(N + R)/t (or one projection without
+                a query latent), the key/value latent T·(C + R), its up-projection T·H·(N + Dv)/t (inside
+                the attention core, so recomputed, when context parallel exchanges latents), the output
+                projection T·h
   dense FFN     gate and up T·f/t each, down T·h (partial)
   MoE           the router's scores T·E (fp32: it computes in fp32); the experts' gate and up M·e each
                 and down M·h over the M rows they process (e = expert FFN width per rank); the shared
                 expert's gate, up T·f_s/t and down T·h; its sigmoid gate's projection T
 
 "matmuls" keeps them all, "every_other_matmul" the first, third, fifth... in that order (torchtitan's
-trade of memory for a little recompute). Without context parallel the attention kernel's output T·q/t
-and log-sum-exp b·(a/t)·s (fp32) are kept too; under cp the attention core is a ring of partial blocks
-(or a tiled path whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The
-input is T·h, or T·h/t under sequence parallel. M comes from the routing as in plan/memory.py: balanced
-by default, the measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
+trade of memory for a little recompute), "matmuls_but_mla_up" all but MLA's two up-projections
+(DeepSeek-V3's: their outputs are made again from the kept latents). Without context parallel the
+attention kernel's output T·q/t (MLA's padded to N + R per head: models/attention.py) and log-sum-exp
+b·(a/t)·s (fp32) are kept too; under cp the attention core is a ring of partial blocks (or a tiled path
+whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The input is T·h, or
+T·h/t under sequence parallel. M comes from the routing as in plan/memory.py: balanced by default, the
+measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
 every capacity slot of the ep group's experts, E·C.
 """
 
@@ -31,10 +37,26 @@ from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves
 Outputs = list[tuple[int, bool]]
 
 
-def _attention_matmuls(cfg: ModelConfig, tokens: int, tp: int) -> Outputs:
+def _attention_matmuls(cfg: ModelConfig, tokens: int, tp: int, up_kept: tuple[bool, bool]) -> Outputs:
+    if cfg.is_mla:
+        return _latent_matmuls(cfg, tokens, tp, *up_kept)
     q = cfg.n_heads * cfg.head_size // tp
     k = cfg.kv_heads_per_rank(tp) * cfg.head_size
     return [(tokens * q, False), (tokens * k, False), (tokens * k, False), (tokens * cfg.dim, False)]
+
+
+def _latent_matmuls(cfg: ModelConfig, tokens: int, tp: int, q_up: bool, kv_up: bool) -> Outputs:
+    """MLA's (models/latent_attention.py): the latents' down-projections whole on every tp rank, the
+    up-projections of this rank's heads where they are kept (`q_up`, `kv_up`), the output projection's
+    partial sum."""
+    heads = cfg.n_heads // tp
+    if cfg.q_lora_rank:
+        queries = [(tokens * cfg.q_lora_rank, False)] + [(tokens * heads * cfg.head_size, False)] * q_up
+    else:
+        queries = [(tokens * heads * cfg.head_size, False)]
+    latents = [(tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), False)]
+    up = [(tokens * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False)] * kv_up
+    return [*queries, *latents, *up, (tokens * cfg.dim, False)]
 
 
 def _moe_matmuls(cfg: ModelConfig, tokens: int, tp: int, expert_tp: bool, rows: int) -> Outputs:
@@ -58,18 +80,23 @@ def op_kept_elements(
     saves: OpRecomputeSaves,
     moe_rows: int | None,
     expert_tp: bool = True,
+    latent_exchange: bool = False,
 ) -> tuple[int, int]:
     """(elements in the activation dtype, fp32 elements) one layer keeps; `seq` is the whole sequence
-    (divided by cp here); `moe_rows`: the rows its experts process (None: a dense layer)."""
+    (divided by cp here); `moe_rows`: the rows its experts process (None: a dense layer);
+    `latent_exchange`: context parallel exchanges MLA's latents (their up-projection is in the core)."""
     seq //= cp
     tokens = batch * seq
-    outputs = _attention_matmuls(cfg, tokens, tp)
+    # MLA's up-projections, kept unless the policy recomputes them (the keys' and values' one is inside
+    # the attention core when context parallel exchanges latents: recomputed too)
+    up = saves != "matmuls_but_mla_up"
+    outputs = _attention_matmuls(cfg, tokens, tp, (up, up and not latent_exchange))
     if moe_rows is None:
         f = cfg.ffn_dim // tp
         outputs += [(tokens * f, False), (tokens * f, False), (tokens * cfg.dim, False)]
     else:
         outputs += _moe_matmuls(cfg, tokens, tp, expert_tp, moe_rows)
-    kept = outputs if saves == "matmuls" else outputs[::2]
+    kept = outputs[::2] if saves == "every_other_matmul" else outputs
     floats = sum(n for n, fp32 in kept if not fp32) + (tokens * cfg.dim // tp if sp else tokens * cfg.dim)
     fp32 = sum(n for n, is_fp32 in kept if is_fp32)
     if cp == 1:  # the attention kernel's output and log-sum-exp

@@ -109,15 +109,21 @@ def mtp_problems(cfg: Config) -> list[str]:
 
 
 def recompute_problems(cfg: Config) -> list[str]:
-    """Per-operation recompute keeps outputs through a dispatch mode, which compiled blocks bypass."""
-    t = cfg.training
+    """Per-operation recompute keeps outputs through a dispatch mode, which compiled blocks bypass; the
+    policy that recomputes MLA's up-projections needs a model that has them."""
+    t, problems = cfg.training, []
     if t.recompute == "op" and t.compile:
-        return [
+        problems.append(
             "training.recompute='op' keeps chosen operations' outputs as they run, which compiled blocks do "
             "not show it: with training.compile=true it would recompute whole blocks; use "
             "training.recompute='full' or 'selective' with compile, or training.compile=false"
-        ]
-    return []
+        )
+    if t.op_recompute_saves == "matmuls_but_mla_up" and not cfg.model.is_mla:
+        problems.append(
+            "training.op_recompute_saves='matmuls_but_mla_up' recomputes the up-projections of multi-head "
+            "latent attention, which this model does not have (model.kv_lora_rank = 0); use 'matmuls'"
+        )
+    return problems
 
 
 def float8_problems(cfg: Config, device_type: str | None) -> list[str]:
