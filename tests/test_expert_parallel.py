@@ -11,12 +11,13 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.mesh import ParallelMesh
 from meshtron.config.layout import ParallelDims
 from meshtron.config.schema import ConfigError, ModelConfig
-from meshtron.models.moe import MoE, combine, grouped_linear, sort_by_expert
+from meshtron.models.moe import MoE, WeightedSwiGLU, grouped_linear, sort_by_expert, sum_rows
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import (
@@ -217,8 +218,8 @@ def test_parity_with_single_device(workers, case):
 
 
 def test_bf16_runs_match_the_single_device_bf16_run(workers, tmp_path):
-    """Under bf16 autocast (tokens travel in bf16, gates combine in fp32; dedup's partial sums travel back
-    in bf16) each dispatcher trains as the ep = 1 run does, to bf16's precision: with FSDP's bf16
+    """Under bf16 autocast (tokens travel in bf16, gates in fp32 and are folded into the SwiGLU in fp32;
+    the outputs are summed in fp32; dedup's partial sums travel back in bf16) each dispatcher trains as the ep = 1 run does, to bf16's precision: with FSDP's bf16
     parameters, ZeRO-2's and ZeRO-1's fp32 ones."""
     base = [*TINY, *EP_MOE, "--training.dtype=bf16", "--training.steps=3", "--training.micro_batch=4"]
     want = workers(1).run(train_rows, [*base, f"--run.dir={tmp_path / 'single'}"])[0]
@@ -331,24 +332,28 @@ def dispatch_bytes(dispatch: str, capacity: float = 0.0) -> dict[str, float]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_alltoall_moves_the_formula_bytes_exactly(workers, world):
     """Uniform routing: each of the 4 token all-to-alls (dispatch and combine, forward and backward)
-    moves top_k·tokens·dim·4 bytes·(ep−1)/ep from each rank."""
+    moves top_k·tokens·dim·4 bytes·(ep−1)/ep from each rank, and the rows' gate values travel with them
+    (forward) and their gradients back: 2 more of top_k·tokens·4 bytes·(ep−1)/ep."""
     cfg = MODULE_CFG
     n_tokens = 4 * cfg.n_experts
     per_call = cfg.top_k * n_tokens * cfg.dim * 4 * (world - 1) / world
+    gates = cfg.top_k * n_tokens * 4 * (world - 1) / world
     for got in workers(world).run(dispatch_bytes, "alltoall"):
-        assert got == {"all_to_all": 4 * per_call, "calls": 4}
+        assert got == {"all_to_all": 4 * per_call + 2 * gates, "calls": 6}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_capacity_slots_move_the_capacity_bytes_exactly(workers, world):
     """With a capacity factor of 1.5 each all-to-all moves every expert's C = ceil(1.5·T·k/E) slots,
-    filled or not: E·C·dim·4 bytes·(ep−1)/ep from each rank."""
+    filled or not: E·C·dim·4 bytes·(ep−1)/ep from each rank, and each slot's gate value there and its
+    gradient back (E·C·4 bytes·(ep−1)/ep each)."""
     cfg = MODULE_CFG
     n_tokens = 4 * cfg.n_experts
     slots = math.ceil(1.5 * n_tokens * cfg.top_k / cfg.n_experts)
     per_call = cfg.n_experts * slots * cfg.dim * 4 * (world - 1) / world
+    gates = cfg.n_experts * slots * 4 * (world - 1) / world
     for got in workers(world).run(dispatch_bytes, "alltoall", 1.5):
-        assert got == {"all_to_all": 4 * per_call, "calls": 4}
+        assert got == {"all_to_all": 4 * per_call + 2 * gates, "calls": 6}
 
 
 # DeepSeek-V3's routing at module scale: 16 experts in 4 groups (one per ep rank at ep 4), a token's 4
@@ -436,18 +441,19 @@ def test_hierarchical_crosses_the_network_once_per_node(workers):
         assert got["ep_intra"] == (dedup_bytes(arrived, index, L, D * 4), 7), me
         assert got["ep"] == (0, 0)
         # What leaves the node, counted by the all-to-alls themselves: all of ep_inter's bytes, none of
-        # ep_intra's; the flat dispatch sends one row per assignment to a rank on the other node (x there
-        # and the output's gradient back) and answers those it receives (the output, x's gradient).
+        # ep_intra's; the flat dispatch sends one row per assignment to a rank on the other node (x and
+        # its gate there, the output's gradient back) and answers those it receives (the output, x's and
+        # the gate's gradients).
         assert got["network"] == {"ep_inter": inter, "ep_intra": 0}, me
         flat_sent = int(((experts[me] // L) // 2 != node).sum())
         flat_received = sum(int(((experts[s] // L) == me).sum()) for s in range(4) if s // 2 != node)
-        assert alltoall["network"]["ep"] == (flat_sent + flat_received) * 2 * D * 4, me
+        assert alltoall["network"]["ep"] == (flat_sent + flat_received) * (2 * D * 4 + 4), me
         assert got["network"]["ep_inter"] < alltoall["network"]["ep"]
 
 
 def test_sort_and_combine_round_trip_with_empty_experts():
-    """Sorting assignments by expert and combining them back is the identity (with unit weights, one
-    choice), whatever the counts: experts with no tokens, no kept assignment at all, another rank's
+    """Sorting assignments by expert and summing them back per token is the identity (one choice),
+    whatever the counts: experts with no tokens, no kept assignment at all, another rank's
     range; the grouped matmul handles empty groups, and its fallback loop (odd widths) agrees."""
     experts_Tk = torch.tensor([[3], [0], [3], [5], [0]])
     x_TD = torch.randn(5, 8)
@@ -462,7 +468,7 @@ def test_sort_and_combine_round_trip_with_empty_experts():
             int(((experts_Tk[:, 0] == first + e) & keep_Tk[:, 0]).sum()) for e in range(n)
         ]
         assert (experts_Tk.flatten()[order].diff() >= 0).all()
-        back = combine(x_TD[order], order, torch.ones(5, 1), 5)
+        back = sum_rows(x_TD[order], order, 5)
         kept = keep_Tk[:, 0] & (experts_Tk[:, 0] >= first) & (experts_Tk[:, 0] < first + n)
         assert torch.equal(back[kept], x_TD[kept]) and not back[~kept].any()
     counts = torch.tensor([3, 0, 2, 0])
@@ -478,6 +484,22 @@ def test_sort_and_combine_round_trip_with_empty_experts():
         assert w.grad[1].abs().max() == 0 and w.grad[3].abs().max() == 0
     empty = grouped_linear(torch.randn(0, 16), torch.randn(4, 8, 16), torch.zeros(4, dtype=torch.long))
     assert empty.shape == (0, 8)
+
+
+def test_weighted_swiglu_is_the_gate_times_swiglu_with_its_gradients():
+    """The gate folded into the experts' activation (Megatron-Core's weighted SwiGLU): the value and the
+    gradients of gate, up and weight are autograd's of w·silu(gate)·up, for sorted rows and for
+    capacity slots [E, M]; under bf16 inputs it computes in fp32 and returns bf16."""
+    for shape in ((7, 6), (3, 4, 6)):
+        gate, up = (torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        w = torch.rand(shape[:-1], dtype=torch.float64, requires_grad=True)
+        probe = torch.randn(shape, dtype=torch.float64)
+        ours = torch.autograd.grad((WeightedSwiGLU.apply(gate, up, w) * probe).sum(), (gate, up, w))
+        plain = torch.autograd.grad((F.silu(gate) * up * w[..., None] * probe).sum(), (gate, up, w))
+        for a, b in zip(ours, plain, strict=True):
+            torch.testing.assert_close(a, b)
+    half = WeightedSwiGLU.apply(gate.bfloat16(), up.bfloat16(), w.float())
+    assert half.dtype == torch.bfloat16
 
 
 # ---- checkpoints, Hugging Face checkpoints, refusals ----------------------------------------------------

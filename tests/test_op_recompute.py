@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import meshtron.parallel.recompute as recompute
 from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
+from meshtron.models.moe import GroupedExperts
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
@@ -130,6 +131,25 @@ def test_kept_bytes_equal_the_formula(model, saves, keep_attention):
         assignments=2 * 32 * cfg.top_k,
     )
     assert measured == [want] * cfg.n_layers
+
+
+@pytest.mark.parametrize("model", ["moe", "mla_moe"])
+def test_the_rerun_stops_before_the_experts_down_projection(monkeypatch, model):
+    """The op policy does not keep the routed experts' down-projection output: nothing after it saves a
+    tensor (the gates are folded in before it, models/moe.py), so backward's rerun of each block stops
+    before it and the down-projection runs once per layer, in forward only."""
+    finished = []
+    down = GroupedExperts.down
+
+    def counted(self, h, counts_E):
+        out = down(self, h, counts_E)
+        finished.append(torch.is_grad_enabled())
+        return out
+
+    monkeypatch.setattr(GroupedExperts, "down", counted)
+    cfg = MODELS[model]
+    kept_bytes(cfg, "matmuls")  # (one forward and backward)
+    assert len(finished) == cfg.n_layers
 
 
 def test_op_recompute_keeps_between_selective_and_full():

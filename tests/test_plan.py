@@ -145,6 +145,8 @@ MESSAGES = {
     # ZeRO-2: one bucket's reduce-scatter, a post-step gather per unit (3), clipping's all-reduce.
     "cp2_zero2": lambda c: {"dp": (c["dp_shard_cp"] - 1) * 1 + 2 + c["dp_cp"] * 2, "cp": c["cp"] / 2},
     "tp2_zero3_2": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "tp": (c["tp"] - 1) * 2},
+    # alltoall: per MoE layer the count table's all-gather, the rows and their gates each way, forward and
+    # backward (6 all-to-alls)
     "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
     # dedup: per MoE layer the count table's all-gather, 4 all-to-alls forward and 3 backward
     "moe_ep2_dedup_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},

@@ -11,8 +11,10 @@ A forward, on one device or on any layout:
              the lowest-scored assignments of an over-full expert dropped (the token keeps its
              residual path and the shared experts)
   dispatch   `local_dispatch` here: assignments sorted by expert (a stable sort), the experts run as one
-             grouped matmul, outputs weighted in fp32 and summed per token. Expert parallel replaces it
-             (`MoE.dispatch`) with an exchange over the ep ranks (parallel/expert.py)
+             grouped matmul, each row's gate value folded into its SwiGLU before the down-projection
+             (`WeightedSwiGLU`, Megatron-Core's weighted SwiGLU), the rows summed per token in fp32
+             (`sum_rows`). Expert parallel replaces it (`MoE.dispatch`) with an exchange over the ep
+             ranks (parallel/expert.py), the gate values travelling with the rows
   balance    Switch/GShard loss over the micro-batch, or DeepSeek-V3's per sequence; router z-loss
 """
 
@@ -182,12 +184,80 @@ def compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
-def combine(y_ND: torch.Tensor, order: torch.Tensor, weights_Tk: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """[T, D] in fp32 (or wider): each token's expert outputs (rows of y_ND, in `order`) weighted by their
-    gate values and summed."""
-    weighted = y_ND.to(torch.promote_types(y_ND.dtype, torch.float32)) * weights_Tk.flatten()[order, None]
-    top_k = weights_Tk.shape[1]
-    return weighted.new_zeros(n_tokens, y_ND.shape[1]).index_add(0, order // top_k, weighted)
+class _AddRows(torch.autograd.Function):
+    """out[row_N[n]] += y[n] into zeros [n_rows, D], in fp32 (or wider) when `wide`, else in y's dtype.
+    The row ids are kept on ctx, not saved for backward: see `take_rows`."""
+
+    @staticmethod
+    def forward(ctx, y_ND: torch.Tensor, row_N: torch.Tensor, n_rows: int, wide: bool) -> torch.Tensor:  # noqa: ANN001
+        ctx.row_N, ctx.dtype = row_N, y_ND.dtype
+        if wide:
+            y_ND = y_ND.to(torch.promote_types(y_ND.dtype, torch.float32))
+        return y_ND.new_zeros(n_rows, *y_ND.shape[1:]).index_add_(0, row_N, y_ND)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
+        return grad[ctx.row_N].to(ctx.dtype), None, None, None
+
+
+class _TakeRows(torch.autograd.Function):
+    """y[row_N], the row ids kept on ctx: see `take_rows`."""
+
+    @staticmethod
+    def forward(ctx, y_ND: torch.Tensor, row_N: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.row_N, ctx.rows = row_N, y_ND.shape[0]
+        return y_ND[row_N]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_add_(0, ctx.row_N, grad), None
+
+
+def sum_rows(y_ND: torch.Tensor, row_N: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[n_rows, D] in fp32 (or wider): the rows of y_ND summed into row row_N[n] of the result (a token's
+    already weighted expert outputs)."""
+    return _AddRows.apply(y_ND, row_N, n_rows, True)
+
+
+def put_rows(y_ND: torch.Tensor, row_N: torch.Tensor) -> torch.Tensor:
+    """The rows of y_ND put back where a permutation took them from: out[row_N[n]] = y[n], in y's dtype."""
+    return _AddRows.apply(y_ND, row_N, y_ND.shape[0], False)
+
+
+def take_rows(y_ND: torch.Tensor, row_N: torch.Tensor) -> torch.Tensor:
+    """y_ND[row_N]. What runs after the experts' down-projection (these two, the combine's exchanges,
+    casts, pads and sums) saves no tensor for backward: the row ids ride on ctx (they are saved anyway
+    by the gathers before the experts). So recompute = "op" (torch's non-reentrant checkpoint, which
+    stops rerunning a block once every saved tensor is made again) stops before the down-projection,
+    whose output it then need not keep (parallel/recompute.py)."""
+    return _TakeRows.apply(y_ND, row_N)
+
+
+class WeightedSwiGLU(torch.autograd.Function):
+    """silu(gate)·up·w, computed in fp32 (or wider) and returned in gate's dtype, with w [...] each row's
+    gate value: the routing weight folded into an expert's activation before its down-projection
+    (Megatron-Core's weighted SwiGLU), so the down-projection's output is already weighted and nothing of
+    model width is kept for the weight's gradient. Backward keeps gate, up and w and makes the product
+    again."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(gate, up, w)
+        wide = torch.promote_types(gate.dtype, torch.float32)
+        return (F.silu(gate.to(wide)) * up.to(wide) * w.to(wide)[..., None]).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        gate, up, w = ctx.saved_tensors
+        wide = torch.promote_types(gate.dtype, torch.float32)
+        g, u, grad = gate.to(wide), up.to(wide), grad.to(wide)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        grad_w = (grad * silu * u).sum(-1).to(w.dtype)
+        grad_h = grad * w.to(wide)[..., None]
+        grad_up = (grad_h * silu).to(up.dtype)
+        grad_gate = (grad_h * u * sig * (1 + g * (1 - sig))).to(gate.dtype)
+        return grad_gate, grad_up, grad_w
 
 
 # Eager even inside compiled blocks: the compiler has no fp32 grouped_mm (torch 2.13's meta kernel
@@ -225,23 +295,30 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))  # down
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor | None) -> torch.Tensor:
-        """Rows sorted by expert, counts_E of each; or counts_E None: x is [E, M, D], M rows per expert."""
+    def forward(
+        self, x_ND: torch.Tensor, counts_E: torch.Tensor | None, gates_N: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's output weighted by its gate value (gates_N, fp32): rows sorted by expert, counts_E of
+        each; or counts_E None: x is [E, M, D] and gates [E, M], M rows per expert."""
         if counts_E is None:
-            return self.forward_slots(x_ND)
+            return self.forward_slots(x_ND, gates_N)
         gate = grouped_linear(x_ND, self.w1, counts_E)
         up = grouped_linear(x_ND, self.w3, counts_E)
-        return grouped_linear(F.silu(gate) * up, self.w2, counts_E)
+        return self.down(WeightedSwiGLU.apply(gate, up, gates_N), counts_E)
 
-    def forward_slots(self, x_EMD: torch.Tensor) -> torch.Tensor:
+    def forward_slots(self, x_EMD: torch.Tensor, gates_EM: torch.Tensor) -> torch.Tensor:
         """Every expert on its own M rows (capacity slots; empty ones zero, and so their outputs): batched
         matmuls of static shapes, nothing read on the host."""
         x_EMD = compute_dtype(x_EMD)
+        gate, up = (torch.bmm(x_EMD, w.to(x_EMD.dtype).transpose(1, 2)) for w in (self.w1, self.w3))
+        return self.down(WeightedSwiGLU.apply(gate, up, gates_EM), None)
 
-        def linear(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
-            return torch.bmm(x, w_EOI.to(x.dtype).transpose(1, 2))
-
-        return linear(F.silu(linear(x_EMD, self.w1)) * linear(x_EMD, self.w3), self.w2)
+    def down(self, h: torch.Tensor, counts_E: torch.Tensor | None) -> torch.Tensor:
+        """The down-projection w2 of the weighted activations: grouped by counts_E, or batched [E, M, F]
+        (counts_E None). Its own method, so that recompute can tell its matmul from the others'."""
+        if counts_E is None:
+            return torch.bmm(h, self.w2.to(h.dtype).transpose(1, 2))
+        return grouped_linear(h, self.w2, counts_E)
 
 
 class Routing(NamedTuple):
@@ -266,8 +343,9 @@ def local_dispatch(moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tens
     others' outputs summed by tensor parallel's exit) on this rank's tokens."""
     weights_Tk, experts_Tk, keep_Tk, _ = routing
     order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.experts.w1.shape[0])
-    y_ND = moe.experts(x_TD[order // moe.top_k], counts_E)
-    return combine(y_ND, order, weights_Tk, x_TD.shape[0])
+    token_N = order // moe.top_k
+    y_ND = moe.experts(x_TD[token_N], counts_E, weights_Tk.flatten()[order])
+    return sum_rows(y_ND, token_N, x_TD.shape[0])
 
 
 class MoE(nn.Module):
@@ -320,19 +398,28 @@ class MoE(nn.Module):
         return loads
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, weighted auxiliary loss). The routed experts run last, so that nothing after their
+        down-projection is kept for backward (`take_rows`)."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights_Tk, experts_Tk, scores_TE, logits_TE = self.router(x_TD)
         capacity = self.capacity(x_TD.shape[0])
         keep_Tk = capacity_keep(scores_TE, experts_Tk, capacity)
         self._count(experts_Tk, keep_Tk)
-        y_TD = self.dispatch(self, x_TD, Routing(weights_Tk, experts_Tk, keep_Tk, capacity)).to(x_TD.dtype)
-
+        aux = self._aux_loss(x_BSD, scores_TE, experts_Tk, logits_TE)
+        shared = None
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
+        y_TD = self.dispatch(self, x_TD, Routing(weights_Tk, experts_Tk, keep_Tk, capacity)).to(x_TD.dtype)
+        if shared is not None:
             y_TD = y_TD + shared
+        return y_TD.view_as(x_BSD), aux
 
+    def _aux_loss(
+        self, x_BSD: torch.Tensor, scores_TE: torch.Tensor, experts_Tk: torch.Tensor, logits_TE: torch.Tensor
+    ) -> torch.Tensor:
+        """The balance loss (and the router z-loss) times their coefficients."""
         balance, z_loss = router_losses(
             scores_TE,
             experts_Tk,
@@ -345,4 +432,4 @@ class MoE(nn.Module):
         aux = self.aux_loss_coef * balance
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss
-        return y_TD.view_as(x_BSD), aux
+        return aux

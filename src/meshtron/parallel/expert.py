@@ -7,9 +7,10 @@ routes and keeps; this module moves the tokens):
   alltoall   (`parallel.ep_dispatch`, the default)
     1  sort this rank's kept assignments by expert (stable): the rows for each ep rank are contiguous
     2  all-gather the per-expert counts [ep, E]: every rank learns what it sends and receives
-    3  all-to-all the token rows (uneven splits), regroup what arrived by local expert
-    4  local experts as one grouped matmul
-    5  the reverse all-to-all, then each token's outputs weighted by its gate values and summed in fp32
+    3  all-to-all the token rows and their gate values (uneven splits), regroup what arrived by local
+       expert
+    4  local experts as one grouped matmul, each row's gate folded into its SwiGLU (models/moe.py)
+    5  the reverse all-to-all of the weighted outputs, summed per token in fp32
     with a capacity C per expert (`slots`): every expert gets C rows from each rank, the kept
     assignments in slots found on the device and zeros in the rest, so both all-to-alls are even and
     nothing is read on the host (no counts, no sort by size): GShard's dispatch, at the cost of the
@@ -18,7 +19,8 @@ routes and keeps; this module moves the tokens):
     1  which ranks hold one or more of each token's kept experts, and its gate for each of their experts
     2  all-gather the per-rank row counts [ep, ep]
     3  all-to-all each (token, rank) row once, with its gates and which experts it chose (uneven)
-    4  local experts as one grouped matmul; each row's outputs weighted and summed on the expert's rank
+    4  local experts as one grouped matmul, each assignment's gate folded into its SwiGLU; each row's
+       outputs summed on the expert's rank
     5  the reverse all-to-all (one row per token and rank), summed per token in fp32
     the dispatch's rows per token are the distinct ranks of its experts, at most top_k and, under
     group-limited routing whose groups are ranks (n_expert_groups = ep), at most topk_expert_groups;
@@ -33,7 +35,8 @@ routes and keeps; this module moves the tokens):
     the nodes, to at most topk_expert_groups nodes
   allgather
     1  all-gather every rank's tokens, gate values, expert ids and keep mask over ep
-    2  each rank runs its experts on the assignments routed to them and sums them per token (fp32)
+    2  each rank runs its experts on the assignments routed to them (gates folded in) and sums them per
+       token (fp32)
     3  reduce-scatter: each rank gets back its own tokens' sums
        (moves ep times the tokens but never waits on counts; better when top_k is large against ep)
 
@@ -65,11 +68,13 @@ from meshtron.models.moe import (
     GroupedExperts,
     MoE,
     Routing,
-    combine,
     compute_dtype,
     counts_of,
     local_dispatch,
+    put_rows,
     sort_by_expert,
+    sum_rows,
+    take_rows,
 )
 
 
@@ -104,14 +109,15 @@ class AllToAllDispatch(ExpertDispatch):
         received_SE = table[:, me]
         # The uneven all-to-all takes its split sizes on the host: the layer's one read of the device.
         sent, received = torch.stack([table[me].sum(-1), received_SE.sum(-1)]).tolist()
-        x_ND = compute_dtype(x_TD)[order // moe.top_k]
-        x_MD = self.comm.all_to_all_v(x_ND, self.ep, received, sent)  # rows by (source, local expert)
-        experts_M = torch.arange(local, device=x_MD.device).repeat(n)
+        token_N = order // moe.top_k
+        x_MD = self.comm.all_to_all_v(compute_dtype(x_TD)[token_N], self.ep, received, sent)
+        gates_M1 = self.comm.all_to_all_v(weights_Tk.flatten()[order, None], self.ep, received, sent)
+        experts_M = torch.arange(local, device=x_MD.device).repeat(n)  # rows by (source, local expert)
         expert_M = experts_M.repeat_interleave(received_SE.flatten(), output_size=x_MD.shape[0])
         by_expert = torch.argsort(expert_M, stable=True)
-        y_MD = moe.experts(x_MD[by_expert], received_SE.sum(0))[torch.argsort(by_expert)]
-        y_ND = self.comm.all_to_all_v(y_MD, self.ep, sent, received)
-        return combine(y_ND, order, weights_Tk, x_TD.shape[0])
+        y_MD = moe.experts(x_MD[by_expert], received_SE.sum(0), gates_M1[by_expert, 0])
+        y_ND = self.comm.all_to_all_v(put_rows(y_MD, by_expert), self.ep, sent, received)
+        return sum_rows(y_ND, token_N, x_TD.shape[0])
 
     def slots(
         self,
@@ -133,14 +139,17 @@ class AllToAllDispatch(ExpertDispatch):
         token_R[slot_A] = torch.arange(tokens * top_k, device=x_TD.device) // top_k
         x_TD = compute_dtype(x_TD)
         x_RD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])[token_R[:rows]]
+        # Each slot's gate value (0 in an empty one; the dropped slot `rows` takes the rest).
+        gates_R = weights_Tk.new_zeros(rows + 1).index_put((slot_A,), weights_Tk.flatten())[:rows]
         # [dest rank, local expert, slot] -> [source rank, local expert, slot] -> [local expert, rows]
         x_SLCD = self.comm.all_to_all(x_RD, self.ep, 0, 0).view(n, local, capacity, -1)
-        y_LMD = moe.experts(x_SLCD.transpose(0, 1).reshape(local, n * capacity, -1), None)
+        gates_SLC = self.comm.all_to_all(gates_R[:, None], self.ep, 0, 0).view(n, local, capacity)
+        gates_LM = gates_SLC.transpose(0, 1).reshape(local, n * capacity)
+        y_LMD = moe.experts(x_SLCD.transpose(0, 1).reshape(local, n * capacity, -1), None, gates_LM)
         y_SLCD = y_LMD.view(local, n, capacity, -1).transpose(0, 1).reshape(rows, -1)
         y_RD = self.comm.all_to_all(y_SLCD, self.ep, 0, 0)
-        y_AD = torch.cat([y_RD, y_RD.new_zeros(1, y_RD.shape[1])])[slot_A]
-        weighted = y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)) * weights_Tk.reshape(-1, 1)
-        return weighted.view(*weights_Tk.shape, -1).sum(1)
+        y_AD = take_rows(torch.cat([y_RD, y_RD.new_zeros(1, y_RD.shape[1])]), slot_A)
+        return y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)).view(*weights_Tk.shape, -1).sum(1)
 
 
 class PerRankDispatch(ExpertDispatch):
@@ -207,9 +216,7 @@ def send_once_per_rank(
     chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
     # One row back per token: its weighted sum over the rank's experts, in the tokens' dtype.
     y_MD = there_sum(x_MD, gates_ML, chosen_ML).to(x_MD.dtype)
-    y_PD = comm.all_to_all_v(y_MD, group, sent, received)
-    y_PD = y_PD.to(torch.promote_types(y_PD.dtype, torch.float32))
-    return y_PD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)
+    return sum_rows(comm.all_to_all_v(y_MD, group, sent, received), token_P, x_TD.shape[0])
 
 
 def weighted_experts(moe: MoE) -> Rows:
@@ -217,11 +224,8 @@ def weighted_experts(moe: MoE) -> Rows:
 
     def run(x_MD: torch.Tensor, gates_ML: torch.Tensor, chosen_ML: torch.Tensor) -> torch.Tensor:
         expert_A, row_A = chosen_ML.t().nonzero(as_tuple=True)  # assignments by local expert, then row
-        y_AD = moe.experts(x_MD[row_A], chosen_ML.sum(0))
-        weighted = (
-            y_AD.to(torch.promote_types(y_AD.dtype, torch.float32)) * gates_ML[row_A, expert_A][:, None]
-        )
-        return weighted.new_zeros(x_MD.shape).index_add(0, row_A, weighted)
+        y_AD = moe.experts(x_MD[row_A], chosen_ML.sum(0), gates_ML[row_A, expert_A])
+        return sum_rows(y_AD, row_A, x_MD.shape[0])
 
     return run
 
@@ -268,8 +272,9 @@ class AllGatherDispatch(ExpertDispatch):
         experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
         keep_all = self.comm.all_gather_tensor(keep_Tk.to(torch.uint8), self.ep).bool()
         order, counts_E = sort_by_expert(experts_all, keep_all, moe.first_expert, moe.experts.w1.shape[0])
-        y_ND = moe.experts(x_all[order // moe.top_k], counts_E)
-        return self.comm.reduce_scatter(combine(y_ND, order, weights_all, x_all.shape[0]), self.ep)
+        token_N = order // moe.top_k
+        y_ND = moe.experts(x_all[token_N], counts_E, weights_all.flatten()[order])
+        return self.comm.reduce_scatter(sum_rows(y_ND, token_N, x_all.shape[0]), self.ep)
 
 
 DISPATCHES: dict[str, type[ExpertDispatch]] = {

@@ -4,8 +4,9 @@
   selective  only the attention core (rotary embedding + attention) is rerun; everything else is kept
   op         each block keeps its input and the outputs of chosen operations, per operation: every
              matmul's (or every other one's, or every one's but MLA's up-projections, DeepSeek-V3's
-             recipe: `training.op_recompute_saves`) and the attention kernels' (with their
-             log-sum-exp); backward reruns the block's forward, where a kept output is taken
+             recipe: `training.op_recompute_saves`) but the routed experts' down-projection (whose
+             output no backward needs: the rerun stops before it) and the attention kernels' (with
+             their log-sum-exp); backward reruns the block's forward, where a kept output is taken
              from the store instead of computed (torch's selective checkpoint API), so only the cheap
              operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. Collectives are
              not kept, so they run again, as under full recompute. torchtitan's op-level policy does
@@ -86,11 +87,12 @@ ATTENTION = {
 
 class _Region(threading.local):
     """Whether this thread is inside an attention core (its operations follow the attention rule of the
-    op policy, not the matmul one), or inside an MLA up-projection (its matmul is recomputed under
-    "matmuls_but_mla_up"): set by `_inside`."""
+    op policy, not the matmul one), or inside a matmul whose output the op policy does not keep: the
+    routed experts' down-projection (no backward needs its output, and the rerun stops before it:
+    models/moe.py `take_rows`), MLA's up-projections under "matmuls_but_mla_up". Set by `_inside`."""
 
     attention = False
-    up_projection = False
+    not_kept = False
 
 
 _REGION = _Region()
@@ -122,7 +124,7 @@ def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tup
             if _REGION.attention:
                 keep = keep_attention and op in ATTENTION
                 return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-            if op in MATMULS and _REGION.up_projection:  # (only marked under "matmuls_but_mla_up")
+            if op in MATMULS and _REGION.not_kept:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if op in MATMULS:
                 index, counts[ctx.is_recompute] = counts[ctx.is_recompute], counts[ctx.is_recompute] + 1
@@ -163,12 +165,14 @@ def apply_recompute(
             block.attention.core = _inside("attention", block.attention.core)
             if op_saves == "matmuls_but_mla_up" and isinstance(block.attention, LatentAttention):
                 _mark_up_projections(block.attention)
+            if block.moe is not None:
+                block.moe.experts.down = _inside("not_kept", block.moe.experts.down)
             block.forward = _checkpointed(block.forward, op_policy(op_saves, keep_attention))
 
 
 def _mark_up_projections(attention: LatentAttention) -> None:
     """MLA's up-projections (the queries' from their latent, the keys' and values' from theirs) run
     inside the up-projection region, so the op policy recomputes their outputs from the latents."""
-    attention.up = _inside("up_projection", attention.up)
+    attention.up = _inside("not_kept", attention.up)
     if attention.wq_b is not None:
-        attention.wq_b.forward = _inside("up_projection", attention.wq_b.forward)
+        attention.wq_b.forward = _inside("not_kept", attention.wq_b.forward)

@@ -17,7 +17,8 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   backward (one more all-gather per region, unless full recompute reruns the forward's);
                   the vocab-parallel loss all-reduces 3 numbers per token
   expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
-                  and micro-batch under balanced routing, plus the count table's all-gather; dedup:
+                  and micro-batch under balanced routing, 2 of the rows' gates (4 bytes each: there,
+                  and their gradient back), plus the count table's all-gather; dedup:
                   the same 4 of r·tokens rows, r the ranks a token reaches (plan/routing.py), with
                   each row's gates and chosen-mask (and the gates' gradient)
   pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
@@ -198,7 +199,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
 
 def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
     """One MoE layer's dispatch bytes for one micro-batch of `tokens` tokens, by group. alltoall: top_k
-    rows per token each way, and the count table; dedup and each hop of hierarchical: one row per token
+    rows per token each way with their gates, and the count table; dedup and each hop of hierarchical: one row per token
     and member holding its experts (plan/routing.py), carrying the token, gates and chosen-mask there and
     the partial sum back, with their gradients (no mask's), and the row counts' all-gather."""
     p, m = cfg.parallel, cfg.model
@@ -206,7 +207,10 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
         return {}
     sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
     if p.ep_dispatch == "alltoall":
-        return {"ep": 4 * sent * m.top_k * m.dim * 4 * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)}
+        rows = (
+            4 * m.dim * 4 + 2 * 4
+        )  # the row there and back, with their gradients; its gate and its gradient
+        return {"ep": sent * m.top_k * rows * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)}
     hops = [("ep", sent * ranks_per_token(m, p.ep), m.n_experts // p.ep, p.ep)]
     if p.ep_dispatch == "hierarchical":
         per_node = len(p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node or world_size)[0][0])

@@ -17,8 +17,8 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
         reduce-scattered
   ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron); `Overlap.ep`: behind
         of top_k·tokens·dim (dispatch and combine, forward and         the other micro-batch's compute, which
-        backward); the busiest rank receives `imbalance` times the     the communication kernels slow
-        mean (1: balanced routing)                                     (overlapped_ep)
+        backward) and 2 of their gate values; the busiest rank         the communication kernels slow
+        receives `imbalance` times the mean (1: balanced routing)      (overlapped_ep)
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -152,7 +152,8 @@ def layer_comm(
         if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
             rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
         one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
-        out["ep"] = PassTimes(f=counts + 2 * one, b=2 * one)
+        gates = collective_time("all_to_all", rows * 4, ep, net.gpu, net.eff)  # fp32, with the rows
+        out["ep"] = PassTimes(f=counts + 2 * one + gates, b=2 * one + gates)
         if p.ep_dispatch == "dedup":
             rows = imbalance * sent * ranks_per_token(m, p.ep)
             out["ep"] = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)

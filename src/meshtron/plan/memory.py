@@ -41,18 +41,20 @@ and combines and M those its experts process. Balanced routing (each expert chos
 capacity C = ceil(factor·T·k/E), min(T·k/E, C) kept) gives N = M = T·k dropless, N = M = min(T·k, E·C)
 with capacity, on one device and on every ep rank alike (each receives what it sends); with etp = 1
 (whole experts, E/t per tp rank) 1/t of that. `kept` and `assignments` take measured counts instead.
-Indices are int64, the grouped matmuls' offsets int32, the combine fp32:
+Indices are int64, the grouped matmuls' offsets int32, the gate values fp32:
 
   router            its scores T·E, the chosen experts' ids T·k (int64); the chosen scores and their
                     sum T·k + T when renormalised; the sigmoid scores' sum T; with the z-loss the
                     logits and their log-sum-exp T·E + T; the balance statistics 4·G·E + G + 2
                     (G = b for the per-sequence loss, else 1)
-  routed experts    the gathered token rows M·h, their SwiGLU 4·M·e, each grouped matmul's offsets
-                    3·E/ep (int32; 3·E/(ep·t) with etp = 1); the row ids of the gather N and of the
-                    combine 2·N (int64), and under the all-to-all dispatch the regrouping by local
-                    expert and back 2·M (int64)
-  combine           the gathered gate values N, the expert outputs and the weighted outputs 2·N·h in
-                    fp32 (index_add keeps the latter only for its shape)
+  routed experts    the gathered token rows M·h; the gate and up projections 2·M·e and each row's gate
+                    value M (fp32), which the weighted SwiGLU keeps (it makes its product again in
+                    backward); the down-projection's input M·e; each grouped matmul's offsets 3·E/ep
+                    (int32; 3·E/(ep·t) with etp = 1); the row ids of the tokens' gather and of the
+                    gates' 2·N (int64), and under the all-to-all dispatch the regrouping by local
+                    expert M (int64)
+  combine           nothing: the outputs come weighted (the gate folded in before the
+                    down-projection, models/moe.py) and their sum per token keeps only row ids
   shared experts    SwiGLU 4·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
   full recompute    the block input only, as dense
   op recompute      the block input and the outputs its policy keeps (plan/op_memory.py), as dense
@@ -276,14 +278,13 @@ def moe_layer_activation_elements(
         pairs = round(tokens // share * ranks_per_token(cfg, ep)) if pairs is None else pairs
         routed = _dedup_elements(cfg, tokens // share, ffn, assignments, pairs, cfg.n_experts // ep)
     else:
-        # Gathered rows for the experts (rows regrouped by local expert and back under all-to-all), their
-        # SwiGLU, the offsets of each of the 3 grouped matmuls; the combine keeps the rows' ids twice (the
-        # gate gather's and the index_add's), the gathered gates, the expert outputs and the weighted
-        # outputs (saved by index_add though only its shape is needed), both in fp32.
+        # Gathered rows for the experts (regrouped by local expert under all-to-all), the weighted
+        # SwiGLU's gate, up and gate value, the down-projection's input, the offsets of each of the 3
+        # grouped matmuls; the row ids of the token gather and of the gate gather.
         routed = SavedElements(
-            floats=assignments * (cfg.dim + 4 * ffn) + kept,
-            fp32=2 * kept * cfg.dim,
-            int64=3 * kept + (2 * assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
+            floats=assignments * (cfg.dim + 3 * ffn),
+            fp32=assignments,
+            int64=2 * kept + (assignments if ep > 1 and ep_dispatch == "alltoall" else 0),
             int32=3 * cfg.n_experts // ep,
         )
     attention = SavedElements(
@@ -297,14 +298,14 @@ def moe_layer_activation_elements(
 def _dedup_elements(
     cfg: ModelConfig, tokens: int, ffn: int, assignments: int, pairs: int, local: int
 ) -> SavedElements:
-    """The dedup dispatch (parallel/expert.py): the experts' rows and SwiGLU A·(h + 4·e) and offsets;
-    on the experts' rank the outputs, the weighted outputs A·h each and the gates A in fp32, each
-    assignment's row and expert (2·A, int64); on the tokens' rank the returned partial sums P·h (fp32),
-    each row's token and rank (2·P, int64), and the gates' scatter: its index and mask (T·k each)."""
+    """The dedup dispatch (parallel/expert.py): on the experts' rank the rows, the weighted SwiGLU's
+    gate and up and the down-projection's input A·(h + 3·e), each assignment's gate A (fp32) and its row
+    and expert (2·A, int64), the offsets; on the tokens' rank each row's token and rank (2·P, int64) and
+    the gates' scatter: its index and mask (T·k each)."""
     routed = tokens * cfg.top_k
     return SavedElements(
-        floats=assignments * (cfg.dim + 4 * ffn),
-        fp32=2 * assignments * cfg.dim + assignments + pairs * cfg.dim,
+        floats=assignments * (cfg.dim + 3 * ffn),
+        fp32=assignments,
         int64=routed + 2 * pairs + 2 * assignments,
         int32=3 * local,
         bools=routed,
@@ -315,16 +316,14 @@ def _capacity_slot_elements(
     cfg: ModelConfig, tokens: int, ffn: int, share: int, assignments: int | None
 ) -> SavedElements:
     """The all-to-all dispatch with a capacity (parallel/expert.py, `slots`): the experts process every
-    slot, M = E·C rows, filled or not (`assignments` if measured; C the capacity of all `tokens`); every
-    one of the A = T·k/share assignments this rank sends is gathered back and weighted: each slot's token
-    id (M + 1, int64), each assignment's slot (A, int64), the experts' rows and SwiGLU M·(h + 4·e), the
-    gathered outputs in fp32 A·h and the gate values A (fp32)."""
+    slot, M = E·C rows, filled or not (`assignments` if measured; C the capacity of all `tokens`), with
+    its gate value (0 if empty); each slot's token id (M + 1, int64), each of the A = T·k/share
+    assignments' slot (A, int64), the experts' rows, gate and up and the down-projection's input
+    M·(h + 3·e), the slots' gates M (fp32). The weighted outputs come back and are summed: nothing kept."""
     capacity = math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts)
     rows = cfg.n_experts * capacity if assignments is None else assignments
     routed = tokens // share * cfg.top_k
-    return SavedElements(
-        floats=rows * (cfg.dim + 4 * ffn), fp32=routed * cfg.dim + routed, int64=routed + rows + 1
-    )
+    return SavedElements(floats=rows * (cfg.dim + 3 * ffn), fp32=rows, int64=routed + rows + 1)
 
 
 def _router_elements(cfg: ModelConfig, batch: int, tokens: int) -> SavedElements:

@@ -12,9 +12,11 @@ k the key/value width held per rank, f the FFN width, the matmuls' outputs are:
                 the attention core, so recomputed, when context parallel exchanges latents), the output
                 projection T·h
   dense FFN     gate and up T·f/t each, down T·h (partial)
-  MoE           the router's scores T·E (fp32: it computes in fp32); the experts' gate and up M·e each
-                and down M·h over the M rows they process (e = expert FFN width per rank); the shared
-                expert's gate, up T·f_s/t and down T·h; its sigmoid gate's projection T
+  MoE           the router's scores T·E (fp32: it computes in fp32); the shared expert's gate, up
+                T·f_s/t and down T·h; its sigmoid gate's projection T; the routed experts' gate and up
+                M·e each over the M rows they process (e = expert FFN width per rank). Their
+                down-projection's output is not kept: the gate values are folded in before it, nothing
+                after it saves a tensor, and so the rerun stops before it (models/moe.py)
 
 "matmuls" keeps them all, "every_other_matmul" the first, third, fifth... in that order (torchtitan's
 trade of memory for a little recompute), "matmuls_but_mla_up" all but MLA's two up-projections
@@ -60,14 +62,16 @@ def _latent_matmuls(cfg: ModelConfig, tokens: int, tp: int, q_up: bool, kv_up: b
 
 
 def _moe_matmuls(cfg: ModelConfig, tokens: int, tp: int, expert_tp: bool, rows: int) -> Outputs:
+    """In the order models/moe.py runs them: the router, the shared expert (and its gate's projection),
+    the routed experts' gate and up (their down-projection's output is not kept)."""
     e = cfg.expert_ffn_dim // tp if expert_tp else cfg.expert_ffn_dim
-    out = [(tokens * cfg.n_experts, True), (rows * e, False), (rows * e, False), (rows * cfg.dim, False)]
+    out = [(tokens * cfg.n_experts, True)]
     if cfg.n_shared_experts:
         s = cfg.shared_expert_ffn_dim // tp
         out += [(tokens * s, False), (tokens * s, False), (tokens * cfg.dim, False)]
         if cfg.shared_expert_gate:
             out.append((tokens, False))
-    return out
+    return out + [(rows * e, False), (rows * e, False)]
 
 
 def op_kept_elements(
