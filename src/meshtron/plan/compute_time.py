@@ -5,9 +5,12 @@ weight-gradient backward (W), from the shapes and three rates.
   a matmul [m,k]x[k,n]   max(2·m·k·n / (peak·matmul), 2·(m·k + k·n + m·n)·bytes / (hbm·hbm_eff))
                          a roofline: thin matmuls (tp cuts n or k) are memory-bound  F, B and W each one
   attention core         4·(q/tp)·keys·tokens / (peak·attention)                  F once, B twice
-  elementwise work       passes·(activation bytes the layer keeps) / (hbm·hbm_eff):  F a third, B the rest
-                         norms, rotary, SwiGLU's product, residuals, the loss read
-                         and write about what the layer keeps for backward
+  elementwise work       passes·(activation bytes the layer keeps, and an MoE        F a third, B the rest
+                         layer's routed rows moved) / (hbm·hbm_eff): norms, rotary,
+                         SwiGLU's product, residuals, the loss read and write about
+                         what the layer keeps for backward; the routed rows'
+                         permutation and combine move each row's input and output
+                         and its fp32 sum, which nothing keeps
   recompute              full: the layer's F again in B; selective: the attention core's F again
 
 Rows m: the rank's tokens of the micro-batch, micro_batch·seq_len/cp (a tp rank computes on all of
@@ -164,6 +167,18 @@ def _op_rerun_matmuls(cfg: Config, rows: int, gemm: float, rates: Rates) -> floa
     return queries + keys
 
 
+def _routed_rows_moved(cfg: Config, layer: int, rows: int) -> float:
+    """Bytes an MoE layer's routed rows move in its permutation and combine that the layer does not keep:
+    each row's token written in expert order and its output read back (activation dtype), then summed
+    into the token's fp32 result; 0 for a dense layer."""
+    m, p = cfg.model, cfg.parallel
+    if not m.is_moe_layer(layer):
+        return 0.0
+    act = 2 if cfg.training.dtype != "fp32" else 4
+    routed = m.top_k * rows // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank routes 1/tp
+    return routed * m.dim * (2 * act + 4)
+
+
 def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
     """F, B and W seconds of transformer layer `layer` for one micro-batch on one rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -172,7 +187,7 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     width = m.n_heads // p.tp * (m.head_size + m.value_size)  # QKᵀ over the key dims, softmax·V the value's
     keys = keys_per_query(t.seq_len, m.sliding_window)
     core = rates.attention_time(2.0 * width * keys * rows)
-    kept = layer_bytes(cfg, layer, "none")
+    kept = layer_bytes(cfg, layer, "none") + _routed_rows_moved(cfg, layer, rows)
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     forward = gemm + core + elementwise / 4
     # "op": the block's forward again, its kept matmuls (and, without cp, attention) taken from the store
