@@ -197,12 +197,15 @@ def recompute_flops_per_token(
     up-projections with matmuls_but_mla_up) and, under context parallel, the attention core."""
     if recompute == "none":
         return 0.0
+    layers = list(range(cfg.n_layers) if layers is None else layers)  # (read twice below)
     blocks = model_flops(cfg, seq_len, attention, layers, head=False)
     if recompute == "op":
         matmuls = blocks.attention_projections + blocks.ffn + blocks.router
-        rerun = {"matmuls": 0.0, "every_other_matmul": matmuls / 2}.get(op_saves)
-        if rerun is None:  # "matmuls_but_mla_up": the up-projections of every layer
-            rerun = mla_up_flops_per_token(cfg) * len(list(range(cfg.n_layers) if layers is None else layers))
+        rerun = {
+            "matmuls": 0.0,
+            "every_other_matmul": matmuls / 2,
+            "matmuls_but_mla_up": mla_up_flops_per_token(cfg) * len(layers),
+        }[op_saves]
         return rerun + (blocks.attention_core if cp > 1 else 0.0)
     return blocks.total if recompute == "full" else blocks.attention_core
 
