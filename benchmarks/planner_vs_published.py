@@ -217,8 +217,10 @@ def other_runs() -> list[Run]:
 
 
 # Mixture-of-experts runs. Megatron-Core's are Megatron Bridge's published H100 tables
-# (the performance-summary archive page of NVIDIA-NeMo/Megatron-Bridge), FP8 with DeepEP's dispatcher; its
-# MoE recipes fold the experts (etp 1: ep over the attention's tp and dp ranks). DeepSeek's own run
+# (the performance-summary archive page of NVIDIA-NeMo/Megatron-Bridge), FP8; its MoE recipes fold the
+# experts (etp 1: ep over the attention's tp and dp ranks). Each run takes its recipe's dispatcher and
+# overlap (Megatron-Bridge perf_recipes/qwen/h100: Qwen3-235B the flat all-to-all with the combined 1F1B
+# overlap, Qwen3-30B HybridEP's two hops without it; both FP8 current scaling, no recompute). DeepSeek's own run
 # trained in FP8 with DualPipe hiding the expert all-to-alls, and its node-limited routing sends a token
 # to at most 4 nodes (the two-hop dispatch of DeepEP).
 QWEN3_235B = dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288, vocab_size=151936,
@@ -252,8 +254,8 @@ def moe_runs() -> list[Run]:
             dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=64, etp=1, dp_shard=64, zero=1, cp=1,
                  micro_batch=1), 1297, MEGATRON_A2A_OVERLAP, dtype="fp8", settings=TWO_HOPS),
         Run("MCore Qwen3-235B-A22B", BRIDGE.format("26.04.01, batch 8192"), "h100", 256, QWEN3_235B, 4096, 8192,
-            dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=32, etp=1, dp_shard=16, zero=1, cp=1,
-                 micro_batch=1), 1712, MEGATRON_DEEPEP, dtype="fp8", settings=TWO_HOPS),
+            dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=32, etp=1, ep_dispatch="alltoall",
+                 dp_shard=16, zero=1, cp=1, micro_batch=1), 1712, MEGATRON_A2A_OVERLAP, dtype="fp8"),
         Run("MCore Qwen3-30B-A3B", BRIDGE.format("26.04.01, batch 1024"), "h100", 16, QWEN3_30B, 4096, 1024,
             dict(tp=1, pp=1, ep=16, dp_shard=16, zero=1, cp=1, micro_batch=1), 8960, MEGATRON_DEEPEP, dtype="fp8",
             settings=TWO_HOPS),

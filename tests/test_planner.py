@@ -15,8 +15,25 @@ from meshtron.commands.auto_layout import AutoChoice
 from meshtron.commands.dry_run import prediction_text
 from meshtron.commands.main import main
 from meshtron.config.schema import ConfigError
-from meshtron.plan.comm_time import Network, Overlap, _once_per_rank, groups, layer_comm, overlapped_ep
-from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, chunk_times, matmul_time
+from meshtron.plan import compute_time
+from meshtron.plan.comm_time import (
+    EpPieces,
+    Network,
+    Overlap,
+    _once_per_rank,
+    groups,
+    layer_comm,
+    overlapped_ep,
+)
+from meshtron.plan.compute_time import (
+    ComputeEfficiency,
+    PassTimes,
+    chunk_times,
+    expert_times,
+    fp8_cast_elements,
+    layer_times,
+    matmul_time,
+)
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.flops import training_flops_per_token
 from meshtron.plan.gpu_memory import layer_split, stage_memory
@@ -394,12 +411,25 @@ def test_deepseek_v3_fits_in_its_published_layout():
     assert est.fits and est.memory_bytes_per_gpu < 80 * 2**30
 
 
-def test_overlapped_all_to_alls_cost_the_sm_share_or_what_compute_cannot_hide():
-    """Behind the other micro-batch's compute C, T seconds of all-to-alls add max(T − C, s·T): the SMs
-    the communication kernels hold slow the compute (s), and what C cannot cover stays exposed."""
-    ep, share = PassTimes(f=1.0, b=2.0), 0.15
-    assert overlapped_ep(ep, PassTimes(f=3.0, b=4.0, w=3.0), share) == pytest.approx(PassTimes(f=0.15, b=0.3))
-    assert overlapped_ep(ep, PassTimes(f=0.5, b=0.5), share) == pytest.approx(PassTimes(f=2 / 3, b=4 / 3))
+def test_overlapped_all_to_alls_wait_on_the_pieces_they_pair_with():
+    """Megatron-Core's combined 1F1B (and DualPipe) run one micro-batch's forward of a layer beside
+    another's backward of it in four phases, each pairing one exchange with one piece of compute that
+    needs the phase before: combine_b with attention W+F, dispatch_f with the experts' B+W, dispatch_b
+    with the experts' F, combine_f with attention B. Each phase takes its longer piece; what exceeds the
+    compute is exposed, and the hidden rest slows the compute by the SM share."""
+    pieces = EpPieces(dispatch_f=2.0, combine_f=1.0, combine_b=1.0, dispatch_b=2.0)  # T = 6
+    attention, experts = PassTimes(f=1.0, b=1.0), PassTimes(f=1.0, b=1.0)  # C = 4
+    # phases (1 ‖ 1), (2 ‖ 1), (2 ‖ 1), (1 ‖ 1): the pair takes 6 for 4 of compute, 2 of the 6 exposed,
+    # split as the exchanges were (F 3 : B 3).
+    assert overlapped_ep(pieces, attention, experts, 0.0) == pytest.approx(PassTimes(f=1.0, b=1.0))
+    assert overlapped_ep(pieces, attention, experts, 0.25) == pytest.approx(PassTimes(f=1.5, b=1.5))
+    # Compute that dwarfs every piece hides them all, bar the SM share; no compute hides nothing.
+    big = PassTimes(f=10.0, b=10.0, w=10.0)
+    assert overlapped_ep(pieces, big, big, 0.15) == pytest.approx(pieces.passes * 0.15)
+    assert overlapped_ep(pieces, PassTimes(), PassTimes(), 0.15) == pytest.approx(pieces.passes)
+    # One long dispatch cannot hide behind the experts' backward alone, however long attention is.
+    long = EpPieces(dispatch_f=5.0)
+    assert overlapped_ep(long, PassTimes(f=9.0, b=9.0), PassTimes(f=1.0, b=1.0), 0.0).f == pytest.approx(4.0)
     # On a real model the compute hides a short exchange: the estimate's ep part is s of its exposed one.
     cfg = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1, recompute="full").apply(
         config(["--model.name=deepseek-v3", "--model.n_layers=4"], batch=64)
@@ -411,10 +441,30 @@ def test_overlapped_all_to_alls_cost_the_sm_share_or_what_compute_cannot_hide():
     assert behind.time["compute"] == exposed.time["compute"]
 
 
+def test_the_experts_share_of_a_layer_is_their_matmuls_and_routed_rows():
+    """expert_times: an MoE layer's routed and shared experts' matmuls (F, B and W each once) and the
+    routed rows' traffic; a dense layer has none, and the rest of the layer stays non-negative."""
+    cfg = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1).apply(
+        config(["--model.name=deepseek-v3", "--model.n_layers=4"], batch=64)
+    )
+    rates = Cluster(accelerator("h800"), 8).rates("bf16")
+    m, rows = cfg.model, 4096
+    per_expert = m.top_k * rows / m.n_experts * 8  # each rank's 32 experts share top_k·rows·ep/E rows
+    routed = (2 * matmul_time(per_expert, m.dim, m.expert_ffn_dim, rates)
+              + matmul_time(per_expert, m.expert_ffn_dim, m.dim, rates)) * (m.n_experts // 8)  # fmt: skip
+    s = m.shared_expert_ffn_dim
+    shared = 2 * matmul_time(rows, m.dim, s, rates) + matmul_time(rows, s, m.dim, rates)
+    assert expert_times(cfg, 3, rates).w == pytest.approx(routed + shared)
+    assert expert_times(cfg, 0, rates) == PassTimes()  # DeepSeek-V3's first layers are dense
+    rest = layer_times(cfg, 3, rates) - expert_times(cfg, 3, rates)
+    assert min(rest.f, rest.b, rest.w) > 0
+
+
 def test_deepeps_pipelined_hops_cost_the_slower_hop():
     """The hierarchical dispatch over 4 nodes of 8: meshtron's hops in sequence cost their sum, DeepEP's
-    forwarding (`--overlap ep_hops`) the slower of the two, pass by pass; each hop is the dedup exchange
-    of its rows (plan/routing.py) over its own group: 4 ranks across the network, 8 over NVLink."""
+    forwarding (`--overlap ep_hops`) the slower of the two, piece by piece (each dispatch and combine);
+    each hop is the dedup exchange of its rows (plan/routing.py) over its own group: 4 ranks across the
+    network, 8 over NVLink."""
     cfg = Layout(ep=32, dp_shard=32, zero=1, micro_batch=1).apply(
         config(["--model.name=deepseek-v3", "--model.n_layers=4", "--parallel.ep_dispatch=hierarchical"])
     )
@@ -430,9 +480,10 @@ def test_deepeps_pipelined_hops_cost_the_slower_hop():
     ]
     in_turn = layer_comm(cfg, 3, net, 0.0)["ep"]
     piped = layer_comm(cfg, 3, Network(h800, links, Overlap(ep_hops=True)), 0.0)["ep"]
+    slower = EpPieces(*(max(getattr(h, piece) for h in hops) for piece in vars(hops[0])))
     for k in ("f", "b"):
-        assert getattr(in_turn, k) == pytest.approx(sum(getattr(h, k) for h in hops))
-        assert getattr(piped, k) == pytest.approx(max(getattr(h, k) for h in hops))
+        assert getattr(in_turn, k) == pytest.approx(sum(getattr(h.passes, k) for h in hops))
+        assert getattr(piped, k) == pytest.approx(getattr(slower.passes, k))
     assert 0 < piped.f < in_turn.f
 
 
@@ -444,6 +495,48 @@ def test_fp8_gemms_take_their_own_share_of_the_fp8_peak():
     assert (fp8.eff.matmul, bf16.eff.matmul) == (ComputeEfficiency().matmul_fp8, 0.6)
     big = (8192, 8192, 8192)  # compute-bound in both
     assert matmul_time(*big, bf16) / matmul_time(*big, fp8) == pytest.approx(1979 * 0.45 / (989 * 0.6))
+
+
+def test_fp8_casts_move_six_bytes_per_gemm_input_and_output_gradient(monkeypatch):
+    """Under FP8 each distinct GEMM input is cast in forward (q, k and v share theirs, as gate and up do)
+    and each GEMM's output gradient in backward, at FP8_CAST_BYTES per element through HBM; BF16 GEMMs
+    cast nothing."""
+    h, q, kv, f, rows = 2048, 2048, 512, 8192, 4096  # llama3-1b: 32 heads, 8 kv heads of 64
+    cfg = Layout(tp=1, dp_shard=8, zero=1, micro_batch=1).apply(config(LLAMA_1B))
+    assert (cfg.model.dim, cfg.model.ffn_dim, cfg.model.kv_heads_per_rank(1) * cfg.model.head_size) == (
+        h,
+        f,
+        kv,
+    )
+    forward = rows * h + rows * q + rows * h + rows * f  # x for q/k/v, wo's input, x for gate/up, w2's input
+    backward = rows * (q + 2 * kv) + rows * h + rows * 2 * f + rows * h
+    assert fp8_cast_elements(cfg, 0, rows) == PassTimes(f=forward, b=backward)
+    # MoE: each local expert casts its rows' input and its down-projection's input once.
+    moe = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1).apply(
+        config(["--model.name=mixtral-8x7b", "--model.n_layers=2"])
+    )
+    m = moe.model
+    routed = m.top_k * rows  # 8 ranks of 1 expert each: each multiplies top_k·rows·8/8 rows
+    attention = fp8_cast_elements(moe, 0, rows).f - routed / 8 * 8 * (m.dim + m.expert_ffn_dim)
+    assert attention == rows * m.dim + rows * m.n_heads * m.head_size
+    # MLA: its two down-projections share x; the latents and wo's input are cast once each.
+    mla_cfg = Layout(dp_shard=8, zero=1, micro_batch=1).apply(
+        config(["--model.name=deepseek-v3", "--model.n_layers=4"])
+    )
+    mla = mla_cfg.model
+    latents = mla.q_lora_rank + mla.kv_lora_rank + mla.n_heads * mla.v_head_dim
+    assert fp8_cast_elements(mla_cfg, 0, rows).f == rows * (mla.dim + latents + mla.dim + mla.ffn_dim)
+    h100 = accelerator("h100")
+    fp8, bf16 = Cluster(h100, 8, "fp8").rates("bf16"), Cluster(h100, 8, "bf16").rates("bf16")
+    with_casts = layer_times(cfg, 0, fp8)
+    monkeypatch.setattr(compute_time, "FP8_CAST_BYTES", 0.0)
+    without = layer_times(cfg, 0, fp8)
+    per_element = 6.0 / (h100.hbm_bytes_per_s * fp8.eff.hbm)
+    assert (with_casts - without).f == pytest.approx(forward * per_element)
+    assert (with_casts - without).b == pytest.approx(backward * per_element)
+    monkeypatch.undo()
+    assert layer_times(cfg, 0, bf16) == layer_times(cfg, 0, dataclasses.replace(bf16))  # no casts in bf16
+    assert compute_time._fp8_cast_times(cfg, 0, rows, 1.0, bf16) == PassTimes()
 
 
 def test_the_search_tries_deepeps_two_hops_where_ep_crosses_nodes():

@@ -15,10 +15,10 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
         hops; alltoall: q, k, v and the output (and their gradients)   allgather: no
         once each; allgather: K/V gathered, their gradients
         reduce-scattered
-  ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron); `Overlap.ep`: behind
-        of top_k·tokens·dim (dispatch and combine, forward and         the other micro-batch's compute, which
-        backward) and 2 of their gate values; the busiest rank         the communication kernels slow
-        receives `imbalance` times the mean (1: balanced routing)      (overlapped_ep)
+  ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron); `Overlap.ep`: each
+        of top_k·tokens·dim (dispatch and combine, forward and         piece beside the other micro-
+        backward) and 2 of their gate values; the busiest rank         batch's compute it pairs with,
+        receives `imbalance` times the mean (1: balanced routing)      which it slows (overlapped_ep)
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -143,38 +143,77 @@ def layer_comm(
     if p.cp > 1:
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)
     if p.ep > 1 and m.is_moe_layer(layer):
-        ep = _on(net, g["ep"])
-        sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends 1/tp of the tokens
-        rows, counts = (
-            imbalance * m.top_k * sent,
-            collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff),
-        )
-        if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
-            rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
-        one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
-        gates = collective_time("all_to_all", rows * 4, ep, net.gpu, net.eff)  # fp32, with the rows
-        out["ep"] = PassTimes(f=counts + 2 * one + gates, b=2 * one + gates)
-        if p.ep_dispatch == "dedup":
-            rows = imbalance * sent * ranks_per_token(m, p.ep)
-            out["ep"] = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
-        if p.ep_dispatch == "hierarchical":
-            out["ep"] = _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
+        out["ep"] = ep_pieces(cfg, layer, net, imbalance).passes
     return out
 
 
-def overlapped_ep(ep: PassTimes, layer: PassTimes, sm_share: float) -> PassTimes:
-    """What an MoE layer's expert all-to-alls (`ep`) still cost when they run behind another micro-batch's
-    compute of the same layer (`layer`: F, B and W), as DualPipe and Megatron-Core's 1F1B A2A overlap pair
-    one micro-batch's forward with another's backward. The pair's compute C runs at 1 − sm_share of its
-    speed while the communication kernels (T seconds) hold their SMs, so the pair takes
-    max(T, C + sm_share·T): the all-to-alls add max(T − C, sm_share·T), split over F and B as they were."""
-    total, compute = ep.total, layer.total
+@dataclass(frozen=True)
+class EpPieces:
+    """Seconds of one MoE layer's four exchanges for one micro-batch: the forward's dispatch and combine,
+    and the backward's combine gradient (sent back to the experts) and dispatch gradient."""
+
+    dispatch_f: float = 0.0
+    combine_f: float = 0.0
+    combine_b: float = 0.0
+    dispatch_b: float = 0.0
+
+    @property
+    def passes(self) -> PassTimes:
+        return PassTimes(f=self.dispatch_f + self.combine_f, b=self.combine_b + self.dispatch_b)
+
+    @property
+    def total(self) -> float:
+        return self.passes.total
+
+
+def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> EpPieces:
+    """An MoE layer's expert exchanges (ep > 1), piece by piece, before any overlap with compute."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    act = 2 if t.dtype != "fp32" else 4
+    ep = _on(net, groups(cfg)["ep"])
+    tokens = t.micro_batch * t.seq_len // p.cp
+    sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends 1/tp of the tokens
+    if p.ep_dispatch == "dedup":
+        rows = imbalance * sent * ranks_per_token(m, p.ep)
+        return _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
+    if p.ep_dispatch == "hierarchical":
+        return _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
+    rows = imbalance * m.top_k * sent
+    counts = collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff)
+    if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
+        rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
+    one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
+    gates = collective_time("all_to_all", rows * 4, ep, net.gpu, net.eff)  # fp32, with the rows
+    return EpPieces(dispatch_f=counts + one + gates, combine_f=one, combine_b=one, dispatch_b=one + gates)
+
+
+def overlapped_ep(ep: EpPieces, attention: PassTimes, experts: PassTimes, sm_share: float) -> PassTimes:
+    """What an MoE layer's exchanges (`ep`) still cost when one micro-batch's forward of the layer runs
+    beside another's backward of it, as Megatron-Core's combined 1F1B and DualPipe pair them: two
+    streams in four phases (`attention`: the layer but its experts; `experts`: compute_time.expert_times)
+
+      phase           1           2             3            4
+      communication   combine_b   dispatch_f    dispatch_b   combine_f
+      compute         attn W+F    experts B+W   experts F    attn B
+
+    where each phase's pieces need the phase before (the dispatch its attention, the experts' backward
+    its combine gradient, the experts' forward its dispatch, ...), so a phase takes its longer piece
+    and what exceeds the compute is exposed. The communication kernels slow the compute they run beside
+    by `sm_share` of the time they hide. Split over F and B as the exchanges were."""
+    total = ep.total
     if total <= 0.0:
-        return ep
-    return ep * (max(total - compute, sm_share * total) / total)
+        return ep.passes
+    phases = [
+        (ep.combine_b, attention.f + attention.w),
+        (ep.dispatch_f, experts.b + experts.w),
+        (ep.dispatch_b, experts.f),
+        (ep.combine_f, attention.b),
+    ]
+    exposed = sum(max(comm - compute, 0.0) for comm, compute in phases)
+    return ep.passes * ((exposed + sm_share * (total - exposed)) / total)
 
 
-def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_bytes: int) -> PassTimes:
+def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_bytes: int) -> EpPieces:
     """The dedup exchange (parallel/expert.py send_once_per_rank) of `rows` rows each way over `group`,
     `width` experts per member: forward the row counts, then tokens, gates and chosen-masks, then the
     partial sums back (4 calls); backward the partial sums' gradient, then the tokens' and the gates'
@@ -185,12 +224,15 @@ def _once_per_rank(group: Group, net: Network, rows: float, width: int, row_byte
 
     counts = collective_time("all_gather", 8 * group.size, group, net.gpu, net.eff)
     back = exchange(row_bytes, 1)
-    return PassTimes(
-        f=counts + exchange(row_bytes + 5 * width, 3) + back, b=back + exchange(row_bytes + 4 * width, 2)
+    return EpPieces(
+        dispatch_f=counts + exchange(row_bytes + 5 * width, 3),
+        combine_f=back,
+        combine_b=back,
+        dispatch_b=exchange(row_bytes + 4 * width, 2),
     )
 
 
-def _hierarchical_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> PassTimes:
+def _hierarchical_comm(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> EpPieces:
     """The two hops (plan/routing.py hierarchical_rows): the dedup exchange over the nodes, one rank per
     node (the network), then inside each node (NVLink); one node: the inside hop alone. meshtron runs the
     hops one after the other; DeepEP's internode kernels forward each chunk over NVLink while the next
@@ -202,9 +244,8 @@ def _hierarchical_comm(cfg: Config, ep: Group, net: Network, tokens: float, act:
         _once_per_rank(hops[name], net, rows, width, cfg.model.dim * act)
         for name, rows, width, _ in hierarchical_rows(cfg.model, ep.size, per_node, tokens)
     ]
-    if net.overlap.ep_hops:  # forwarded inside the node as it arrives over the network: the slower hop
-        return PassTimes(*(max(getattr(x, k) for x in times) for k in ("f", "b", "w")))
-    return sum(times, PassTimes())
+    how = max if net.overlap.ep_hops else sum  # forwarded as it arrives: the slower hop, piece by piece
+    return EpPieces(*(how(getattr(x, k) for x in times) for k in vars(times[0])))
 
 
 def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, PassTimes]:

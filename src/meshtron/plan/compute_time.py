@@ -11,6 +11,8 @@ weight-gradient backward (W), from the shapes and three rates.
                          what the layer keeps for backward; the routed rows'
                          permutation and combine move each row's input and output
                          and its fp32 sum, which nothing keeps
+  FP8 casts              FP8_CAST_BYTES·elements / (hbm·hbm_eff): each distinct GEMM     F inputs, B output
+                         input, and each output gradient, cast with current scaling     gradients
   recompute              full: the layer's F again in B; selective: the attention core's F again
 
 Rows m: the rank's tokens of the micro-batch, micro_batch·seq_len/cp (a tp rank computes on all of
@@ -65,6 +67,12 @@ MATMUL_EFFICIENCY = {
 }
 
 
+# HBM bytes per element an FP8 cast with current (per-tensor) scaling moves: its amax read (2), the read
+# to scale (2), and the row-wise and column-wise FP8 copies (1 each) that the GEMMs and the weight
+# gradient read (Transformer Engine's current scaling; torchao's tensor-wise dynamic scaling alike).
+FP8_CAST_BYTES = 6.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rates:
     """What one GPU does per second: `peak` FLOP/s of the matmuls, `attention_peak` of the attention
@@ -91,6 +99,9 @@ class PassTimes:
 
     def __add__(self, other: PassTimes) -> PassTimes:
         return PassTimes(self.f + other.f, self.b + other.b, self.w + other.w)
+
+    def __sub__(self, other: PassTimes) -> PassTimes:
+        return PassTimes(self.f - other.f, self.b - other.b, self.w - other.w)
 
     def __mul__(self, k: float) -> PassTimes:
         return PassTimes(self.f * k, self.b * k, self.w * k)
@@ -137,22 +148,65 @@ def latent_exchange_matmuls(cfg: Config, rows: int) -> tuple[float, float]:
 
 def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
     """(m, k, n) of every weight matmul of one layer on one tp rank (see the module docstring)."""
-    m, p = cfg.model, cfg.parallel
-    h, tp = m.dim, p.tp
+    m, tp = cfg.model, cfg.parallel.tp
     out = _attention_matmuls(cfg, rows)
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
-        return out + [(rows, h, f), (rows, h, f), (rows, f, h)]
+        return out + [(rows, m.dim, f), (rows, m.dim, f), (rows, f, m.dim)]
+    return out + [(rows, m.dim, m.n_experts)] + _expert_matmuls(cfg, rows, imbalance)  # with the router
+
+
+def _routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int, int]:
+    """(rows each local expert multiplies, its width on this rank, local experts) of an MoE layer."""
+    m, p = cfg.model, cfg.parallel
     # etp = tp: each expert split over tp, all tokens; etp = 1: whole experts, 1/tp of the tokens each.
-    width, share = (m.expert_ffn_dim // tp, 1) if p.expert_tp else (m.expert_ffn_dim, tp)
-    local = m.n_experts // p.ep
-    per_expert = imbalance * m.top_k * rows / share * p.ep / m.n_experts
-    out += [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
-    out.append((rows, h, m.n_experts))  # the router
+    width, share = (m.expert_ffn_dim // p.tp, 1) if p.expert_tp else (m.expert_ffn_dim, p.tp)
+    return imbalance * m.top_k * rows / share * p.ep / m.n_experts, width, m.n_experts // p.ep
+
+
+def _expert_matmuls(cfg: Config, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
+    """(m, k, n) of an MoE layer's routed and shared experts' matmuls on one tp rank."""
+    m, h = cfg.model, cfg.model.dim
+    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    out = [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
     if m.n_shared_experts:
-        s = m.shared_expert_ffn_dim // tp
+        s = m.shared_expert_ffn_dim // cfg.parallel.tp
         out += [(rows, h, s), (rows, h, s), (rows, s, h)]
     return out
+
+
+def fp8_cast_elements(cfg: Config, layer: int, rows: int, imbalance: float = 1.0) -> PassTimes:
+    """Elements one layer casts to FP8 per micro-batch when its GEMMs run in FP8 (F: each distinct GEMM
+    input once, the projections that read one input sharing its cast as fused QKV and gate-up layers
+    do; B: each GEMM's output gradient). The router stays in higher precision."""
+    m, tp = cfg.model, cfg.parallel.tp
+    attention = _attention_matmuls(cfg, rows)
+    *projections, (wo_rows, wo_k, _) = attention
+    reading_x = [a for a, k, _ in projections if k == m.dim]  # q, k, v (or MLA's down-projections) share x
+    forward = max(reading_x) * m.dim + sum(a * k for a, k, _ in projections if k != m.dim) + wo_rows * wo_k
+    if m.is_moe_layer(layer):
+        blocks = _expert_matmuls(cfg, rows, imbalance)
+        per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+        shared = m.shared_expert_ffn_dim // tp if m.n_shared_experts else 0
+        forward += local * per_expert * (m.dim + width) + (rows * (m.dim + shared) if shared else 0)
+    else:
+        blocks = [(rows, m.dim, m.ffn_dim // tp)] * 2 + [(rows, m.ffn_dim // tp, m.dim)]
+        forward += rows * (m.dim + m.ffn_dim // tp)
+    return PassTimes(f=forward, b=sum(a * n for a, _, n in attention + blocks))
+
+
+def expert_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
+    """The experts' share of `layer_times` for an MoE layer (zero for a dense one): their matmuls (F, B
+    and W each once) and the routed rows' permutation and combine traffic (F a quarter, B the rest),
+    the part of the layer that runs between the dispatch and the combine. The rest of the layer
+    (attention, router, norms, and any recompute) is what a schedule pairing one micro-batch's forward
+    with another's backward can run while this layer's all-to-alls wait (comm_time.overlapped_ep)."""
+    if not cfg.model.is_moe_layer(layer):
+        return PassTimes()
+    rows = cfg.training.micro_batch * cfg.training.seq_len // cfg.parallel.cp
+    gemm = sum(matmul_time(*shape, rates) for shape in _expert_matmuls(cfg, rows, imbalance))
+    moved = rates.eff.elementwise_passes * _routed_rows_moved(cfg, layer, rows) / (rates.hbm * rates.eff.hbm)
+    return PassTimes(f=gemm + moved / 4, b=gemm + 3 * moved / 4, w=gemm)
 
 
 def _op_rerun_matmuls(cfg: Config, rows: int, gemm: float, rates: Rates) -> float:
@@ -189,7 +243,8 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     core = rates.attention_time(2.0 * width * keys * rows)
     kept = layer_bytes(cfg, layer, "none") + _routed_rows_moved(cfg, layer, rows)
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
-    forward = gemm + core + elementwise / 4
+    casts = _fp8_cast_times(cfg, layer, rows, imbalance, rates)
+    forward = gemm + core + elementwise / 4 + casts.f
     # "op": the block's forward again, its kept matmuls (and, without cp, attention) taken from the store
     rerun = elementwise / 4 + (core if p.cp > 1 else 0.0) + _op_rerun_matmuls(cfg, rows, gemm, rates)
     recompute = {"none": 0.0, "selective": core, "op": rerun, "full": forward}[t.recompute]
@@ -198,8 +253,16 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
         heads = m.n_heads // p.tp
         up = matmul_time(rows, m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), rates)
         forward, recompute = forward + up_f * up, recompute + (up_f * up if t.recompute == "full" else 0.0)
-        return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute + up_b * up, w=gemm)
-    return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + recompute, w=gemm)
+        backward = gemm + 2 * core + 3 * elementwise / 4 + casts.b + recompute + up_b * up
+        return PassTimes(f=forward, b=backward, w=gemm)
+    return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + casts.b + recompute, w=gemm)
+
+
+def _fp8_cast_times(cfg: Config, layer: int, rows: int, imbalance: float, rates: Rates) -> PassTimes:
+    """Seconds of the FP8 casts (fp8_cast_elements) when the GEMMs run in FP8, else none."""
+    if rates.dtype_bytes != 1:
+        return PassTimes()
+    return fp8_cast_elements(cfg, layer, rows, imbalance) * (FP8_CAST_BYTES / (rates.hbm * rates.eff.hbm))
 
 
 def head_times(cfg: Config, rates: Rates) -> PassTimes:

@@ -22,8 +22,24 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshtron.config.schema import SPLIT_BACKWARD, Config
-from meshtron.plan.comm_time import Network, Overlap, dp_comm, ends_comm, layer_comm, overlapped_ep, pp_p2p
-from meshtron.plan.compute_time import ComputeEfficiency, PassTimes, Rates, chunk_times, layer_times
+from meshtron.plan.comm_time import (
+    Network,
+    Overlap,
+    dp_comm,
+    ends_comm,
+    ep_pieces,
+    layer_comm,
+    overlapped_ep,
+    pp_p2p,
+)
+from meshtron.plan.compute_time import (
+    ComputeEfficiency,
+    PassTimes,
+    Rates,
+    chunk_times,
+    expert_times,
+    layer_times,
+)
 from meshtron.plan.flops import keys_per_query, training_flops_per_token
 from meshtron.plan.gpu_memory import (
     MemoryOverhead,
@@ -166,8 +182,10 @@ def _chunk_costs_of(
             if kind not in by_kind:
                 by_kind[kind] = layer_comm(cfg, layer, net, attention_time, imbalance)
                 if "ep" in by_kind[kind] and net.overlap.ep:
-                    alongside = layer_times(cfg, layer, rates, imbalance)
-                    ep = overlapped_ep(by_kind[kind]["ep"], alongside, cluster.links.overlap_sm_share)
+                    experts = expert_times(cfg, layer, rates, imbalance)
+                    rest = layer_times(cfg, layer, rates, imbalance) - experts
+                    pieces = ep_pieces(cfg, layer, net, imbalance)
+                    ep = overlapped_ep(pieces, rest, experts, cluster.links.overlap_sm_share)
                     by_kind[kind] = {**by_kind[kind], "ep": ep}
             parts.append(by_kind[kind])
         for part in [*parts, ends_comm(cfg, first, last, net)]:
