@@ -238,7 +238,6 @@ TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
 MIXTRAL_8X7B = dict(name="mixtral-8x7b")
 MIXTRAL_8X22B = dict(name="mixtral-8x7b", dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384)
 ZOO = "Megatron-MoE-ModelZoo runtime.conf layout, {} H100, BF16, seq 4096, batch 256; {}"
-FLAT = ("--parallel.ep_dispatch=alltoall",)
 
 
 def moe_runs() -> list[Run]:
@@ -260,12 +259,12 @@ def moe_runs() -> list[Run]:
             dict(tp=1, pp=1, ep=16, dp_shard=16, zero=1, cp=1, micro_batch=1), 8960, MEGATRON_DEEPEP, dtype="fp8",
             settings=TWO_HOPS),
         Run("MCore Mixtral 8x7B", ZOO.format(64, "468 TFLOP/s/GPU: Megatron-Core MoE README v0.9"), "h100", 64,
-            MIXTRAL_8X7B, 4096, 256, dict(tp=1, pp=4, vpp=8, pp_schedule="interleaved", ep=8, dp_shard=16, zero=1,
-            cp=1, micro_batch=1), from_tflops(MIXTRAL_8X7B, 4096, 468), MEGATRON, settings=FLAT),
+            MIXTRAL_8X7B, 4096, 256, dict(tp=1, pp=4, vpp=8, pp_schedule="interleaved", ep=8, ep_dispatch="alltoall",
+            dp_shard=16, zero=1, cp=1, micro_batch=1), from_tflops(MIXTRAL_8X7B, 4096, 468), MEGATRON),
         Run("MCore Mixtral 8x22B", ZOO.format(128, "445 TFLOP/s/GPU dropless: best_practice/mixtral/"
             "run_mixtral_8x22B.sh"), "h100", 128, MIXTRAL_8X22B, 4096, 256, dict(tp=2, sp=True, pp=8, vpp=7,
-            pp_schedule="interleaved", ep=8, etp=1, dp_shard=8, zero=1, cp=1, micro_batch=1),
-            from_tflops(MIXTRAL_8X22B, 4096, 445), MEGATRON, settings=FLAT),
+            pp_schedule="interleaved", ep=8, etp=1, ep_dispatch="alltoall", dp_shard=8, zero=1, cp=1, micro_batch=1),
+            from_tflops(MIXTRAL_8X22B, 4096, 445), MEGATRON),
     ]  # fmt: skip
 
 
@@ -309,10 +308,9 @@ def evaluate(runs: list[Run], compute: ComputeEfficiency | None, own_search: boo
         row = dict(
             run=run, layout=layout, est=est, fits=fits, error=est.tokens_per_sec_per_gpu / run.published - 1
         )
-        if (
-            own_search
-        ):  # the published recompute mode held, where stated (a framework's choice, not a layout's)
-            held = {k: run.layout[k] for k in ("recompute",) if k in run.layout}
+        if own_search:  # the published recompute mode and dispatcher held, where stated (a framework's
+            # choices, not a layout's degrees)
+            held = {k: run.layout[k] for k in ("recompute", "ep_dispatch") if k in run.layout}
             plan = search(base_config(run), cluster_for(run, compute), held, top=3)
             best = plan.ranked[0][1].step_time_s if plan.ranked else math.inf
             degrees = ("tp", "pp", "cp", "ep")
@@ -472,7 +470,7 @@ def main(argv: list[str]) -> int:
         f"- constants: {ComputeEfficiency()}, matmul share by GPU {MATMUL_EFFICIENCY}; links {LinkEfficiency()}",
         f"- within ±15%: {within} of {len(rows)}"
         + (
-            f"; the search (holding the published recompute mode) finds the published layout: {found} of "
+            f"; the search (holding the published recompute mode and dispatcher) finds the published layout: {found} of "
             f"{len(rows)}, {top3} of them among its top 3"
             if not args.no_search
             else ""
