@@ -84,16 +84,17 @@ def config(name: str, run_dir: str) -> Config:
 
 
 class TeeStats(CommStats):
-    """Counts the dispatcher's collectives by (group, op) and passes each on to the trainer's accounting."""
+    """Counts the dispatcher's collectives by (group, op) and passes each on to the trainer's accounting:
+    the stats its Comm counts in now (a step's recording swaps them in and out)."""
 
-    def __init__(self, main: CommStats):
+    def __init__(self, comm: Comm):
         super().__init__()
-        self.main = main
+        self.comm = comm
 
-    def record(self, group: str, op: str, nbytes: float) -> None:
+    def record(self, group: str, op: str, nbytes: float, issued: bool = True, calls: int = 1) -> None:
         self.bytes[(group, op)] += nbytes  # here without any side effects of the main accounting's record
-        self.calls[(group, op)] += 1
-        self.main.record(group, op, nbytes)
+        self.calls[(group, op)] += calls
+        self.comm.stats.record(group, op, nbytes, issued, calls)
 
 
 class TimedComm(Comm):
@@ -103,7 +104,7 @@ class TimedComm(Comm):
 
     def __init__(self, comm: Comm):
         super().__init__()
-        self.timeout, self.stats = comm.timeout, TeeStats(comm.stats)
+        self.timeout, self.stats = comm.timeout, TeeStats(comm)
         self.seconds: dict[str, float] = defaultdict(float)
 
     def _timed(self, op: str, run: Any, *args: Any) -> torch.Tensor:
@@ -115,8 +116,10 @@ class TimedComm(Comm):
     def all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         return self._timed("all_gather", super().all_gather_tensor, x, group, dim)
 
-    def reduce_scatter_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
-        return self._timed("reduce_scatter", super().reduce_scatter_tensor, x, group, dim)
+    def reduce_scatter_tensor(
+        self, x: torch.Tensor, group: CommGroup, dim: int = 0, consume: bool = False
+    ) -> torch.Tensor:
+        return self._timed("reduce_scatter", super().reduce_scatter_tensor, x, group, dim, consume)
 
     def all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
@@ -313,9 +316,10 @@ def formula_bytes(name: str) -> dict[str, float]:
         return {}
     tokens = t.micro_batch * t.seq_len
     times = m.n_layers * t.global_batch // (t.micro_batch * WORLD)  # MoE layer forwards per rank per step
-    if p.ep_dispatch == "alltoall":  # rows out, rows back, and the same two in backward; the counts table
+    if p.ep_dispatch == "alltoall":  # rows out, rows back, the same two in backward, the rows' gate values
+        # (fp32) out and their gradient back; the counts table
         return {
-            "all_to_all": times * 4 * tokens * k * d * 4 * (n - 1) / n,
+            "all_to_all": times * (4 * tokens * k * d * 4 + 2 * tokens * k * 4) * (n - 1) / n,
             "all_gather": times * m.n_experts * 8 * (n - 1),
         }
     # Tokens, their gradient; gate weights (fp32), expert ids (int64), keep mask (uint8): gathered.
@@ -409,8 +413,8 @@ def tables(names: Sequence[str], samples: dict[str, reporting.Samples], extra: d
 
 def main(argv: Sequence[str] | None = None) -> None:
     names = list(LAYOUTS)
+    report = reporting.Report(__file__, TITLE)  # started now: the run's time includes the layouts'
     args, results = reporting.run_named_layouts(__doc__, WORLD, bench_rank, names, argv)
-    report = reporting.Report(__file__, TITLE)
     samples = report.add(results)
     report.blocks += tables(names, samples, results[0].extra)
     cfg = config(REPLICATED, ".")

@@ -261,10 +261,12 @@ class Report:
         self.samples |= samples
         return samples
 
-    def finish(self, argv: Sequence[str], out: str) -> None:
+    def finish(self, argv: Sequence[str] | None, out: str) -> None:
         """Print the generated part, write it between the script's markers in `out` (unless "-"), and
-        exit non-zero if any parity check failed."""
+        exit non-zero if any parity check failed. `argv`: the script's arguments (None: the command
+        line's, as argparse reads them)."""
         name, now = Path(self.script).name, datetime.datetime.now().astimezone()
+        argv = sys.argv[1:] if argv is None else list(argv)
         failed = [c.pair.label for c in self.checks if not c.ok]
         facts = [
             f"date: {now:%Y-%m-%d %H:%M %Z}; run took {time.perf_counter() - self.started:.0f} s",
