@@ -18,9 +18,14 @@ SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
 
 @pytest.fixture(scope="module", autouse=True)
 def on_path():
+    """The scripts import each other by name (harness, reporting); their generic names leave with them."""
+    before = set(sys.modules)
     sys.path.insert(0, str(BENCHMARKS))
     yield
     sys.path.remove(str(BENCHMARKS))
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(BENCHMARKS)):
+            del sys.modules[name]
 
 
 def _overrides(module) -> list[tuple[str, object, object]]:

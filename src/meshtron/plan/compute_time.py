@@ -5,14 +5,15 @@ weight-gradient backward (W), from the shapes and three rates.
   a matmul [m,k]x[k,n]   max(2·m·k·n / (peak·matmul), 2·(m·k + k·n + m·n)·bytes / (hbm·hbm_eff))
                          a roofline: thin matmuls (tp cuts n or k) are memory-bound  F, B and W each one
   attention core         4·(q/tp)·keys·tokens / (peak·attention)                  F once, B twice
-  elementwise work       passes·(activation bytes the layer keeps, and an MoE        F a third, B the rest
+  elementwise work       passes·(activation bytes the layer keeps, and an MoE        F a quarter, B the rest
                          layer's routed rows moved) / (hbm·hbm_eff): norms, rotary,
                          SwiGLU's product, residuals, the loss read and write about
                          what the layer keeps for backward; the routed rows'
                          permutation and combine move each row's input and output
                          and its fp32 sum, which nothing keeps
   FP8 casts              FP8_CAST_BYTES·elements / (hbm·hbm_eff): each distinct GEMM     F inputs, B output
-                         input, and each output gradient, cast with current scaling     gradients
+                         activation input, and each output gradient, cast with current   gradients
+                         scaling (the weights' casts cached across micro-batches)
   recompute              full: the layer's F again in B; selective: the attention core's F again
 
 Rows m: the rank's tokens of the micro-batch, micro_batch·seq_len/cp (a tp rank computes on all of
@@ -176,37 +177,55 @@ def _expert_matmuls(cfg: Config, rows: int, imbalance: float) -> list[tuple[floa
 
 
 def fp8_cast_elements(cfg: Config, layer: int, rows: int, imbalance: float = 1.0) -> PassTimes:
-    """Elements one layer casts to FP8 per micro-batch when its GEMMs run in FP8 (F: each distinct GEMM
-    input once, the projections that read one input sharing its cast as fused QKV and gate-up layers
-    do; B: each GEMM's output gradient). The router stays in higher precision."""
+    """Activation elements one layer casts to FP8 per micro-batch when its GEMMs run in FP8 (F: each
+    distinct GEMM input once, the projections that read one input sharing its cast as fused QKV and
+    gate-up layers do; B: each GEMM's output gradient), as (F, B) in a PassTimes. The weights' casts are
+    taken as cached across a step's micro-batches, as Transformer Engine does; the router stays in
+    higher precision."""
+    attention, experts = _fp8_cast_parts(cfg, layer, rows, imbalance)
+    return attention + experts
+
+
+def _fp8_cast_parts(cfg: Config, layer: int, rows: int, imbalance: float) -> tuple[PassTimes, PassTimes]:
+    """fp8_cast_elements split into the attention's (with a dense layer's FFN) and an MoE layer's
+    experts'."""
     m, tp = cfg.model, cfg.parallel.tp
     attention = _attention_matmuls(cfg, rows)
-    *projections, (wo_rows, wo_k, _) = attention
-    reading_x = [a for a, k, _ in projections if k == m.dim]  # q, k, v (or MLA's down-projections) share x
-    forward = max(reading_x) * m.dim + sum(a * k for a, k, _ in projections if k != m.dim) + wo_rows * wo_k
-    if m.is_moe_layer(layer):
-        blocks = _expert_matmuls(cfg, rows, imbalance)
-        per_expert, width, local = _routed_shape(cfg, rows, imbalance)
-        shared = m.shared_expert_ffn_dim // tp if m.n_shared_experts else 0
-        forward += local * per_expert * (m.dim + width) + (rows * (m.dim + shared) if shared else 0)
-    else:
-        blocks = [(rows, m.dim, m.ffn_dim // tp)] * 2 + [(rows, m.ffn_dim // tp, m.dim)]
-        forward += rows * (m.dim + m.ffn_dim // tp)
-    return PassTimes(f=forward, b=sum(a * n for a, _, n in attention + blocks))
+    # Which projections read the layer's input x beside the first: k and v (grouped-query attention), or
+    # MLA's key/value down-projection beside its query's (or beside wq without a query latent).
+    beside = {2 if m.q_lora_rank else 1} if m.is_mla else {1, 2}
+    forward = sum(a * k for i, (a, k, _) in enumerate(attention) if i not in beside)
+    mine = PassTimes(f=forward, b=sum(a * n for a, _, n in attention))
+    if not m.is_moe_layer(layer):
+        f = m.ffn_dim // tp
+        return mine + PassTimes(f=rows * (m.dim + f), b=rows * (2 * f + m.dim)), PassTimes()
+    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    shared = m.shared_expert_ffn_dim // tp if m.n_shared_experts else 0
+    forward = local * per_expert * (m.dim + width) + (rows * (m.dim + shared) if shared else 0)
+    return mine, PassTimes(f=forward, b=sum(a * n for a, _, n in _expert_matmuls(cfg, rows, imbalance)))
 
 
 def expert_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
     """The experts' share of `layer_times` for an MoE layer (zero for a dense one): their matmuls (F, B
-    and W each once) and the routed rows' permutation and combine traffic (F a quarter, B the rest),
-    the part of the layer that runs between the dispatch and the combine. The rest of the layer
-    (attention, router, norms, and any recompute) is what a schedule pairing one micro-batch's forward
-    with another's backward can run while this layer's all-to-alls wait (comm_time.overlapped_ep)."""
-    if not cfg.model.is_moe_layer(layer):
+    and W each once), their FP8 casts, and the elementwise passes over their rows (F a quarter, B the
+    rest): what the routed rows' permutation and combine move, and what the experts keep (each row's
+    input and the SwiGLU's gate, up and product; the shared experts' alike). The part of the layer
+    between the dispatch and the combine; the rest (attention, router, norms, and any recompute) is what
+    a schedule pairing one micro-batch's forward with another's backward can run while this layer's
+    all-to-alls wait (comm_time.overlapped_ep)."""
+    m = cfg.model
+    if not m.is_moe_layer(layer):
         return PassTimes()
     rows = cfg.training.micro_batch * cfg.training.seq_len // cfg.parallel.cp
     gemm = sum(matmul_time(*shape, rates) for shape in _expert_matmuls(cfg, rows, imbalance))
-    moved = rates.eff.elementwise_passes * _routed_rows_moved(cfg, layer, rows) / (rates.hbm * rates.eff.hbm)
-    return PassTimes(f=gemm + moved / 4, b=gemm + 3 * moved / 4, w=gemm)
+    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    shared = m.shared_expert_ffn_dim // cfg.parallel.tp if m.n_shared_experts else 0
+    act = 2 if cfg.training.dtype != "fp32" else 4
+    kept = (local * per_expert * (m.dim + 3 * width) + rows * 3 * shared) * act
+    moved = _routed_rows_moved(cfg, layer, rows) + kept
+    elementwise = rates.eff.elementwise_passes * moved / (rates.hbm * rates.eff.hbm)
+    casts = _fp8_cast_parts(cfg, layer, rows, imbalance)[1] * _fp8_cast_seconds(rates)
+    return PassTimes(f=gemm + elementwise / 4 + casts.f, b=gemm + 3 * elementwise / 4 + casts.b, w=gemm)
 
 
 def _op_rerun_matmuls(cfg: Config, rows: int, gemm: float, rates: Rates) -> float:
@@ -258,11 +277,14 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     return PassTimes(f=forward, b=gemm + 2 * core + 3 * elementwise / 4 + casts.b + recompute, w=gemm)
 
 
+def _fp8_cast_seconds(rates: Rates) -> float:
+    """Seconds per element cast to FP8 when the GEMMs run in FP8, else 0 (nothing is cast)."""
+    return FP8_CAST_BYTES / (rates.hbm * rates.eff.hbm) if rates.dtype_bytes == 1 else 0.0
+
+
 def _fp8_cast_times(cfg: Config, layer: int, rows: int, imbalance: float, rates: Rates) -> PassTimes:
     """Seconds of the FP8 casts (fp8_cast_elements) when the GEMMs run in FP8, else none."""
-    if rates.dtype_bytes != 1:
-        return PassTimes()
-    return fp8_cast_elements(cfg, layer, rows, imbalance) * (FP8_CAST_BYTES / (rates.hbm * rates.eff.hbm))
+    return fp8_cast_elements(cfg, layer, rows, imbalance) * _fp8_cast_seconds(rates)
 
 
 def head_times(cfg: Config, rates: Rates) -> PassTimes:
