@@ -10,7 +10,7 @@ import pytest
 
 from meshtron.commands.dry_run import resolved
 from meshtron.observe.metrics import model_state_bytes
-from meshtron.plan.comm import step_bytes
+from meshtron.plan.comm import routing_free_ep, step_bytes
 from meshtron.plan.comm_time import Overlap
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import Accelerator
@@ -74,6 +74,12 @@ LAYOUTS = {
     "moe_ep2_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--training.micro_batch=4"]),
     "moe_ep2_dedup_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--parallel.zero=2", "--training.micro_batch=4"]),
     "moe_ep4_hierarchical_two_nodes": (4, [*MOE, "--parallel.ep=4", "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2", "--training.micro_batch=2"]),
+    # Routing-free exchanges, exact: a capacity's slots (C from all the layer's tokens, also under etp 1),
+    # the all-gather dispatch; full and op recompute dispatch again, bf16 rows and gates take 2 bytes.
+    "moe_ep2_capacity_full_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--model.capacity_factor=1.5", "--training.recompute=full", "--training.micro_batch=4"]),
+    "moe_ep2_capacity_tp2_sp_etp1_bf16": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--model.capacity_factor=1.25", "--training.dtype=bf16", "--training.micro_batch=4"]),
+    "moe_ep2_allgather_op_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--parallel.ep_dispatch=allgather", "--training.recompute=op", "--training.micro_batch=4"]),
+    "moe_ep2_allgather_tp2_etp1_bf16": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.ep_dispatch=allgather", "--training.dtype=bf16", "--training.micro_batch=4"]),
     # bf16: whole parameters once in bf16 beside fp32 masters (whole, or owned rows); ZeRO-3 as in fp32
     "bf16_single": (1, ["--training.dtype=bf16"]),
     "bf16_ddp2": (2, ["--training.dtype=bf16", "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
@@ -108,10 +114,11 @@ def test_predicted_state_and_traffic_equal_measured(workers, case):
     for result in workers(world).run(measured_state, [*overrides, *micro]):
         if result["first"]:
             assert result["state"] == state_bytes(cfg, world, result["pp_rank"]), result["pp_rank"]
-            # Data-parallel and (dense) context-parallel traffic exactly (pp: the test below); tp / ep are
-            # leading terms.
-            want = {g: b for g, b in step_bytes(cfg, world, result["pp_rank"]).items() if g in DATA_GROUPS}
-            got = {g: b for g, b in result["comm"].items() if g in DATA_GROUPS}
+            # Data-parallel, (dense) context-parallel and routing-free expert traffic exactly (pp: the
+            # test below); tp and the routed ep exchanges are leading terms.
+            exact = DATA_GROUPS | ({"ep"} if routing_free_ep(cfg) else set())
+            want = {g: b for g, b in step_bytes(cfg, world, result["pp_rank"]).items() if g in exact}
+            got = {g: b for g, b in result["comm"].items() if g in exact}
             assert got == pytest.approx(want, rel=1e-9), result["pp_rank"]
             if case in MESSAGES:
                 assert latency_only(cfg, world) == MESSAGES[case](result["calls"])
@@ -150,6 +157,18 @@ MESSAGES = {
     "moe_ep2_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
     # dedup: per MoE layer the count table's all-gather, 4 all-to-alls forward and 3 backward
     "moe_ep2_dedup_zero2_edp1": lambda c: {"dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2, "ep": c["ep"]},
+    # a capacity's slots: per MoE layer the rows and their gates each way, forward and backward, and the
+    # rerun forward's dispatch again (8 all-to-alls, no count table)
+    "moe_ep2_capacity_full_recompute": lambda c: {
+        "dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2,
+        "ep": c["ep"],
+    },
+    # the all-gather dispatch: 4 gathers and a reduce-scatter forward, 2 reduce-scatters and a gather
+    # backward, and the rerun forward's 4 gathers
+    "moe_ep2_allgather_op_recompute": lambda c: {
+        "dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2,
+        "ep": c["ep"],
+    },
     # hierarchical: the dedup exchange's calls over the nodes and inside each (2 ranks each: 1 message)
     "moe_ep4_hierarchical_two_nodes": lambda c: {
         "dp": (c["dp_shard"] - 1) * 3 + 6 + c["dp"] * 6,

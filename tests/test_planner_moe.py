@@ -68,14 +68,22 @@ def test_overlapped_all_to_alls_wait_on_the_pieces_they_pair_with():
     long = EpPieces(dispatch_f=5.0)
     assert overlapped_ep(long, PassTimes(f=9.0, b=9.0), PassTimes(f=1.0, b=1.0), 0.0).f == pytest.approx(4.0)
     # On a real model the compute hides a short exchange: the estimate's ep part is s of its exposed one.
-    cfg = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1, recompute="full").apply(
-        config(["--model.name=deepseek-v3", "--model.n_layers=4"], batch=64)
+    model, h800, s = (
+        config(["--model.name=deepseek-v3", "--model.n_layers=4"], batch=64),
+        accelerator("h800"),
+        LinkEfficiency().overlap_sm_share,
     )
-    h800 = accelerator("h800")
-    exposed = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=False)))
-    behind = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=True)))
-    assert behind.time["ep"] == pytest.approx(LinkEfficiency().overlap_sm_share * exposed.time["ep"])
-    assert behind.time["compute"] == exposed.time["compute"]
+    times = {}
+    for recompute in ("selective", "full"):
+        cfg = Layout(ep=8, dp_shard=8, zero=1, micro_batch=1, recompute=recompute).apply(model)
+        exposed = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=False)))
+        behind = estimate(cfg, Cluster(h800, 8, overlap=Overlap(ep=True)))
+        assert behind.time["compute"] == exposed.time["compute"]
+        times[recompute] = exposed.time["ep"], behind.time["ep"]
+    assert times["selective"][1] == pytest.approx(s * times["selective"][0])
+    # Full recompute dispatches again in backward (plan/comm.py): that rerun has no partner, exposed whole.
+    (plain, _), (rerun, behind) = times["selective"], times["full"]
+    assert rerun > plain and behind == pytest.approx(s * rerun + (1 - s) * (rerun - plain))
 
 
 def test_the_experts_share_of_a_layer_is_their_matmuls_rows_and_casts(monkeypatch):

@@ -16,18 +16,22 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   and a reduce-scatter of the same volume, and gathers each region's input again in
                   backward (one more all-gather per region, unless full recompute reruns the forward's);
                   the vocab-parallel loss all-reduces 3 numbers per token
-  expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·4 bytes·(ep−1)/ep per MoE layer
-                  and micro-batch under balanced routing, 2 of the rows' gates (4 bytes each: there,
-                  and their gradient back), plus the count table's all-gather; dedup:
-                  the same 4 of r·tokens rows, r the ranks a token reaches (plan/routing.py), with
-                  each row's gates and chosen-mask (and the gates' gradient)
+  expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·(ep−1)/ep rows per MoE layer
+                  and micro-batch under balanced routing, 2 of the rows' gates (there, and their
+                  gradient back), plus the count table's all-gather; a capacity's E·C slots instead;
+                  the all-gather dispatch's gathers and reduce-scatters; dedup: the same 4 of
+                  r·tokens rows, r the ranks a token reaches (plan/routing.py), with each row's gates
+                  and chosen-mask (and the gates' gradient); full and op recompute dispatch again
+                  (`_ep_bytes`)
   pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
                   backward (one sent, the other received), plus the loss and clipping's all-reduces
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
-(tests/test_plan.py checks them against the counted bytes of every engine and schedule); tp and ep are
-leading terms (ep at balanced routing); context parallel's ring, all-gather and all-to-all exchanges are
-exact for dense models (hybrid is not modelled yet). `exact_groups` names the exact ones.
+(tests/test_plan.py checks them against the counted bytes of every engine and schedule); tp is a
+leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
+balanced routing); the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
+context parallel's ring, all-gather and all-to-all exchanges are exact for dense models (hybrid is not
+modelled yet). `exact_groups` names the exact ones.
 """
 
 from __future__ import annotations
@@ -49,7 +53,15 @@ def exact_groups(cfg: Config) -> frozenset[str]:
     """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
-    return DATA_GROUPS | {"pp"} | dense_cp
+    return DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
+
+
+def routing_free_ep(cfg: Config) -> bool:
+    """Whether the expert exchange's bytes do not depend on where tokens are routed: a capacity's slots
+    under the all-to-all dispatch, or the all-gather dispatch."""
+    p, m = cfg.parallel, cfg.model
+    slots = p.ep_dispatch == "alltoall" and m.capacity_factor > 0
+    return m.is_moe and p.ep > 1 and (slots or p.ep_dispatch == "allgather")
 
 
 def _ring(n: int) -> float:
@@ -198,27 +210,45 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
 
 
 def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
-    """One MoE layer's dispatch bytes for one micro-batch of `tokens` tokens, by group. alltoall: top_k
-    rows per token each way with their gates, and the count table; dedup and each hop of hierarchical: one row per token
-    and member holding its experts (plan/routing.py), carrying the token, gates and chosen-mask there and
-    the partial sum back, with their gradients (no mask's), and the row counts' all-gather."""
-    p, m = cfg.parallel, cfg.model
-    if p.ep == 1 or p.ep_dispatch == "allgather":
+    """One MoE layer's expert-parallel bytes for one micro-batch of `tokens` tokens, by group: the
+    dispatch's forward, the rest (combine, and both gradients), and under full or op recompute the
+    dispatch's forward again (the rerun block stops once backward's saved tensors are back, so its
+    combine is not rerun). Rows travel in the compute dtype (act bytes), their gates alike.
+
+      alltoall      top_k rows per token each way, with their gates, and the count table's all-gather;
+                    with a capacity C, E·C rows (every expert's slots, C from all the layer's tokens)
+                    and no table: the exchange no longer depends on the routing
+      allgather     every rank's tokens, gates, expert ids (int64) and keep mask (uint8) gathered, the
+                    fp32 sums reduce-scattered back; backward the reverse: also routing-free
+      dedup, and each hop of hierarchical: one row per token and member holding its experts (plan/
+                    routing.py), carrying the token, gates and chosen-mask there and the partial sum
+                    back, with their gradients (no mask's), and the row counts' all-gather"""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    if p.ep == 1:
         return {}
+    act = 2 if t.dtype != "fp32" else 4
+    rerun = t.recompute in ("full", "op")
     sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
+    if p.ep_dispatch == "allgather":
+        dispatch = sent * (m.dim * act + m.top_k * (act + 8 + 1)) * (p.ep - 1)
+        rest = sent * (m.dim * (4 + act + 4) + m.top_k * act) * (p.ep - 1)
+        return {"ep": (2 if rerun else 1) * dispatch + rest}
     if p.ep_dispatch == "alltoall":
-        rows = (
-            4 * m.dim * 4 + 2 * 4
-        )  # the row there and back, with their gradients; its gate and its gradient
-        return {"ep": sent * m.top_k * rows * _ring(p.ep) + 8 * m.n_experts * (p.ep - 1)}
+        rows, counts = sent * m.top_k, 8 * m.n_experts * (p.ep - 1)
+        if m.capacity_factor > 0:
+            rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0
+        dispatch = counts + rows * (m.dim + 1) * act * _ring(p.ep)
+        return {"ep": (2 if rerun else 1) * dispatch + rows * (3 * m.dim + 1) * act * _ring(p.ep)}
     hops = [("ep", sent * ranks_per_token(m, p.ep), m.n_experts // p.ep, p.ep)]
     if p.ep_dispatch == "hierarchical":
         per_node = len(p.dims(world_size).ep_node_groups(cfg.run.gpus_per_node or world_size)[0][0])
         hops = hierarchical_rows(m, p.ep, per_node, sent)
-    return {
-        group: rows * _ring(members) * (4 * m.dim * 4 + 2 * width * 4 + width) + 8 * members * (members - 1)
-        for group, rows, width, members in hops
-    }
+    out = {}
+    for group, rows, width, members in hops:
+        counts = 8 * members * (members - 1)
+        dispatch = counts + rows * _ring(members) * (m.dim * act + 4 * width + width)
+        out[group] = (2 if rerun else 1) * dispatch + rows * _ring(members) * (3 * m.dim * act + 4 * width)
+    return out
 
 
 def _holds_ends(cfg: Config, pp_rank: int) -> tuple[bool, bool]:

@@ -18,7 +18,10 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
   ep    per MoE layer, the count table's all-gather and 4 all-to-alls  no (meshtron); `Overlap.ep`: each
         of top_k·tokens·dim (dispatch and combine, forward and         piece beside the other micro-
         backward) and 2 of their gate values; the busiest rank         batch's compute it pairs with,
-        receives `imbalance` times the mean (1: balanced routing)      which it slows (overlapped_ep)
+        receives `imbalance` times the mean (1: balanced routing);     which it slows (overlapped_ep)
+        a capacity's slots, the all-gather dispatch, dedup and
+        hierarchical as plan/comm.py counts them; full and op
+        recompute dispatch again in backward
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -35,6 +38,7 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -150,16 +154,20 @@ def layer_comm(
 @dataclass(frozen=True)
 class EpPieces:
     """Seconds of one MoE layer's four exchanges for one micro-batch: the forward's dispatch and combine,
-    and the backward's combine gradient (sent back to the experts) and dispatch gradient."""
+    and the backward's combine gradient (sent back to the experts) and dispatch gradient; and, where
+    the block is recomputed, its rerun of the forward's dispatch."""
 
     dispatch_f: float = 0.0
     combine_f: float = 0.0
     combine_b: float = 0.0
     dispatch_b: float = 0.0
+    rerun_b: float = 0.0  # the forward's dispatch again, under full or op recompute (plan/comm.py)
 
     @property
     def passes(self) -> PassTimes:
-        return PassTimes(f=self.dispatch_f + self.combine_f, b=self.combine_b + self.dispatch_b)
+        return PassTimes(
+            f=self.dispatch_f + self.combine_f, b=self.combine_b + self.dispatch_b + self.rerun_b
+        )
 
     @property
     def total(self) -> float:
@@ -167,7 +175,8 @@ class EpPieces:
 
 
 def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> EpPieces:
-    """An MoE layer's expert exchanges (ep > 1), piece by piece, before any overlap with compute."""
+    """An MoE layer's expert exchanges (ep > 1), piece by piece, before any overlap with compute: the
+    exchanges of plan/comm.py's `_ep_bytes`, timed."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     act = 2 if t.dtype != "fp32" else 4
     ep = _on(net, groups(cfg)["ep"])
@@ -175,16 +184,46 @@ def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> 
     sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends 1/tp of the tokens
     if p.ep_dispatch == "dedup":
         rows = imbalance * sent * ranks_per_token(m, p.ep)
-        return _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
-    if p.ep_dispatch == "hierarchical":
-        return _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
-    rows = imbalance * m.top_k * sent
-    counts = collective_time("all_gather", 8 * p.ep * m.n_experts, ep, net.gpu, net.eff)
-    if p.ep_dispatch == "alltoall" and m.capacity_factor > 0:  # every expert's capacity slots, no counts
+        pieces = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
+    elif p.ep_dispatch == "hierarchical":
+        pieces = _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
+    elif p.ep_dispatch == "allgather":  # every rank's tokens: the busiest rank's experts do the rest
+        pieces = _gathered(cfg, ep, net, sent, act)
+    else:
+        pieces = _all_to_all(cfg, ep, net, imbalance * m.top_k * sent, act)
+    if t.recompute in ("full", "op"):  # the rerun block dispatches again, and stops before the combine
+        pieces = dataclasses.replace(pieces, rerun_b=pieces.dispatch_f)
+    return pieces
+
+
+def _all_to_all(cfg: Config, ep: Group, net: Network, rows: float, act: int) -> EpPieces:
+    """The all-to-all dispatch of `rows` rows each way, with their gates (in the rows' dtype) and the
+    count table; with a capacity, every expert's slots (even, so no table)."""
+    m, t = cfg.model, cfg.training
+    counts = collective_time("all_gather", 8 * ep.size * m.n_experts, ep, net.gpu, net.eff)
+    if m.capacity_factor > 0:
+        tokens = t.micro_batch * t.seq_len // cfg.parallel.cp
         rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
     one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
-    gates = collective_time("all_to_all", rows * 4, ep, net.gpu, net.eff)  # fp32, with the rows
+    gates = collective_time("all_to_all", rows * act, ep, net.gpu, net.eff)
     return EpPieces(dispatch_f=counts + one + gates, combine_f=one, combine_b=one, dispatch_b=one + gates)
+
+
+def _gathered(cfg: Config, ep: Group, net: Network, tokens: float, act: int) -> EpPieces:
+    """The all-gather dispatch of `tokens` tokens per rank: tokens, gates, expert ids (int64) and keep
+    mask (uint8) gathered (4 calls), the fp32 sums reduce-scattered back; backward the gradients of the
+    tokens and gates reduce-scattered (2 calls) and the sums' gradient gathered."""
+    m = cfg.model
+
+    def full(kind: Collective, row_bytes: float, calls: int = 1) -> float:
+        return collective_time(kind, ep.size * tokens * row_bytes, ep, net.gpu, net.eff, calls=calls)
+
+    return EpPieces(
+        dispatch_f=full("all_gather", m.dim * act + m.top_k * (act + 8 + 1), calls=4),
+        combine_f=full("reduce_scatter", m.dim * 4),
+        combine_b=full("all_gather", m.dim * 4),
+        dispatch_b=full("reduce_scatter", m.dim * act + m.top_k * act, calls=2),
+    )
 
 
 def overlapped_ep(ep: EpPieces, attention: PassTimes, experts: PassTimes, sm_share: float) -> PassTimes:
@@ -209,7 +248,8 @@ def overlapped_ep(ep: EpPieces, attention: PassTimes, experts: PassTimes, sm_sha
         (ep.dispatch_b, experts.f),
         (ep.combine_f, attention.b),
     ]
-    exposed = sum(max(comm - compute, 0.0) for comm, compute in phases)
+    # A recomputed block's rerun dispatch has no partner of its own: exposed.
+    exposed = sum(max(comm - compute, 0.0) for comm, compute in phases) + ep.rerun_b
     return ep.passes * ((exposed + sm_share * (total - exposed)) / total)
 
 
