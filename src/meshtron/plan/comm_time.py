@@ -187,7 +187,7 @@ def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> 
         pieces = _once_per_rank(ep, net, rows, m.n_experts // p.ep, m.dim * act)
     elif p.ep_dispatch == "hierarchical":
         pieces = _hierarchical_comm(cfg, ep, net, imbalance * sent, act)
-    elif p.ep_dispatch == "allgather":  # every rank's tokens: the busiest rank's experts do the rest
+    elif p.ep_dispatch == "allgather":  # routing-free: every rank gathers every token (no imbalance)
         pieces = _gathered(cfg, ep, net, sent, act)
     else:
         pieces = _all_to_all(cfg, ep, net, imbalance * m.top_k * sent, act)
