@@ -29,16 +29,10 @@ from meshtron.plan.hardware import GiB, accelerator
 from meshtron.plan.layout import Layout, parse_layout
 from meshtron.plan.network import Group, LinkEfficiency, collective_time
 from meshtron.plan.search import search
-from meshtron.rules.checks import load_config
 from meshtron.schedules.actions import Kind
 from meshtron.schedules.build import build_schedule, simulate
-
-LLAMA_1B = ["--model.name=llama3-1b"]
-
-
-def config(overrides: list[str], seq: int = 4096, batch: int = 64):
-    extra = [f"--training.seq_len={seq}", f"--training.global_batch={batch}", "--training.dtype=bf16"]
-    return load_config(None, [*overrides, *extra])
+from meshtron.testing.tiny import LLAMA_1B
+from meshtron.testing.tiny import planner_config as config
 
 
 def test_collective_time_is_the_alpha_beta_model_on_the_right_link():

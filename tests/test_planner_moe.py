@@ -26,14 +26,8 @@ from meshtron.plan.layout import Layout
 from meshtron.plan.network import Group, LinkEfficiency
 from meshtron.plan.routing import hierarchical_rows
 from meshtron.plan.search import search
-from meshtron.rules.checks import load_config
-
-LLAMA_1B = ["--model.name=llama3-1b"]
-
-
-def config(overrides: list[str], seq: int = 4096, batch: int = 64):
-    extra = [f"--training.seq_len={seq}", f"--training.global_batch={batch}", "--training.dtype=bf16"]
-    return load_config(None, [*overrides, *extra])
+from meshtron.testing.tiny import LLAMA_1B
+from meshtron.testing.tiny import planner_config as config
 
 
 def test_deepseek_v3_fits_in_its_published_layout():

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.row_blocks import padded_numel
-from meshtron.config.schema import Config
+from meshtron.config.schema import Config, ModelConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, row_block_elements
@@ -236,7 +236,7 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
     if p.ep_dispatch == "alltoall":
         rows, counts = sent * m.top_k, 8 * m.n_experts * (p.ep - 1)
         if m.capacity_factor > 0:
-            rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0
+            rows, counts = capacity_slots(m, tokens), 0
         dispatch = counts + rows * (m.dim + 1) * act * _ring(p.ep)
         return {"ep": (2 if rerun else 1) * dispatch + rows * (3 * m.dim + 1) * act * _ring(p.ep)}
     hops = [("ep", sent * ranks_per_token(m, p.ep), m.n_experts // p.ep, p.ep)]
@@ -249,6 +249,12 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
         dispatch = counts + rows * _ring(members) * (m.dim * act + 4 * width + width)
         out[group] = (2 if rerun else 1) * dispatch + rows * _ring(members) * (3 * m.dim * act + 4 * width)
     return out
+
+
+def capacity_slots(m: ModelConfig, tokens: int) -> int:
+    """Rows an MoE layer's all-to-all sends each way under a capacity: every expert's C slots, C =
+    ceil(factor·tokens·top_k / E) over the layer's `tokens` (models/moe.py `MoE.capacity`)."""
+    return m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts)
 
 
 def _holds_ends(cfg: Config, pp_rank: int) -> tuple[bool, bool]:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
-from meshtron.plan.comm import cp_token_bytes
+from meshtron.plan.comm import capacity_slots, cp_token_bytes
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
@@ -203,7 +203,7 @@ def _all_to_all(cfg: Config, ep: Group, net: Network, rows: float, act: int) -> 
     counts = collective_time("all_gather", 8 * ep.size * m.n_experts, ep, net.gpu, net.eff)
     if m.capacity_factor > 0:
         tokens = t.micro_batch * t.seq_len // cfg.parallel.cp
-        rows, counts = m.n_experts * math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts), 0.0
+        rows, counts = capacity_slots(m, tokens), 0.0
     one = collective_time("all_to_all", rows * m.dim * act, ep, net.gpu, net.eff)
     gates = collective_time("all_to_all", rows * act, ep, net.gpu, net.eff)
     return EpPieces(dispatch_f=counts + one + gates, combine_f=one, combine_b=one, dispatch_b=one + gates)

@@ -6,6 +6,9 @@ import math
 
 import torch
 
+from meshtron.config.schema import Config
+from meshtron.rules.checks import load_config
+
 # A 158K-parameter Llama (dim 64, 2 layers, 4 heads / 2 kv, byte vocabulary) on the default corpus, 10
 # steps of 8 x 32 tokens: small enough that a parity case costs a second or two on one CPU core.
 TINY = [
@@ -80,3 +83,13 @@ def save_tiny_hf_model(config_name: str, extra: dict, path: str) -> torch.nn.Mod
     perturb(model, 0)
     model.save_pretrained(path)
     return model
+
+
+# The planner's tests work at the scale users run: a named model (e.g. LLAMA_1B) at seq 4096 in bf16.
+LLAMA_1B = ["--model.name=llama3-1b"]
+
+
+def planner_config(overrides: list[str], seq: int = 4096, batch: int = 64) -> Config:
+    """The config of `overrides` at sequence length `seq`, global batch `batch`, bf16 (no layout yet)."""
+    extra = [f"--training.seq_len={seq}", f"--training.global_batch={batch}", "--training.dtype=bf16"]
+    return load_config(None, [*overrides, *extra])
