@@ -11,10 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import meshtron.comm.kept_outputs as kept_outputs
 import meshtron.parallel.recompute as recompute
+from meshtron.comm.collectives import Comm
+from meshtron.comm.mesh import ParallelMesh
+from meshtron.config.layout import ParallelDims
 from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.moe import GroupedExperts
+from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
@@ -59,36 +64,44 @@ def test_compiled_blocks_are_refused():
         check(load_config(None, [*TINY, *OP, "--training.compile=true"]))
 
 
-def kept_bytes(cfg: ModelConfig, saves: str, keep_attention: bool = True) -> list[int]:
+def kept_bytes(
+    cfg: ModelConfig, saves: str, keep_attention: bool = True, model=None, seed: int = 0
+) -> list[int]:
     """Per block: the bytes op recompute keeps from forward to backward, measured: the outputs its
     policy stored (torch's selective-checkpoint store, read through its private `storage`: the only way
-    to see them) plus the block's input, which the checkpoint keeps."""
-    stores = []
-    original = recompute.create_selective_checkpoint_contexts
+    to see them), the collective outputs it kept (comm/kept_outputs.py) and the block's input, which
+    the checkpoint keeps. `model`: one already parallelized (expert parallel), else a fresh one."""
+    stores, collectives = [], []
+    original, kept_class = recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs
 
     def spy(policy):
         forward, rerun = original(policy)
         stores.append(forward.storage)
         return forward, rerun
 
-    model = build_model(cfg, seed=0)
+    def spied_collectives():
+        collectives.append(kept_class())
+        return collectives[-1]
+
+    model = build_model(cfg, seed=0) if model is None else model
     recompute.apply_recompute(model, "op", saves, keep_attention)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    recompute.create_selective_checkpoint_contexts = spy
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(seed))
+    recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs = spy, spied_collectives
     try:
         logits, aux = model(tokens[:, :-1], return_aux=True)
     finally:
-        recompute.create_selective_checkpoint_contexts = original
+        recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs = original, kept_class
     block_input = 2 * 32 * cfg.dim * 4
     out = []
-    for store in stores:
-        storages = {}
-        for by_index in store.values():
-            for saved in by_index.values():
-                for wrapped in saved if isinstance(saved, tuple) else (saved,):
-                    value = getattr(wrapped, "val", None)
-                    if isinstance(value, torch.Tensor):
-                        storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    for store, kept in zip(stores, collectives, strict=True):
+        values = [getattr(w, "val", None) for by_index in store.values() for saved in by_index.values()
+                  for w in (saved if isinstance(saved, tuple) else (saved,))]  # fmt: skip
+        values += [tensor for tensor, _ in kept.outputs]
+        storages = {
+            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+            for v in values
+            if isinstance(v, torch.Tensor)
+        }
         out.append(block_input + sum(storages.values()))
     (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux).backward()
     return out
@@ -131,6 +144,57 @@ def test_kept_bytes_equal_the_formula(model, saves, keep_attention):
         assignments=2 * 32 * cfg.top_k,
     )
     assert measured == [want] * cfg.n_layers
+
+
+def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
+    """On each of 2 ep ranks (each its own tokens): what op recompute keeps per block, the rows the
+    block's experts processed in forward, and the ep bytes and calls of a step with op recompute and
+    without it."""
+    cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
+    mesh = ParallelMesh(ParallelDims(dp_shard=2, ep=2), "cpu")
+    rank, out = torch.distributed.get_rank(), {}
+    for mode in ("none", "op"):
+        model, comm, rows = build_model(cfg, seed=0), Comm(), []
+        apply_expert_parallel(model, comm, mesh.group("ep"), dispatch)
+        for block in model.layers.values():
+            block.moe.experts.register_forward_pre_hook(
+                lambda _m, a, r=rows: r.append(a[0].shape[:-1].numel())
+            )
+        with comm.recording() as rec:
+            if mode == "op":
+                out["kept"] = kept_bytes(cfg, "matmuls", model=model, seed=rank)
+            else:
+                tokens = torch.randint(
+                    0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank)
+                )
+                logits, aux = model(tokens[:, :-1], return_aux=True)
+                (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux).backward()
+        out[mode] = (rec.stats.total_bytes("ep"), rec.stats.total_calls("ep"))
+        out["rows"] = rows[: cfg.n_layers]  # the forward's (the rerun's come after)
+    mesh.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "dispatch, capacity", [("alltoall", 0.0), ("alltoall", 1.5), ("allgather", 0.0), ("dedup", 0.0)]
+)
+def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispatch, capacity):
+    """Under ep, the op rerun sends nothing again: a step moves the ep bytes and calls of the same step
+    without recompute; what each block keeps is the formula's, the dispatch's delivered rows included,
+    to the byte (given the rows each rank's experts processed; the dedup dispatch's received rows are
+    not measured here, so only its traffic is checked)."""
+    cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
+    for rank in workers(2).run(kept_bytes_over_ep, dispatch, capacity):
+        assert rank["op"] == rank["none"], rank
+        if dispatch == "dedup":
+            continue
+        want = [
+            layer_activation_bytes(
+                cfg, 2, 32, recompute="op", ep=2, ep_dispatch=dispatch, kept=rows, assignments=rows
+            )  # fmt: skip
+            for rows in rank["rows"]
+        ]
+        assert rank["kept"] == want, rank
 
 
 @pytest.mark.parametrize("model", ["moe", "mla_moe"])
@@ -180,3 +244,28 @@ def test_planner_prices_op_recompute_between_none_and_selective():
     memory = [results[m].memory_bytes_per_gpu for m in ("full", "op", "selective", "none")]
     time = [results[m].step_time_s for m in ("none", "op", "selective", "full")]
     assert memory == sorted(memory) and time == sorted(time), (memory, time)
+
+
+def test_a_rerun_that_strays_from_its_forward_is_refused():
+    """The store replays in issue order: a rerun that asks for more reusable collectives than its forward
+    kept, or finds a kept output changed in place since, raises instead of replaying wrong values."""
+    store, sent = kept_outputs.KeptOutputs(), []
+
+    def collective() -> torch.Tensor:
+        sent.append(1)
+        return torch.ones(3)
+
+    with kept_outputs.keeping(store), kept_outputs.reusable():
+        out = kept_outputs.kept_or_issued(collective)
+    assert kept_outputs.kept_or_issued(collective) is not out and len(sent) == 2  # outside: issued
+    with kept_outputs.replaying(store), kept_outputs.reusable():
+        assert torch.equal(kept_outputs.kept_or_issued(collective), out) and len(sent) == 2
+        with pytest.raises(RuntimeError, match="more reusable collectives"):
+            kept_outputs.kept_or_issued(collective)
+    out.add_(1)
+    with (
+        kept_outputs.replaying(store),
+        kept_outputs.reusable(),
+        pytest.raises(RuntimeError, match="changed in place"),
+    ):
+        kept_outputs.kept_or_issued(collective)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from meshtron.comm import pairwise
 from meshtron.comm.group import CollectiveTimeout, CommGroup
+from meshtron.comm.kept_outputs import kept_or_issued
 from meshtron.comm.pending import Pending, Works
 from meshtron.comm.record import LANE, CommStats, Recording, Span, flight_name, recorder
 from meshtron.comm.timing import TIMES
@@ -166,9 +167,13 @@ class CountedCollectives:
         return x
 
     def all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
-        """Concatenate every rank's `x` along `dim` (all ranks' shapes equal)."""
+        """Concatenate every rank's `x` along `dim` (all ranks' shapes equal). Reusable by a rerun
+        (kept_outputs.py), as are the all-to-alls."""
         if group.size == 1:
             return x
+        return kept_or_issued(lambda: self._all_gather_tensor(x, group, dim))
+
+    def _all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         moved = x.movedim(dim, 0).contiguous()
         out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         self.stats.record(group.name, "all_gather", _nbytes(out) * (group.size - 1) / group.size)
@@ -197,6 +202,11 @@ class CountedCollectives:
         """Split `x` into n chunks along split_dim, send chunk j to rank j, concat what arrives on concat_dim."""
         if group.size == 1:
             return x
+        return kept_or_issued(lambda: self._all_to_all_tensor(x, group, split_dim, concat_dim))
+
+    def _all_to_all_tensor(
+        self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int
+    ) -> torch.Tensor:
         _splits_evenly("all_to_all", x, split_dim, group)
         self.stats.record(group.name, "all_to_all", _nbytes(x) * (group.size - 1) / group.size)
         self._count_network(group, [_nbytes(x) / group.size] * group.size)
@@ -235,6 +245,11 @@ class CountedCollectives:
         """Variable-size exchange along dim 0 (token dispatch): rank j gets input_splits[j] rows."""
         if group.size == 1:
             return x
+        return kept_or_issued(lambda: self._all_to_all_single(x, group, output_splits, input_splits))
+
+    def _all_to_all_single(
+        self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         row = _nbytes(x[:1]) if x.shape[0] else 0
         sent = (x.shape[0] - input_splits[group.rank]) * row

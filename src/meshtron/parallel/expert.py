@@ -62,6 +62,7 @@ from torch import nn
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
+from meshtron.comm.kept_outputs import reusable
 from meshtron.config.schema import EpDispatch
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import (
@@ -105,13 +106,14 @@ class AllToAllDispatch(ExpertDispatch):
         if capacity is not None:
             return self.slots(moe, x_TD, weights_Tk, experts_Tk, keep_Tk, capacity)
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
-        table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
-        received_SE = table[:, me]
-        # The uneven all-to-all takes its split sizes on the host: the layer's one read of the device.
-        sent, received = torch.stack([table[me].sum(-1), received_SE.sum(-1)]).tolist()
         token_N = order // moe.top_k
-        x_MD = self.comm.all_to_all_v(compute_dtype(x_TD)[token_N], self.ep, received, sent)
-        gates_M1 = self.comm.all_to_all_v(weights_Tk.flatten()[order, None], self.ep, received, sent)
+        with reusable():  # a per-op recompute's rerun takes what arrived here from its store
+            table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
+            received_SE = table[:, me]
+            # The uneven all-to-all takes its split sizes on the host: the layer's one read of the device.
+            sent, received = torch.stack([table[me].sum(-1), received_SE.sum(-1)]).tolist()
+            x_MD = self.comm.all_to_all_v(compute_dtype(x_TD)[token_N], self.ep, received, sent)
+            gates_M1 = self.comm.all_to_all_v(weights_Tk.flatten()[order, None], self.ep, received, sent)
         experts_M = torch.arange(local, device=x_MD.device).repeat(n)  # rows by (source, local expert)
         expert_M = experts_M.repeat_interleave(received_SE.flatten(), output_size=x_MD.shape[0])
         by_expert = torch.argsort(expert_M, stable=True)
@@ -142,8 +144,9 @@ class AllToAllDispatch(ExpertDispatch):
         # Each slot's gate value (0 in an empty one; the dropped slot `rows` takes the rest).
         gates_R = weights_Tk.new_zeros(rows + 1).index_put((slot_A,), weights_Tk.flatten())[:rows]
         # [dest rank, local expert, slot] -> [source rank, local expert, slot] -> [local expert, rows]
-        x_SLCD = self.comm.all_to_all(x_RD, self.ep, 0, 0).view(n, local, capacity, -1)
-        gates_SLC = self.comm.all_to_all(gates_R[:, None], self.ep, 0, 0).view(n, local, capacity)
+        with reusable():
+            x_SLCD = self.comm.all_to_all(x_RD, self.ep, 0, 0).view(n, local, capacity, -1)
+            gates_SLC = self.comm.all_to_all(gates_R[:, None], self.ep, 0, 0).view(n, local, capacity)
         gates_LM = gates_SLC.transpose(0, 1).reshape(local, n * capacity)
         y_LMD = moe.experts(x_SLCD.transpose(0, 1).reshape(local, n * capacity, -1), None, gates_LM)
         y_SLCD = y_LMD.view(local, n, capacity, -1).transpose(0, 1).reshape(rows, -1)
@@ -205,15 +208,16 @@ def send_once_per_rank(
     n = group.size
     to_rank_Tn = chosen_TnL.any(-1)
     dest_P, token_P = to_rank_Tn.t().nonzero(as_tuple=True)  # by destination rank, then token
-    table = comm.all_gather_tensor(to_rank_Tn.sum(0), group).view(n, n)  # [source, dest]
-    sent, received = torch.stack([table[group.rank], table[:, group.rank]]).tolist()
+    with reusable():
+        table = comm.all_gather_tensor(to_rank_Tn.sum(0), group).view(n, n)  # [source, dest]
+        sent, received = torch.stack([table[group.rank], table[:, group.rank]]).tolist()
 
-    def there(rows: torch.Tensor) -> torch.Tensor:
-        return comm.all_to_all_v(rows, group, received, sent)
+        def there(rows: torch.Tensor) -> torch.Tensor:
+            return comm.all_to_all_v(rows, group, received, sent)
 
-    x_MD = there(compute_dtype(x_TD)[token_P])
-    gates_ML = there(gates_TnL[token_P, dest_P])
-    chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
+        x_MD = there(compute_dtype(x_TD)[token_P])
+        gates_ML = there(gates_TnL[token_P, dest_P])
+        chosen_ML = there(chosen_TnL[token_P, dest_P].to(torch.uint8)).bool()
     # One row back per token: its weighted sum over the rank's experts, in the tokens' dtype.
     y_MD = there_sum(x_MD, gates_ML, chosen_ML).to(x_MD.dtype)
     return sum_rows(comm.all_to_all_v(y_MD, group, sent, received), token_P, x_TD.shape[0])
@@ -267,10 +271,11 @@ class AllGatherDispatch(ExpertDispatch):
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         weights_Tk, experts_Tk, keep_Tk, _ = routing
-        x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
-        weights_all = self.comm.all_gather(weights_Tk, self.ep)
-        experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
-        keep_all = self.comm.all_gather_tensor(keep_Tk.to(torch.uint8), self.ep).bool()
+        with reusable():
+            x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
+            weights_all = self.comm.all_gather(weights_Tk, self.ep)
+            experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
+            keep_all = self.comm.all_gather_tensor(keep_Tk.to(torch.uint8), self.ep).bool()
         order, counts_E = sort_by_expert(experts_all, keep_all, moe.first_expert, moe.experts.w1.shape[0])
         token_N = order // moe.top_k
         y_ND = moe.experts(x_all[token_N], counts_E, weights_all.flatten()[order])

@@ -8,9 +8,11 @@
              output no backward needs: the rerun stops before it) and the attention kernels' (with
              their log-sum-exp); backward reruns the block's forward, where a kept output is taken
              from the store instead of computed (torch's selective checkpoint API), so only the cheap
-             operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. Collectives are
-             not kept, so they run again, as under full recompute. torchtitan's op-level policy does
-             the same (it also keeps reduce-scatter outputs, which meshtron's blocks do not issue)
+             operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. The expert
+             dispatch's outputs are kept too (comm/kept_outputs.py: the rerun does not send the routed
+             rows again); tensor parallel's collectives run again, as under full recompute. torchtitan's
+             op-level policy does the same (it keeps its reduce-scatters' outputs, the collectives it
+             issues inside a block)
 
 The wrapped callables are the block's `forward` and the attention's `core`, replaced on the instance so
 that parameter names and module hooks (FSDP, tensor parallel) stay where they are: a block's own hooks
@@ -30,6 +32,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from meshtron.comm.autograd import out_of_place
+from meshtron.comm.kept_outputs import KeptOutputs, keeping, replaying
 from meshtron.config.schema import OpRecomputeSaves, Recompute
 from meshtron.models.latent_attention import LatentAttention
 from meshtron.models.llama import Transformer
@@ -133,9 +136,10 @@ def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tup
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         forward, rerun = create_selective_checkpoint_contexts(policy)
+        collectives = KeptOutputs()  # the expert dispatch's outputs (comm/kept_outputs.py)
         # A kept matmul output must not be reduced in place afterwards (tensor parallel's partial sums).
-        return _both(forward, out_of_place()), _both(
-            rerun, _both(out_of_place(), _entered(active_deferrals()))
+        return _both(forward, _both(out_of_place(), keeping(collectives))), _both(
+            rerun, _both(_both(out_of_place(), replaying(collectives)), _entered(active_deferrals()))
         )
 
     return context_fn

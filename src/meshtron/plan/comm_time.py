@@ -20,8 +20,8 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
         backward) and 2 of their gate values; the busiest rank         batch's compute it pairs with,
         receives `imbalance` times the mean (1: balanced routing);     which it slows (overlapped_ep)
         a capacity's slots, the all-gather dispatch, dedup and
-        hierarchical as plan/comm.py counts them; full and op
-        recompute dispatch again in backward
+        hierarchical as plan/comm.py counts them; full recompute
+        dispatches again in backward (op keeps what arrived)
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -161,7 +161,7 @@ class EpPieces:
     combine_f: float = 0.0
     combine_b: float = 0.0
     dispatch_b: float = 0.0
-    rerun_b: float = 0.0  # the forward's dispatch again, under full or op recompute (plan/comm.py)
+    rerun_b: float = 0.0  # the forward's dispatch again, under full recompute (plan/comm.py)
 
     @property
     def passes(self) -> PassTimes:
@@ -191,7 +191,7 @@ def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> 
         pieces = _gathered(cfg, ep, net, sent, act)
     else:
         pieces = _all_to_all(cfg, ep, net, imbalance * m.top_k * sent, act)
-    if t.recompute in ("full", "op"):  # the rerun block dispatches again, and stops before the combine
+    if t.recompute == "full":  # the rerun block dispatches again, and stops before the combine
         pieces = dataclasses.replace(pieces, rerun_b=pieces.dispatch_f)
     return pieces
 

@@ -57,7 +57,8 @@ Indices are int64, the grouped matmuls' offsets int32, the gate values fp32:
                     down-projection, models/moe.py) and their sum per token keeps only row ids
   shared experts    SwiGLU 4·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
   full recompute    the block input only, as dense
-  op recompute      the block input and the outputs its policy keeps (plan/op_memory.py), as dense
+  op recompute      the block input and the outputs its policy keeps (plan/op_memory.py), as dense,
+                    and under ep what the dispatch delivered (its rerun takes it instead of sending again)
 
 The all-gather dispatch sorts and combines every ep rank's rows for its own experts: N = M there.
 
@@ -83,7 +84,7 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
-from meshtron.plan.op_memory import op_kept_elements, slot_rows
+from meshtron.plan.op_memory import dispatch_kept_elements, op_kept_elements, slot_rows
 from meshtron.plan.routing import ranks_per_token
 
 
@@ -266,7 +267,8 @@ def moe_layer_activation_elements(
         rows = assignments if slots is None or kept is not None else slots
         latent = _latents_exchanged(exchange, cp, ulysses)
         floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp, latent)
-        return SavedElements(floats=floats, fp32=fp32)
+        delivered = dispatch_kept_elements(cfg, tokens // share, ep, ep_dispatch, rows, pairs)
+        return SavedElements(floats=floats, fp32=fp32) + SavedElements(*delivered[:3], bools=delivered[3])
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
     ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp

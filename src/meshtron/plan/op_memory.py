@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves
+from meshtron.plan.routing import ranks_per_token
 
 # (elements, whether they are fp32 whatever the activation dtype) of each stored output, in forward order.
 Outputs = list[tuple[int, bool]]
@@ -107,6 +108,35 @@ def op_kept_elements(
         floats += tokens * cfg.n_heads * cfg.head_size // tp
         fp32 += batch * (cfg.n_heads // tp) * seq
     return floats, fp32
+
+
+def dispatch_kept_elements(
+    cfg: ModelConfig, tokens: int, ep: int, ep_dispatch: EpDispatch, rows: int, pairs: int | None = None
+) -> tuple[int, int, int, int]:
+    """(elements in the activation dtype, fp32, int64, bool) of what the expert dispatch delivered to
+    this rank, which recompute = "op" keeps for the rerun instead of sending it again
+    (comm/kept_outputs.py): `tokens` the rows this rank sends (its tp share under etp = 1), `rows` those
+    its experts process (received: each rank receives what it sends when balanced), `pairs` the dedup
+    dispatch's (token, rank) rows (plan/routing.py's expectation when None). Nothing with ep = 1.
+
+      alltoall      the count table ep·E (int64), the rows and their gates M·(h + 1); with a capacity
+                    the E·C slots and their gates
+      allgather     every rank's tokens ep·T·h, gates ep·T·k, expert ids ep·T·k (int64), keep mask
+      dedup         the row counts ep² (int64), the rows P·h, their gates for the rank's L = E/ep
+                    experts P·L (fp32) and which of them are chosen P·L (uint8); hierarchical as its
+                    in-node hop (as the rest of its memory)"""
+    if ep == 1:
+        return 0, 0, 0, 0
+    h, k = cfg.dim, cfg.top_k
+    if ep_dispatch == "allgather":
+        every = ep * tokens
+        return every * (h + k), 0, every * k, every * k
+    if ep_dispatch == "alltoall":
+        table = 0 if cfg.capacity_factor > 0 else ep * cfg.n_experts
+        return rows * (h + 1), 0, table, 0
+    pairs = round(tokens * ranks_per_token(cfg, ep)) if pairs is None else pairs
+    local = cfg.n_experts // ep
+    return pairs * h, pairs * local, ep * ep, pairs * local
 
 
 def slot_rows(cfg: ModelConfig, tokens: int, ep: int, ep_dispatch: EpDispatch) -> int | None:

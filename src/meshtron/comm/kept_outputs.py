@@ -1,0 +1,113 @@
+"""Collective outputs kept for a recomputed forward, so that its rerun in backward does not send again.
+
+Per-op recompute (parallel/recompute.py) reruns each block's forward in backward and takes the outputs its
+policy kept from torch's selective-checkpoint store. That store sees torch operations only; meshtron's
+collectives are c10d calls on buffers, so without this module the rerun would issue them again: the
+expert dispatch's exchanges a second time, over the network, for rows that already arrived once.
+
+  forward  inside `keeping(store)`: each collective issued inside a `reusable()` region puts its output
+           in the store, in issue order
+  rerun    inside `replaying(store)`: the same region's collectives, in the same order, take the kept
+           outputs instead; nothing is sent, waited on or counted
+  else     collectives run as always (outside a checkpoint, or under full recompute: it keeps nothing)
+
+A caller marks which collectives may be kept: the expert dispatch marks its forward exchanges (count
+table, token rows, their gates, ids and masks: parallel/expert.py), whose outputs the experts' matmuls
+read; the combine after the experts is not marked (the rerun stops before it). A kept output costs memory
+from the forward to the block's backward: per MoE layer and micro-batch in flight, one copy of what the
+dispatch delivered to this rank (plan/memory.py prices it). torchtitan's per-op policy keeps its
+reduce-scatters' outputs likewise; it issues them as functional collectives, which torch's store sees.
+
+Every rank reruns the same blocks with the same code, so the ranks of a group skip the same collectives
+and none waits on a partner that replays. State is per thread (a DualPipeV pair reruns one block's
+forward in backward while the other thread runs a forward that keeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+class KeptOutputs:
+    """One checkpointed block's kept collective outputs, in issue order, with each one's version at
+    keeping (an output changed in place afterwards would replay wrong values: refused)."""
+
+    def __init__(self) -> None:
+        self.outputs: list[tuple[torch.Tensor, int]] = []
+        self.next = 0
+
+    def keep(self, out: torch.Tensor) -> None:
+        # A detached alias: the collective's autograd node then sets its history on `out`, not on this.
+        self.outputs.append((out.detach(), out._version))
+
+    def take(self) -> torch.Tensor:
+        if self.next >= len(self.outputs):
+            raise RuntimeError(
+                f"a recomputed forward issued more reusable collectives ({self.next + 1}) than its forward "
+                f"kept ({len(self.outputs)}): the rerun took another path than the forward"
+            )
+        kept, version = self.outputs[self.next]
+        if kept._version != version:
+            raise RuntimeError(
+                f"reusable collective output #{self.next} was changed in place after the forward kept it: "
+                "a rerun would replay wrong values (copy it before changing it)"
+            )
+        self.next += 1
+        return kept.detach()  # a fresh alias per rerun, for that rerun's autograd node
+
+
+class _State(threading.local):
+    store: KeptOutputs | None = None
+    replay = False
+    regions = 0  # depth of `reusable()`
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def _set(store: KeptOutputs | None, replay: bool) -> Iterator[None]:
+    before = _STATE.store, _STATE.replay, _STATE.regions
+    _STATE.store, _STATE.replay, _STATE.regions = store, replay, 0
+    try:
+        yield
+    finally:
+        _STATE.store, _STATE.replay, _STATE.regions = before
+
+
+def keeping(store: KeptOutputs) -> contextlib.AbstractContextManager:
+    """A forward that keeps the outputs of its reusable collectives in `store`."""
+    return _set(store, replay=False)
+
+
+def replaying(store: KeptOutputs) -> contextlib.AbstractContextManager:
+    """A rerun of that forward: its reusable collectives take their outputs from `store`, from the first."""
+    store.next = 0
+    return _set(store, replay=True)
+
+
+@contextlib.contextmanager
+def reusable() -> Iterator[None]:
+    """Collectives issued inside may be kept for a rerun (and are replayed there)."""
+    _STATE.regions += 1
+    try:
+        yield
+    finally:
+        _STATE.regions -= 1
+
+
+def kept_or_issued(issue: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`issue()`'s output; inside a reusable region, kept for the rerun, or in the rerun taken from the
+    store without issuing anything."""
+    store = _STATE.store
+    if store is None or not _STATE.regions:
+        return issue()
+    if _STATE.replay:
+        return store.take()
+    out = issue()
+    store.keep(out)
+    return out
