@@ -42,6 +42,7 @@ CASES = {
     "cp2_ring": (2, [], [*OP, "--parallel.cp=2"]),
     "cp2_alltoall": (2, [], [*EVERY_OTHER, "--parallel.cp=2", "--parallel.cp_impl=alltoall"]),
     "ep2_alltoall": (2, MOE, [*OP, "--parallel.ep=2", "--training.micro_batch=4"]),
+    "ep2_dedup_rerun": (2, MOE, [*OP, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--training.op_recompute_dispatch=rerun", "--training.micro_batch=4"]),
     "pp2_1f1b": (2, [], [*OP, "--parallel.pp=2", "--training.micro_batch=2"]),
     "pp2_zero_bubble": (2, [], [*OP, "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--training.micro_batch=2"]),
 }  # fmt: skip
@@ -65,7 +66,12 @@ def test_compiled_blocks_are_refused():
 
 
 def kept_bytes(
-    cfg: ModelConfig, saves: str, keep_attention: bool = True, model=None, seed: int = 0
+    cfg: ModelConfig,
+    saves: str,
+    keep_attention: bool = True,
+    model=None,
+    seed: int = 0,
+    keep_dispatch: bool = True,
 ) -> list[int]:
     """Per block: the bytes op recompute keeps from forward to backward, measured: the outputs its
     policy stored (torch's selective-checkpoint store, read through its private `storage`: the only way
@@ -84,7 +90,7 @@ def kept_bytes(
         return collectives[-1]
 
     model = build_model(cfg, seed=0) if model is None else model
-    recompute.apply_recompute(model, "op", saves, keep_attention)
+    recompute.apply_recompute(model, "op", saves, keep_attention, keep_dispatch)
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(seed))
     recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs = spy, spied_collectives
     try:
@@ -147,13 +153,13 @@ def test_kept_bytes_equal_the_formula(model, saves, keep_attention):
 
 
 def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
-    """On each of 2 ep ranks (each its own tokens): what op recompute keeps per block, the rows the
-    block's experts processed in forward, and the ep bytes and calls of a step with op recompute and
-    without it."""
+    """On each of 2 ep ranks (each its own tokens): what op recompute keeps per block, keeping the
+    dispatch's outputs ("op") and sending it again ("op_rerun"), the rows the block's experts processed
+    in forward, and the ep bytes and calls of a step in each mode and without recompute."""
     cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
     mesh = ParallelMesh(ParallelDims(dp_shard=2, ep=2), "cpu")
     rank, out = torch.distributed.get_rank(), {}
-    for mode in ("none", "op"):
+    for mode in ("none", "op", "op_rerun"):
         model, comm, rows = build_model(cfg, seed=0), Comm(), []
         apply_expert_parallel(model, comm, mesh.group("ep"), dispatch)
         for block in model.layers.values():
@@ -161,8 +167,9 @@ def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
                 lambda _m, a, r=rows: r.append(a[0].shape[:-1].numel())
             )
         with comm.recording() as rec:
-            if mode == "op":
-                out["kept"] = kept_bytes(cfg, "matmuls", model=model, seed=rank)
+            if mode != "none":
+                keep = mode == "op"
+                out[f"kept_{mode}"] = kept_bytes(cfg, "matmuls", model=model, seed=rank, keep_dispatch=keep)
             else:
                 tokens = torch.randint(
                     0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank)
@@ -180,21 +187,40 @@ def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
 )
 def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispatch, capacity):
     """Under ep, the op rerun sends nothing again: a step moves the ep bytes and calls of the same step
-    without recompute; what each block keeps is the formula's, the dispatch's delivered rows included,
-    to the byte (given the rows each rank's experts processed; the dedup dispatch's received rows are
-    not measured here, so only its traffic is checked)."""
+    without recompute. With op_recompute_dispatch = "rerun" it sends the forward's dispatch once more
+    (its count table, rows, gates and what else it carries: DISPATCH_CALLS per layer) and keeps none of
+    it. What each block keeps is the formula's either way, to the byte (given the rows each rank's
+    experts processed; the dedup dispatch's received rows are not measured here, so only its traffic
+    is checked)."""
     cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
     for rank in workers(2).run(kept_bytes_over_ep, dispatch, capacity):
         assert rank["op"] == rank["none"], rank
+        (rerun_bytes, rerun_calls), (once_bytes, once_calls) = rank["op_rerun"], rank["none"]
+        assert rerun_calls - once_calls == DISPATCH_CALLS[dispatch, capacity] * cfg.n_layers, rank
+        assert rerun_bytes > once_bytes
         if dispatch == "dedup":
             continue
-        want = [
-            layer_activation_bytes(
-                cfg, 2, 32, recompute="op", ep=2, ep_dispatch=dispatch, kept=rows, assignments=rows
-            )  # fmt: skip
-            for rows in rank["rows"]
-        ]
-        assert rank["kept"] == want, rank
+        for mode, keeps in (("op", True), ("op_rerun", False)):
+            want = [
+                layer_activation_bytes(
+                    cfg,
+                    2,
+                    32,
+                    recompute="op",
+                    ep=2,
+                    ep_dispatch=dispatch,
+                    kept=rows,
+                    assignments=rows,
+                    op_keeps_dispatch=keeps,
+                )  # fmt: skip
+                for rows in rank["rows"]
+            ]
+            assert rank[f"kept_{mode}"] == want, (mode, rank)
+
+
+# Forward dispatch collectives per MoE layer: the count table, rows and gates (dedup: and the chosen
+# mask); a capacity's two even all-to-alls; the all-gather dispatch's tokens, gates, ids and mask.
+DISPATCH_CALLS = {("alltoall", 0.0): 3, ("alltoall", 1.5): 2, ("allgather", 0.0): 4, ("dedup", 0.0): 4}
 
 
 @pytest.mark.parametrize("model", ["moe", "mla_moe"])

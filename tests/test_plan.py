@@ -79,6 +79,7 @@ LAYOUTS = {
     "moe_ep2_capacity_full_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--model.capacity_factor=1.5", "--training.recompute=full", "--training.micro_batch=4"]),
     "moe_ep2_capacity_tp2_sp_etp1_bf16": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--model.capacity_factor=1.25", "--training.dtype=bf16", "--training.micro_batch=4"]),
     "moe_ep2_allgather_op_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--parallel.ep_dispatch=allgather", "--training.recompute=op", "--training.micro_batch=4"]),
+    "moe_ep2_capacity_op_recompute_rerun": (2, [*MOE, "--parallel.ep=2", "--model.capacity_factor=1.5", "--training.recompute=op", "--training.op_recompute_dispatch=rerun", "--training.micro_batch=4"]),
     "moe_ep2_allgather_tp2_etp1_bf16": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.etp=1", "--parallel.ep_dispatch=allgather", "--training.dtype=bf16", "--training.micro_batch=4"]),
     # bf16: whole parameters once in bf16 beside fp32 masters (whole, or owned rows); ZeRO-3 as in fp32
     "bf16_single": (1, ["--training.dtype=bf16"]),

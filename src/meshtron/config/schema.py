@@ -66,6 +66,7 @@ Recompute = Literal["none", "selective", "op", "full"]
 # What training.recompute="op" keeps: every matmul's output, every other one's, or every one's but MLA's
 # up-projections (DeepSeek-V3's recipe, report §3.3.1).
 OpRecomputeSaves = Literal["matmuls", "every_other_matmul", "matmuls_but_mla_up"]
+OpRecomputeDispatch = Literal["keep", "rerun"]
 OptimizerName = Literal["adamw", "muon"]  # muon: Muon on the blocks' matrices, AdamW on the rest
 MuonLrRule = Literal["match_rms_adamw", "original"]  # the scale of Muon's update (train/muon.py)
 Device = Literal["auto", "cpu", "cuda"]
@@ -316,6 +317,8 @@ class TrainingConfig:
     max_skipped_steps: int = non_negative(5)  # non-finite steps in a row (each skipped) that stop a run
     recompute: Recompute = "none"
     op_recompute_saves: OpRecomputeSaves = "matmuls"  # what recompute="op" keeps (parallel/recompute.py)
+    # recompute="op" under ep: keep what the expert dispatch delivered (memory) or send it again (network)
+    op_recompute_dispatch: OpRecomputeDispatch = "keep"
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     eval_every: int = non_negative(0)  # steps between validation losses (and after the last step); 0: never
     eval_batches: int = positive(1)  # global batches of the validation data each evaluation averages

@@ -124,7 +124,13 @@ def parallelize(
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training
-    apply_recompute(model, t.recompute, t.op_recompute_saves, keep_attention=cfg.parallel.cp == 1)
+    apply_recompute(
+        model,
+        t.recompute,
+        t.op_recompute_saves,
+        keep_attention=cfg.parallel.cp == 1,
+        keep_dispatch=t.op_recompute_dispatch == "keep",
+    )
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size(Dim.TP) if p.sp else 1

@@ -10,7 +10,8 @@
              from the store instead of computed (torch's selective checkpoint API), so only the cheap
              operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. The expert
              dispatch's outputs are kept too (comm/kept_outputs.py: the rerun does not send the routed
-             rows again); tensor parallel's collectives run again, as under full recompute. torchtitan's
+             rows again), unless `training.op_recompute_dispatch = "rerun"` trades that memory for a
+             second dispatch; tensor parallel's collectives run again, as under full recompute. torchtitan's
              op-level policy does the same (it keeps its reduce-scatters' outputs, the collectives it
              issues inside a block)
 
@@ -113,12 +114,15 @@ def _inside(region: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tuple[Any, Any]]:
+def op_policy(
+    saves: OpRecomputeSaves, keep_attention: bool, keep_dispatch: bool = True
+) -> Callable[[], tuple[Any, Any]]:
     """The context_fn of one block's checkpoint under recompute = "op": a fresh policy per call (it
     counts the block's matmuls, in forward and in the rerun alike), with the replay modes on the rerun.
     Inside the attention core only an attention kernel's outputs are kept, and only with
     `keep_attention` (without context parallel: there the core is one kernel; under cp it is a ring of
-    partial blocks, or a tiled path whose matmuls are score tiles, so the core is recomputed whole)."""
+    partial blocks, or a tiled path whose matmuls are score tiles, so the core is recomputed whole).
+    `keep_dispatch`: the expert dispatch's outputs too (else the rerun sends them again)."""
 
     def context_fn() -> tuple[Any, Any]:
         counts = {False: 0, True: 0}  # matmuls seen, by is_recompute
@@ -137,9 +141,11 @@ def op_policy(saves: OpRecomputeSaves, keep_attention: bool) -> Callable[[], tup
 
         forward, rerun = create_selective_checkpoint_contexts(policy)
         collectives = KeptOutputs()  # the expert dispatch's outputs (comm/kept_outputs.py)
+        keep = keeping(collectives) if keep_dispatch else contextlib.nullcontext()
+        replay = replaying(collectives) if keep_dispatch else contextlib.nullcontext()
         # A kept matmul output must not be reduced in place afterwards (tensor parallel's partial sums).
-        return _both(forward, _both(out_of_place(), keeping(collectives))), _both(
-            rerun, _both(_both(out_of_place(), replaying(collectives)), _entered(active_deferrals()))
+        return _both(forward, _both(out_of_place(), keep)), _both(
+            rerun, _both(_both(out_of_place(), replay), _entered(active_deferrals()))
         )
 
     return context_fn
@@ -154,10 +160,15 @@ def _both(
 
 
 def apply_recompute(
-    model: Transformer, mode: Recompute, op_saves: OpRecomputeSaves = "matmuls", keep_attention: bool = True
+    model: Transformer,
+    mode: Recompute,
+    op_saves: OpRecomputeSaves = "matmuls",
+    keep_attention: bool = True,
+    keep_dispatch: bool = True,
 ) -> None:
     """The recompute step of `parallelize`: wrap what `mode` reruns in backward (nothing for "none").
-    `keep_attention` (mode "op"): keep the attention kernel's outputs (False under context parallel)."""
+    Mode "op": `keep_attention`, keep the attention kernel's outputs (False under context parallel);
+    `keep_dispatch`, keep what the expert dispatch delivered rather than send it again in the rerun."""
     if mode not in typing.get_args(Recompute):
         raise ValueError(f"training.recompute={mode!r} is not one of {', '.join(typing.get_args(Recompute))}")
     for _, block in model.blocks():
@@ -171,7 +182,7 @@ def apply_recompute(
                 _mark_up_projections(block.attention)
             if block.moe is not None:
                 block.moe.experts.down = _inside("not_kept", block.moe.experts.down)
-            block.forward = _checkpointed(block.forward, op_policy(op_saves, keep_attention))
+            block.forward = _checkpointed(block.forward, op_policy(op_saves, keep_attention, keep_dispatch))
 
 
 def _mark_up_projections(attention: LatentAttention) -> None:

@@ -21,8 +21,9 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   gradient back), plus the count table's all-gather; a capacity's E·C slots instead;
                   the all-gather dispatch's gathers and reduce-scatters; dedup: the same 4 of
                   r·tokens rows, r the ranks a token reaches (plan/routing.py), with each row's gates
-                  and chosen-mask (and the gates' gradient); full recompute dispatches again (op
-                  recompute keeps the dispatch's outputs instead: comm/kept_outputs.py) (`_ep_bytes`)
+                  and chosen-mask (and the gates' gradient); full recompute dispatches again, and so
+                  does op recompute with op_recompute_dispatch = "rerun" (by default it keeps the
+                  dispatch's outputs instead: comm/kept_outputs.py) (`_ep_bytes`)
   pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
                   backward (one sent, the other received), plus the loss and clipping's all-reduces
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.row_blocks import padded_numel
-from meshtron.config.schema import Config, ModelConfig
+from meshtron.config.schema import Config, ModelConfig, TrainingConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, row_block_elements
@@ -211,10 +212,10 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
 
 def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
     """One MoE layer's expert-parallel bytes for one micro-batch of `tokens` tokens, by group: the
-    dispatch's forward, the rest (combine, and both gradients), and under full recompute the
-    dispatch's forward again (the rerun block stops once backward's saved tensors are back, so its
-    combine is not rerun; op recompute takes the dispatch's outputs from its store instead). Rows
-    travel in the compute dtype (act bytes), their gates alike.
+    dispatch's forward, the rest (combine, and both gradients), and where the rerun block dispatches
+    again (`reruns_dispatch`) the dispatch's forward again (the rerun stops once backward's saved
+    tensors are back, so its combine is not rerun). Rows travel in the compute dtype (act bytes), their
+    gates alike.
 
       alltoall      top_k rows per token each way, with their gates, and the count table's all-gather;
                     with a capacity C, E·C rows (every expert's slots, C from all the layer's tokens)
@@ -228,7 +229,7 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
     if p.ep == 1:
         return {}
     act = 2 if t.dtype != "fp32" else 4
-    rerun = t.recompute == "full"
+    rerun = reruns_dispatch(t)
     sent = tokens // (1 if p.expert_tp else p.tp)  # etp = 1: each tp rank sends its 1/tp of the tokens
     if p.ep_dispatch == "allgather":
         dispatch = sent * (m.dim * act + m.top_k * (act + 8 + 1)) * (p.ep - 1)
@@ -250,6 +251,12 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
         dispatch = counts + rows * _ring(members) * (m.dim * act + 4 * width + width)
         out[group] = (2 if rerun else 1) * dispatch + rows * _ring(members) * (3 * m.dim * act + 4 * width)
     return out
+
+
+def reruns_dispatch(t: TrainingConfig) -> bool:
+    """Whether a recomputed MoE block sends its forward dispatch again in backward: under full recompute,
+    and under op recompute when told not to keep what the dispatch delivered."""
+    return t.recompute == "full" or (t.recompute == "op" and t.op_recompute_dispatch == "rerun")
 
 
 def capacity_slots(m: ModelConfig, tokens: int) -> int:

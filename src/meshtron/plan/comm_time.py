@@ -21,7 +21,8 @@ dtype for activations and in the reduce dtype for gradients; times come from pla
         receives `imbalance` times the mean (1: balanced routing);     which it slows (overlapped_ep)
         a capacity's slots, the all-gather dispatch, dedup and
         hierarchical as plan/comm.py counts them; full recompute
-        dispatches again in backward (op keeps what arrived)
+        dispatches again in backward (op keeps what arrived, unless
+        op_recompute_dispatch = "rerun")
   pp    one activation forward and one gradient backward per chunk     yes (non-blocking sends)
         boundary
   dp    per step: DDP all-reduces the gradients; ZeRO-1/2 reduce-     the reduction: behind the last
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
-from meshtron.plan.comm import capacity_slots, cp_token_bytes
+from meshtron.plan.comm import capacity_slots, cp_token_bytes, reruns_dispatch
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
@@ -161,7 +162,7 @@ class EpPieces:
     combine_f: float = 0.0
     combine_b: float = 0.0
     dispatch_b: float = 0.0
-    rerun_b: float = 0.0  # the forward's dispatch again, under full recompute (plan/comm.py)
+    rerun_b: float = 0.0  # the forward's dispatch again, where recompute reruns it (plan/comm.py)
 
     @property
     def passes(self) -> PassTimes:
@@ -191,7 +192,7 @@ def ep_pieces(cfg: Config, layer: int, net: Network, imbalance: float = 1.0) -> 
         pieces = _gathered(cfg, ep, net, sent, act)
     else:
         pieces = _all_to_all(cfg, ep, net, imbalance * m.top_k * sent, act)
-    if t.recompute == "full":  # the rerun block dispatches again, and stops before the combine
+    if reruns_dispatch(t):  # the rerun block dispatches again, and stops before the combine
         pieces = dataclasses.replace(pieces, rerun_b=pieces.dispatch_f)
     return pieces
 

@@ -70,6 +70,8 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
         kwargs["ulysses"] = p.cp
     if m.is_moe_layer(layer):
         kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.expert_tp)
+        if recompute == "op":
+            kwargs["op_keeps_dispatch"] = t.op_recompute_dispatch == "keep"
     act = 2 if t.dtype != "fp32" else 4
     key = ("layer", model_key(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
     return _cached(key, lambda: layer_activation_bytes(m, t.micro_batch, t.seq_len, act, layer, **kwargs))

@@ -249,12 +249,15 @@ def moe_layer_activation_elements(
     op_saves: OpRecomputeSaves = "matmuls",
     exchange: str = "kv",
     pairs: int | None = None,
+    op_keeps_dispatch: bool = True,
 ) -> SavedElements:
     """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
     given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
     etp = 1 (`expert_tp` False) those to its tp rank's experts); `assignments`, those its experts
     process (`kept` again when balanced: each ep rank receives what it sends); `pairs`, under the dedup
-    dispatch the (token, rank) rows it sends (plan/routing.py's expectation when not given)."""
+    dispatch the (token, rank) rows it sends (plan/routing.py's expectation when not given);
+    `op_keeps_dispatch`, under recompute = "op", whether the block keeps what the dispatch delivered
+    (training.op_recompute_dispatch)."""
     seq //= cp
     tokens = batch * seq  # every tp rank routes all of them (gathered under sp)
     if recompute == "full":
@@ -267,7 +270,8 @@ def moe_layer_activation_elements(
         rows = assignments if slots is None or kept is not None else slots
         latent = _latents_exchanged(exchange, cp, ulysses)
         floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp, latent)
-        delivered = dispatch_kept_elements(cfg, tokens // share, ep, ep_dispatch, rows, pairs)
+        held = ep if op_keeps_dispatch else 1  # (nothing delivered is kept: as on one rank)
+        delivered = dispatch_kept_elements(cfg, tokens // share, held, ep_dispatch, rows, pairs)
         return SavedElements(floats=floats, fp32=fp32) + SavedElements(*delivered[:3], bools=delivered[3])
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
@@ -410,6 +414,7 @@ def layer_activation_bytes(
         "kept",
         "assignments",
         "pairs",
+        "op_keeps_dispatch",
     ):  # a dense layer of an MoE model
         kwargs.pop(moe_only, None)
     return layer_activation_elements(cfg, batch, seq, layer=layer, **kwargs) * dtype_bytes
