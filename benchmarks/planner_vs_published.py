@@ -245,10 +245,12 @@ def moe_runs() -> list[Run]:
     return [
         Run("DeepSeek-V3", "DeepSeek-V3 report (2,048 H800, FP8, seq 4096, batch 15360, 180K GPU-hours per "
             "1e12 tokens; §3.3.1: RMSNorm and MLA up-projections recomputed, SwiGLU's output recomputed from its "
-            "cached input: meshtron's op recompute keeping all matmuls' outputs but MLA's up-projections)", "h800",
+            "cached input: meshtron's op recompute keeping all matmuls' outputs but MLA's up-projections; DeepSeek "
+            "keeps its dispatched rows in FP8, meshtron's would be BF16 and not fit: its rerun dispatches again)", "h800",
             2048, deepseek, 4096, 15360, dict(tp=1, pp=16, vpp=2, pp_schedule="dualpipev", ep=64, dp_shard=128,
             zero=1, cp=1, recompute="op"), 1e12 / 180e3 / 3600, DUALPIPE, dtype="fp8", schedules=("dualpipev",),
-            settings=(*TWO_HOPS, "--training.op_recompute_saves=matmuls_but_mla_up")),
+            settings=(*TWO_HOPS, "--training.op_recompute_saves=matmuls_but_mla_up",
+                      "--training.op_recompute_dispatch=rerun")),
         Run("MCore DeepSeek-V3", BRIDGE.format("25.09, batch 8192"), "h100", 1024, deepseek, 4096, 8192,
             dict(tp=2, sp=True, pp=8, vpp=4, pp_schedule="interleaved", ep=64, etp=1, dp_shard=64, zero=1, cp=1,
                  micro_batch=1), 1297, MEGATRON_A2A_OVERLAP, dtype="fp8", settings=TWO_HOPS),
