@@ -302,6 +302,7 @@ PRIVATE_TORCH = {
     # torch's own lazy form of it, which its optimizers use, imports it at the first call
     "models/moe.py": {"torch._disable_dynamo"},
     "engines/zero.py": {"torch._disable_dynamo"},
+    "comm/counted.py": {"torch._disable_dynamo"},  # the collectives: one graph break each when compiled
     # the traceable (functional) collectives torch.compile puts in its graphs have no public module
     "comm/collectives.py": {"torch.distributed._functional_collectives"},
     # inductor's collective bucketing / reordering passes are switched on through its config

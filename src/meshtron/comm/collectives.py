@@ -51,7 +51,7 @@ from meshtron.comm.autograd import (
     ReduceScatter,
     SplitToGroup,
 )
-from meshtron.comm.counted import CountedCollectives
+from meshtron.comm.counted import CountedCollectives, eager
 from meshtron.comm.group import CommGroup
 
 _gather_functional = getattr(functional, "all_gather_single", functional.all_gather_tensor)
@@ -61,31 +61,39 @@ _reduce_scatter_functional = getattr(functional, "reduce_scatter_single", functi
 class Comm(CountedCollectives):
     """The counted collectives, and the differentiable ones built on them (the table above)."""
 
+    @eager
     def all_reduce(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         return AllReduce.apply(x, self, group) if group.size > 1 else x
 
+    @eager
     def all_gather(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         return AllGather.apply(x, self, group, dim) if group.size > 1 else x
 
+    @eager
     def reduce_scatter(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         """Differentiable; consumes `x` (a partial sum no one else reads: a row-parallel or MoE output)."""
         return ReduceScatter.apply(x, self, group, dim) if group.size > 1 else x
 
+    @eager
     def all_to_all(self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
         return AllToAll.apply(x, self, group, split_dim, concat_dim) if group.size > 1 else x
 
+    @eager
     def all_to_all_v(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
     ) -> torch.Tensor:
         """Differentiable `all_to_all_single`: rows input_splits[j] go to rank j (expert dispatch)."""
         return AllToAllV.apply(x, self, group, output_splits, input_splits) if group.size > 1 else x
 
+    @eager
     def broadcast(self, x: torch.Tensor, group: CommGroup, src: int = 0) -> torch.Tensor:
         return Broadcast.apply(x, self, group, src) if group.size > 1 else x
 
+    @eager
     def copy_to_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         return CopyToGroup.apply(x, self, group) if group.size > 1 else x
 
+    @eager
     def reduce_from_group(self, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         """Differentiable all-reduce in place of `x` (a partial sum no one else reads: a row-parallel,
         vocab-parallel embedding or MoE output), returned as the sum; a leaf tensor is copied first."""
@@ -93,6 +101,7 @@ class Comm(CountedCollectives):
             return x
         return ReduceFromGroup.apply(x.clone() if x.is_leaf else x, self, group)
 
+    @eager
     def split_to_group(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         return SplitToGroup.apply(x, self, group, dim) if group.size > 1 else x
 

@@ -26,6 +26,14 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+# A collective runs eagerly inside a compiled block, as one graph break: traced into, its accounting
+# (a lock, host-side counters, a deadline) broke the graph line by line and dynamo compiled and
+# recompiled each fragment (minutes on a CPU), with nothing in them to fuse. torch's lazy form of
+# torch.compiler.disable, as models/moe.py's grouped_linear: the public one imports the compiler when
+# this module loads (start-up time), this one at the first call.
+eager = torch._disable_dynamo
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -152,6 +160,7 @@ class CountedCollectives:
             "slow)" + (f"\n{report}" if report else "")
         )
 
+    @eager
     def all_reduce_(self, x: torch.Tensor, group: CommGroup, op: str = "sum") -> torch.Tensor:
         """In place; op is sum, avg or max (avg is a sum then a division where the backend lacks AVG)."""
         if group.size == 1:
@@ -166,6 +175,7 @@ class CountedCollectives:
             x.div_(group.size)
         return x
 
+    @eager
     def all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (all ranks' shapes equal). Reusable by a rerun
         (kept_outputs.py), as are the all-to-alls."""
@@ -181,6 +191,7 @@ class CountedCollectives:
         # Contiguous, so consumers (several projections read a gathered sequence) share one copy.
         return out.movedim(0, dim).contiguous()
 
+    @eager
     def reduce_scatter_tensor(
         self, x: torch.Tensor, group: CommGroup, dim: int = 0, consume: bool = False
     ) -> torch.Tensor:
@@ -196,6 +207,7 @@ class CountedCollectives:
         self.reduce_scatter_async(out, moved, group).wait()
         return out.movedim(0, dim)
 
+    @eager
     def all_to_all_tensor(
         self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int
     ) -> torch.Tensor:
@@ -239,6 +251,7 @@ class CountedCollectives:
             )
             self.stats.record_network(group.name, away)
 
+    @eager
     def all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]
     ) -> torch.Tensor:
@@ -269,10 +282,12 @@ class CountedCollectives:
         self._exchange(list(out.split(output_splits)), list(x.contiguous().split(input_splits)), group)
         return out
 
+    @eager
     def broadcast_(self, x: torch.Tensor, group: CommGroup, src: int) -> torch.Tensor:
         """In place from the group's local rank `src`."""
         return self._rooted("broadcast", x, group, src)
 
+    @eager
     def reduce_(self, x: torch.Tensor, group: CommGroup, dst: int) -> torch.Tensor:
         """Sum into the group's local rank `dst`, in place (other ranks' x is left undefined)."""
         return self._rooted("reduce", x, group, dst)

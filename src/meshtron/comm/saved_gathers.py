@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from meshtron.comm.counted import eager
+
 
 class _Regather:
     """One tracked gathered tensor's way back: its gather run again at the first unpack, shared by the
@@ -69,6 +71,7 @@ class SavedGathers:
         self.live: dict[int, tuple[weakref.ref, _Regather]] = {}  # storage pointer -> gathered tensor
         self.depth = _Depth()
 
+    @eager  # host-side bookkeeping: one graph break (comm/counted.py), not one per line
     def track(
         self, gathered: torch.Tensor, kept: torch.Tensor, gather_again: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
@@ -78,6 +81,7 @@ class SavedGathers:
         regather = _Regather(kept.detach(), gather_again)
         self.live[ptr] = (weakref.ref(gathered, lambda _r, p=ptr: self.live.pop(p, None)), regather)
 
+    @eager  # host-side bookkeeping: one graph break (comm/counted.py), not one per line
     def pack(self, t: torch.Tensor) -> Any:
         found = self.live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         if found is None or found[0]() is None:

@@ -11,10 +11,11 @@ as torchtitan compiles, after every other step of `parallelize` has shaped the b
   recompute                  compiler sees it; recompute's checkpoint then wraps the compiled forward
                              (full: the rerun calls the compiled code) or stays a graph break inside it
                              (selective: the attention core runs eagerly, checkpointed)
-  collectives inside         comm/autograd.py's functions (tp's all-reduces, cp's exchanges, ep's
-                             all-to-alls) are opaque to the compiler: it breaks the graph around them
-                             and compiles the math between; numerics equal eager's (tests compare
-                             losses to 1e-5 in fp32)
+  collectives inside         comm/collectives.py's (tp's all-reduces, cp's exchanges, ep's
+                             all-to-alls) run eagerly, one graph break each (comm/counted.py `eager`:
+                             traced into, their accounting broke the graph line by line and made
+                             dynamo compile every fragment); the math between compiles; numerics
+                             equal eager's (tests compare losses to 1e-5 in fp32)
 
   SimpleFSDP's gathers        under `parallel.fsdp_impl = "simple"` a parameter read inside a compiled
                              block goes through functional collectives (comm.gather_rows_traced), so the

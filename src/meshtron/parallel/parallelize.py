@@ -115,22 +115,16 @@ def parallelize(
         apply_float8(model, cfg.training.fp8_recipe, comm, mesh.group(Dim.TP))
     hybrid = 1 < mesh.dims.cp_ulysses < mesh.dims.cp
     ring, ulysses = (mesh.group(Dim.CP_RING), mesh.group(Dim.CP_ULYSSES)) if hybrid else (None, None)
-    seq_len = cfg.training.seq_len
     cp = mesh.group(Dim.CP)
-    layout = apply_context_parallel(model, comm, cp, p.cp_impl, seq_len, ring, ulysses)
+    layout = apply_context_parallel(model, comm, cp, p.cp_impl, cfg.training.seq_len, ring, ulysses)
     if p.cp_exchange == "latent":  # MLA's latents travel instead of its keys and values
         apply_latent_exchange(model, comm, cp, p.cp_impl)
     apply_expert_step(model, comm, mesh, cfg)
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training
-    apply_recompute(
-        model,
-        t.recompute,
-        t.op_recompute_saves,
-        keep_attention=cfg.parallel.cp == 1,
-        keep_dispatch=t.op_recompute_dispatch == "keep",
-    )
+    keep_dispatch = t.op_recompute_dispatch == "keep"
+    apply_recompute(model, t.recompute, t.op_recompute_saves, p.cp == 1, keep_dispatch)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size(Dim.TP) if p.sp else 1
