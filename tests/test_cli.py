@@ -443,6 +443,23 @@ QWEN3_235B = [f"--model.{k}" for k in ("dim=4096", "n_layers=94", "n_heads=64", 
               "ffn_dim=12288", "vocab_size=151936", "n_experts=128", "top_k=8", "moe_ffn_dim=1536")]  # fmt: skip
 
 
+def test_plan_prices_what_op_recompute_keeps_of_the_dispatch():
+    """`--training.op_recompute_dispatch` reaches the planner: keeping what the expert dispatch delivered
+    costs memory, sending it again in backward costs time."""
+    layout = (
+        "tp=2,pp=8,vpp=4,pp_schedule=interleaved,ep=32,etp=1,dp_shard=16,zero=1,micro_batch=1,recompute=op"
+    )
+    plans = {}
+    for keep in ("keep", "rerun"):
+        out = meshtron("plan", "--gpus", "256", "--gpu", "h100", "--seq-len", "4096", "--global-batch", "8192",
+                       "--layout", layout, f"--training.op_recompute_dispatch={keep}", "--json", "--top=1",
+                       *QWEN3_235B)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        plans[keep] = json.loads(out.stdout)[0]
+    assert plans["keep"]["memory_bytes_per_gpu"] > plans["rerun"]["memory_bytes_per_gpu"]
+    assert plans["keep"]["step_time_s"] < plans["rerun"]["step_time_s"]
+
+
 def test_plan_takes_megatrons_folded_moe_layout():
     """Qwen3-235B-A22B in Megatron-Core's published layout (attention tp 2 x dp 16, experts ep 32 x etp 1
     over the same ranks, pp 8 x vpp 4) on 256 H100s, DeepEP's dispatch: planned, and fitting."""

@@ -20,10 +20,15 @@ def _plan_inputs(args: argparse.Namespace, overrides: list[str]):
     from meshtron.plan.layout import parse_layout
     from meshtron.rules.model import model_problems, moe_problems
 
+    # What the planner prices besides the layout keys: the model, the expert dispatcher, what per-op
+    # recompute keeps.
+    priced = ("--model.", "--parallel.ep_dispatch=", "--training.op_recompute_saves=",
+              "--training.op_recompute_dispatch=")  # fmt: skip
     problems = [
-        f"{o}: meshtron plan takes --model.KEY=VALUE overrides and --parallel.ep_dispatch=... only"
+        f"{o}: meshtron plan takes --model.KEY=VALUE overrides, --parallel.ep_dispatch=... and "
+        "--training.op_recompute_saves=... / op_recompute_dispatch=... only"
         for o in overrides
-        if not o.startswith(("--model.", "--parallel.ep_dispatch="))
+        if not o.startswith(priced)
     ]
     if args.gpus < 1 or args.seq_len < 1 or args.global_batch < 1 or args.top < 1:
         problems.append("--gpus, --seq-len, --global-batch and --top must be positive")
