@@ -44,6 +44,12 @@ CASES = {
     "ep2_alltoall": (2, MOE, [*OP, "--parallel.ep=2", "--training.micro_batch=4"]),
     "ep2_dedup_rerun": (2, MOE, [*OP, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--training.op_recompute_dispatch=rerun", "--training.micro_batch=4"]),
     "pp2_1f1b": (2, [], [*OP, "--parallel.pp=2", "--training.micro_batch=2"]),
+    # The dispatch's outputs kept and replayed: both hops of the hierarchical one (2 "nodes" of 2 ranks),
+    # the tp ranks' token shares under etp 1, a DualPipeV pair's two threads, zero-bubble's split backward.
+    "ep4_hierarchical": (4, MOE, [*OP, "--parallel.ep=4", "--parallel.dp_shard=4", "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2", "--training.micro_batch=2"]),
+    "tp2_ep2_etp1_allgather": (4, MOE, [*OP, "--parallel.tp=2", "--parallel.ep=2", "--parallel.dp_shard=2", "--parallel.etp=1", "--parallel.ep_dispatch=allgather", "--training.micro_batch=4"]),
+    "dualpipev_overlap_ep2": (4, [*MOE, "--model.n_layers=4"], [*OP, "--parallel.pp=2", "--parallel.pp_schedule=dualpipev", "--parallel.vpp=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.zero=1", "--training.micro_batch=1", "--parallel.pp_overlap=true"]),
+    "zero_bubble_ep2_capacity": (4, [*MOE, "--model.capacity_factor=1.5"], [*OP, "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--parallel.dp_shard=2", "--parallel.ep=2", "--training.micro_batch=2"]),
     "pp2_zero_bubble": (2, [], [*OP, "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--training.micro_batch=2"]),
 }  # fmt: skip
 
