@@ -108,7 +108,7 @@ def kept_bytes(
     for store, kept in zip(stores, collectives, strict=True):
         values = [getattr(w, "val", None) for by_index in store.values() for saved in by_index.values()
                   for w in (saved if isinstance(saved, tuple) else (saved,))]  # fmt: skip
-        values += [tensor for tensor, _ in kept.outputs]
+        values += [tensor for tensor, *_ in kept.outputs]
         storages = {
             v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
             for v in values
@@ -278,9 +278,13 @@ def test_planner_prices_op_recompute_between_none_and_selective():
     assert memory == sorted(memory) and time == sorted(time), (memory, time)
 
 
+CALL = ("all_to_all", "ep", (3,), 0, 0)
+
+
 def test_a_rerun_that_strays_from_its_forward_is_refused():
     """The store replays in issue order: a rerun that asks for more reusable collectives than its forward
-    kept, or finds a kept output changed in place since, raises instead of replaying wrong values."""
+    kept, or for another call, or finds a kept output changed in place since, raises instead of
+    replaying wrong values."""
     store, sent = kept_outputs.KeptOutputs(), []
 
     def collective() -> torch.Tensor:
@@ -288,16 +292,22 @@ def test_a_rerun_that_strays_from_its_forward_is_refused():
         return torch.ones(3)
 
     with kept_outputs.keeping(store), kept_outputs.reusable():
-        out = kept_outputs.kept_or_issued(collective)
-    assert kept_outputs.kept_or_issued(collective) is not out and len(sent) == 2  # outside: issued
+        out = kept_outputs.kept_or_issued(CALL, collective)
+    assert kept_outputs.kept_or_issued(CALL, collective) is not out and len(sent) == 2  # outside: issued
     with kept_outputs.replaying(store), kept_outputs.reusable():
-        assert torch.equal(kept_outputs.kept_or_issued(collective), out) and len(sent) == 2
+        assert torch.equal(kept_outputs.kept_or_issued(CALL, collective), out) and len(sent) == 2
         with pytest.raises(RuntimeError, match="more reusable collectives"):
-            kept_outputs.kept_or_issued(collective)
+            kept_outputs.kept_or_issued(CALL, collective)
+    with (
+        kept_outputs.replaying(store),
+        kept_outputs.reusable(),
+        pytest.raises(RuntimeError, match="another path"),
+    ):
+        kept_outputs.kept_or_issued(("all_gather", "ep", (3,), 0), collective)
     out.add_(1)
     with (
         kept_outputs.replaying(store),
         kept_outputs.reusable(),
         pytest.raises(RuntimeError, match="changed in place"),
     ):
-        kept_outputs.kept_or_issued(collective)
+        kept_outputs.kept_or_issued(CALL, collective)

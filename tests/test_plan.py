@@ -75,7 +75,8 @@ LAYOUTS = {
     "moe_ep2_dedup_zero2_edp1": (2, [*MOE, "--parallel.ep=2", "--parallel.ep_dispatch=dedup", "--parallel.zero=2", "--training.micro_batch=4"]),
     "moe_ep4_hierarchical_two_nodes": (4, [*MOE, "--parallel.ep=4", "--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2", "--training.micro_batch=2"]),
     # Routing-free exchanges, exact: a capacity's slots (C from all the layer's tokens, also under etp 1),
-    # the all-gather dispatch; full and op recompute dispatch again, bf16 rows and gates take 2 bytes.
+    # the all-gather dispatch; full recompute (and op with op_recompute_dispatch=rerun) dispatches again,
+    # op recompute keeps the dispatch's outputs; bf16 rows and gates take 2 bytes.
     "moe_ep2_capacity_full_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--model.capacity_factor=1.5", "--training.recompute=full", "--training.micro_batch=4"]),
     "moe_ep2_capacity_tp2_sp_etp1_bf16": (4, [*MOE, "--parallel.ep=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.etp=1", "--model.capacity_factor=1.25", "--training.dtype=bf16", "--training.micro_batch=4"]),
     "moe_ep2_allgather_op_recompute": (2, [*MOE, "--parallel.ep=2", "--parallel.zero=2", "--parallel.ep_dispatch=allgather", "--training.recompute=op", "--training.micro_batch=4"]),
@@ -165,7 +166,7 @@ MESSAGES = {
         "ep": c["ep"],
     },
     # the all-gather dispatch: 4 gathers and a reduce-scatter forward, 2 reduce-scatters and a gather
-    # backward, and the rerun forward's 4 gathers
+    # backward; op recompute's rerun takes the 4 gathers' outputs from its store
     "moe_ep2_allgather_op_recompute": lambda c: {
         "dp": (c["dp_shard"] - 1) * 1 + 2 + c["dp"] * 2,
         "ep": c["ep"],

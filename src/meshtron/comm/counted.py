@@ -181,7 +181,8 @@ class CountedCollectives:
         (kept_outputs.py), as are the all-to-alls."""
         if group.size == 1:
             return x
-        return kept_or_issued(lambda: self._all_gather_tensor(x, group, dim))
+        call = ("all_gather", group.name, tuple(x.shape), dim)
+        return kept_or_issued(call, lambda: self._all_gather_tensor(x, group, dim))
 
     def _all_gather_tensor(self, x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
         moved = x.movedim(dim, 0).contiguous()
@@ -214,7 +215,8 @@ class CountedCollectives:
         """Split `x` into n chunks along split_dim, send chunk j to rank j, concat what arrives on concat_dim."""
         if group.size == 1:
             return x
-        return kept_or_issued(lambda: self._all_to_all_tensor(x, group, split_dim, concat_dim))
+        call = ("all_to_all", group.name, tuple(x.shape), split_dim, concat_dim)
+        return kept_or_issued(call, lambda: self._all_to_all_tensor(x, group, split_dim, concat_dim))
 
     def _all_to_all_tensor(
         self, x: torch.Tensor, group: CommGroup, split_dim: int, concat_dim: int
@@ -258,7 +260,8 @@ class CountedCollectives:
         """Variable-size exchange along dim 0 (token dispatch): rank j gets input_splits[j] rows."""
         if group.size == 1:
             return x
-        return kept_or_issued(lambda: self._all_to_all_single(x, group, output_splits, input_splits))
+        call = ("all_to_all_v", group.name, tuple(x.shape), tuple(output_splits), tuple(input_splits))
+        return kept_or_issued(call, lambda: self._all_to_all_single(x, group, output_splits, input_splits))
 
     def _all_to_all_single(
         self, x: torch.Tensor, group: CommGroup, output_splits: list[int], input_splits: list[int]

@@ -33,24 +33,30 @@ import torch
 
 
 class KeptOutputs:
-    """One checkpointed block's kept collective outputs, in issue order, with each one's version at
-    keeping (an output changed in place afterwards would replay wrong values: refused)."""
+    """One checkpointed block's kept collective outputs, in issue order, each with what the call was
+    (a rerun that asks for another call is refused) and its version at keeping (an output changed in
+    place afterwards would replay wrong values: refused)."""
 
     def __init__(self) -> None:
-        self.outputs: list[tuple[torch.Tensor, int]] = []
+        self.outputs: list[tuple[torch.Tensor, int, tuple]] = []
         self.next = 0
 
-    def keep(self, out: torch.Tensor) -> None:
+    def keep(self, out: torch.Tensor, call: tuple) -> None:
         # A detached alias: the collective's autograd node then sets its history on `out`, not on this.
-        self.outputs.append((out.detach(), out._version))
+        self.outputs.append((out.detach(), out._version, call))
 
-    def take(self) -> torch.Tensor:
+    def take(self, call: tuple) -> torch.Tensor:
         if self.next >= len(self.outputs):
             raise RuntimeError(
                 f"a recomputed forward issued more reusable collectives ({self.next + 1}) than its forward "
                 f"kept ({len(self.outputs)}): the rerun took another path than the forward"
             )
-        kept, version = self.outputs[self.next]
+        kept, version, forward_call = self.outputs[self.next]
+        if call != forward_call:
+            raise RuntimeError(
+                f"reusable collective #{self.next} of the rerun is {call}, the forward's was {forward_call}: "
+                "the rerun took another path than the forward"
+            )
         if kept._version != version:
             raise RuntimeError(
                 f"reusable collective output #{self.next} was changed in place after the forward kept it: "
@@ -73,6 +79,8 @@ _STATE = _State()
 def _set(store: KeptOutputs | None, replay: bool) -> Iterator[None]:
     before = _STATE.store, _STATE.replay, _STATE.regions
     _STATE.store, _STATE.replay, _STATE.regions = store, replay, 0
+    if replay and store is not None:
+        store.next = 0  # each rerun replays from the first
     try:
         yield
     finally:
@@ -86,7 +94,6 @@ def keeping(store: KeptOutputs) -> contextlib.AbstractContextManager:
 
 def replaying(store: KeptOutputs) -> contextlib.AbstractContextManager:
     """A rerun of that forward: its reusable collectives take their outputs from `store`, from the first."""
-    store.next = 0
     return _set(store, replay=True)
 
 
@@ -100,14 +107,15 @@ def reusable() -> Iterator[None]:
         _STATE.regions -= 1
 
 
-def kept_or_issued(issue: Callable[[], torch.Tensor]) -> torch.Tensor:
+def kept_or_issued(call: tuple, issue: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`issue()`'s output; inside a reusable region, kept for the rerun, or in the rerun taken from the
-    store without issuing anything."""
+    store without issuing anything. `call` says what is issued (the collective, its group, the input's
+    shape and splits): the rerun's must be the forward's."""
     store = _STATE.store
     if store is None or not _STATE.regions:
         return issue()
     if _STATE.replay:
-        return store.take()
+        return store.take(call)
     out = issue()
-    store.keep(out)
+    store.keep(out, call)
     return out

@@ -11,7 +11,8 @@ as torchtitan compiles, after every other step of `parallelize` has shaped the b
   recompute                  compiler sees it; recompute's checkpoint then wraps the compiled forward
                              (full: the rerun calls the compiled code) or stays a graph break inside it
                              (selective: the attention core runs eagerly, checkpointed)
-  collectives inside         comm/collectives.py's (tp's all-reduces, cp's exchanges, ep's
+  collectives inside         comm/collectives.py's differentiable collectives and counted.py's
+                             synchronous ones (tp's all-reduces and gathers, Ulysses' and ep's
                              all-to-alls) run eagerly, one graph break each (comm/counted.py `eager`:
                              traced into, their accounting broke the graph line by line and made
                              dynamo compile every fragment); the math between compiles; numerics

@@ -123,8 +123,8 @@ def parallelize(
     if cfg.training.compile:  # SimpleFSDP's gathers, traced inside the blocks, are bucketed too
         compile_blocks(model, bucket_collectives=p.zero == 3 and p.fsdp_impl == "simple")
     t = cfg.training
-    keep_dispatch = t.op_recompute_dispatch == "keep"
-    apply_recompute(model, t.recompute, t.op_recompute_saves, p.cp == 1, keep_dispatch)
+    keep = t.op_recompute_dispatch == "keep"
+    apply_recompute(model, t.recompute, t.op_recompute_saves, keep_attention=p.cp == 1, keep_dispatch=keep)
     pipeline = None
     if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
         seq_shards = mesh.size(Dim.TP) if p.sp else 1

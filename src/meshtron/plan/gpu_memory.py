@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig
@@ -119,12 +119,14 @@ def loss_transient_bytes(cfg: Config) -> float:
 
 def recompute_transient_bytes(cfg: Config, layers: list[int]) -> float:
     """Under full (or per-operation) recompute, a layer's backward first runs its forward again: for a
-    moment the layer holds what it keeps without recompute (the largest of the stage's layers)."""
+    moment the layer holds what it keeps without recompute (the largest of the stage's layers). What op
+    recompute keeps of the expert dispatch is not among that, and stays alive beside it."""
     t = cfg.training
     if t.recompute not in ("full", "op") or not layers:
         return 0.0
+    rebuilt = replace(cfg, training=replace(t, op_recompute_dispatch="rerun"))
     return max(
-        layer_bytes(cfg, layer, "none") - layer_bytes(cfg, layer, t.recompute)
+        layer_bytes(cfg, layer, "none") - layer_bytes(rebuilt, layer, t.recompute)
         for layer, _ in _kinds(cfg.model, layers)
     )
 
