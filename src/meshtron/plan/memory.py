@@ -84,8 +84,7 @@ import math
 from dataclasses import dataclass
 
 from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves, Recompute, TrainingDType
-from meshtron.plan.op_memory import dispatch_kept_elements, op_kept_elements, slot_rows
-from meshtron.plan.routing import ranks_per_token
+from meshtron.plan.op_memory import dispatch_kept_elements, expected_pairs, op_kept_elements, slot_rows
 
 
 @dataclass(frozen=True)
@@ -270,9 +269,11 @@ def moe_layer_activation_elements(
         rows = assignments if slots is None or kept is not None else slots
         latent = _latents_exchanged(exchange, cp, ulysses)
         floats, fp32 = op_kept_elements(cfg, batch, seq * cp, tp, sp, cp, op_saves, rows, expert_tp, latent)
-        held = ep if op_keeps_dispatch else 1  # (nothing delivered is kept: as on one rank)
-        delivered = dispatch_kept_elements(cfg, tokens // share, held, ep_dispatch, rows, pairs)
-        return SavedElements(floats=floats, fp32=fp32) + SavedElements(*delivered[:3], bools=delivered[3])
+        kept_op = SavedElements(floats=floats, fp32=fp32)
+        if not op_keeps_dispatch:
+            return kept_op
+        delivered = dispatch_kept_elements(cfg, tokens // share, ep, ep_dispatch, rows, pairs)
+        return kept_op + SavedElements(*delivered[:3], bools=delivered[3])
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
     ffn = cfg.expert_ffn_dim if not expert_tp else cfg.expert_ffn_dim // tp
@@ -281,7 +282,7 @@ def moe_layer_activation_elements(
             cfg, tokens, ffn, share, assignments=None if kept is None else assignments
         )
     elif ep > 1 and ep_dispatch in ("dedup", "hierarchical"):  # hierarchical: its in-node hop's (approx.)
-        pairs = round(tokens // share * ranks_per_token(cfg, ep)) if pairs is None else pairs
+        pairs = expected_pairs(cfg, tokens // share, ep) if pairs is None else pairs
         routed = _dedup_elements(cfg, tokens // share, ffn, assignments, pairs, cfg.n_experts // ep)
     else:
         # Gathered rows for the experts (regrouped by local expert under all-to-all), the weighted

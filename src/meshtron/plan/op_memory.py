@@ -134,9 +134,14 @@ def dispatch_kept_elements(
     if ep_dispatch == "alltoall":
         table = 0 if cfg.capacity_factor > 0 else ep * cfg.n_experts
         return rows * (h + 1), 0, table, 0
-    pairs = round(tokens * ranks_per_token(cfg, ep)) if pairs is None else pairs
+    pairs = expected_pairs(cfg, tokens, ep) if pairs is None else pairs
     local = cfg.n_experts // ep
     return pairs * h, pairs * local, ep * ep, pairs * local
+
+
+def expected_pairs(cfg: ModelConfig, tokens: int, ep: int) -> int:
+    """The dedup dispatch's (token, rank) rows for `tokens` sent tokens at balanced routing."""
+    return round(tokens * ranks_per_token(cfg, ep))
 
 
 def slot_rows(cfg: ModelConfig, tokens: int, ep: int, ep_dispatch: EpDispatch) -> int | None:
