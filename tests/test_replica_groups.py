@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +26,15 @@ from meshtron.models.llama import build_model
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import relative, trainer_for
 from meshtron.testing.tiny import TINY
-from meshtron.train.fault_tolerance import ReplicaShare, checksum
+from meshtron.train.fault_tolerance import FaultTolerance, ReplicaShare, checksum
 from meshtron.train.optim import build_optimizer, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
-# Four ranks, two replica groups of two. Each group's rank 0 sleeps 0.3 s in every forward
-# (MESHTRON_SLOW_RANK names a group's own rank), so that the killed group is back while steps are left.
+# Four ranks, two replica groups of two. Each group's rank 0 sleeps 0.4 s in every forward
+# (MESHTRON_SLOW_RANK names a group's own rank), so that the killed group is back while steps are left
+# (its restart, 4 processes starting on 2 busy cores, took over 16 steps at 0.3 s once).
+SLOW = "0:0.4"
 COMMON = [
     *TINY,
     f"--training.steps={STEPS}",
@@ -123,7 +126,7 @@ def assert_survived(stdout: str, rows: list[dict], run_dir: Path) -> list[list[i
 @pytest.mark.parametrize(
     "layout,drill",
     [
-        (["--parallel.dp_shard=2"], {"MESHTRON_KILL_RANK": "3:8"}),  # the issue's drill: ZeRO-3 inside
+        (["--parallel.dp_shard=2"], {"MESHTRON_KILL_RANK": "3:5"}),  # the issue's drill: ZeRO-3 inside
         # tp 2 inside, and the killed rank killed again as it heals: its group restarts twice
         (
             ["--parallel.tp=2", "--parallel.sp=true"],
@@ -143,7 +146,7 @@ def test_a_killed_replica_group_heals_and_the_run_equals_its_replay(
 ):
     data = [masked_data] if "masked" in layout else []
     layout = [arg for arg in layout if arg != "masked"] + data
-    stdout, rows = train(tmp_path, layout, {**drill, "MESHTRON_SLOW_RANK": "0:0.3"})
+    stdout, rows = train(tmp_path, layout, {**drill, "MESHTRON_SLOW_RANK": SLOW})
     history = assert_survived(stdout, rows, tmp_path)
     if "MESHTRON_KILL_HEALING" in drill:
         assert "replica group 1 of 2 started (attempt 2)" in stdout
@@ -161,7 +164,7 @@ def test_a_moe_replica_group_heals_its_balancing_bias_too(tmp_path):
     groups' tokens: healed with the rest (the summary's equality covers the model's buffers)."""
     moe = ["--model.name=tiny-moe", "--model.router=sigmoid", "--model.router_bias_rate=0.01"]
     layout = [*moe, "--parallel.dp_shard=2", "--parallel.ep=2"]
-    stdout, rows = train(tmp_path, layout, {"MESHTRON_KILL_RANK": "2:6", "MESHTRON_SLOW_RANK": "0:0.3"})
+    stdout, rows = train(tmp_path, layout, {"MESHTRON_KILL_RANK": "2:6", "MESHTRON_SLOW_RANK": SLOW})
     assert_survived(stdout, rows, tmp_path)
     tokens = 8 * 32 * 2  # the global batch's assignments (top-2): both groups' loads, summed
     assert sum(rows[-1]["moe"]["layers.0"]["load"]) == tokens
@@ -225,6 +228,38 @@ def test_a_group_takes_its_share_of_the_whole_jobs_batch():
     want = whole.micro_batches(Tokens, 0, 3, 4, 2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True))
     assert share.step == 1 and share.state_dict() == {**whole.state_dict(), "step": 1}
+
+
+def test_a_group_that_restarts_during_the_jobs_last_step_ends_well(monkeypatch, capsys):
+    """A restarted group that asks for a quorum while the live groups take the job's last step finds
+    itself alone behind them, then the job done: it takes no step and ends well (it used to report the
+    replicas lost and fail a job that had finished)."""
+
+    class Groups:
+        index, count = 1, 2
+        reads = iter([STEPS - 1, STEPS])  # the job's step before the quorum, and after it
+
+        def set_step(self, step):
+            pass
+
+        def job_step(self):
+            return next(self.reads)
+
+        def start_step(self, step):
+            return step  # alone: its own step 0
+
+        def live(self):
+            return 1
+
+        def report_fatal(self, message):
+            raise AssertionError(f"reported fatal: {message}")
+
+    job = types.SimpleNamespace(place=types.SimpleNamespace(rank=0, world_size=2))
+    cfg = load_config(ROOT / "configs/demo.toml", [*COMMON, "--fault_tolerance.enabled=true"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    replicas = FaultTolerance(job, Groups(), cfg)
+    assert replicas.begin(0) == STEPS and replicas.idle
+    assert "restarted after the job's last step" in capsys.readouterr().out
 
 
 def test_the_equality_checksum_sees_one_changed_bit():

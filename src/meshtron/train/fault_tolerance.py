@@ -152,13 +152,15 @@ class FaultTolerance:
                 self.groups.wait_for_every_group()
         reached = self.groups.job_step() if first else -1
         if reached >= self.cfg.training.steps:  # the live groups finished while this one restarted
-            self.idle = True
-            self.say(f"replica group {self.index} restarted after the job's last step; nothing left to do")
-            return reached
+            return self._finished(reached)
         started = time.perf_counter()
         at = self.groups.start_step(step)
         self.say_quorum(step, at, time.perf_counter() - started)
         if first and restart_attempt() > 0 and at < reached:
+            # Alone: the live groups may have taken the job's last step while this one asked for a quorum.
+            reached = self.groups.job_step()
+            if reached >= self.cfg.training.steps:
+                return self._finished(reached)
             lost = ReplicasLost(
                 f"it restarted at step {at}, but the job had reached step {reached} and no replica group "
                 "is left that holds it (every group failed); restart the job from its newest checkpoint "
@@ -168,6 +170,12 @@ class FaultTolerance:
             raise lost
         self.job.sampler.step = at
         return at
+
+    def _finished(self, reached: int) -> int:
+        """A restarted group that found the job done: it takes no step and ends well."""
+        self.idle = True
+        self.say(f"replica group {self.index} restarted after the job's last step; nothing left to do")
+        return reached
 
     def say(self, line: str) -> None:
         if self.job.place.rank == 0:
