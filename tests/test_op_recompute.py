@@ -20,6 +20,7 @@ from meshtron.config.schema import ConfigError, ModelConfig
 from meshtron.models.llama import build_model
 from meshtron.models.moe import GroupedExperts
 from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
@@ -37,6 +38,9 @@ CASES = {
     "moe_every_other": (1, MOE, EVERY_OTHER),
     "zero3_dp2": (2, [], [*OP, "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     "tp2_sp": (2, [], [*EVERY_OTHER, "--parallel.tp=2", "--parallel.sp=true"]),
+    # The attention's reduce-scatter kept and replayed; one sequence per micro-batch, where the scatter's
+    # input is its own contiguous buffer (a kept partial sum must not be reduced in place); latent attention.
+    "tp2_sp_mla_micro1": (2, ["--model.name=tiny-deepseek"], [*OP, "--parallel.tp=2", "--parallel.sp=true", "--training.micro_batch=1"]),
     # Row-parallel partial sums are kept and then reduced: the reduction must copy them, not reduce in place.
     "tp2_moe": (2, [*MOE, "--model.router_bias_rate=0.01"], [*OP, "--parallel.tp=2"]),
     "cp2_ring": (2, [], [*OP, "--parallel.cp=2"]),
@@ -78,11 +82,12 @@ def kept_bytes(
     model=None,
     seed: int = 0,
     keep_dispatch: bool = True,
+    sp: int = 1,
 ) -> list[int]:
     """Per block: the bytes op recompute keeps from forward to backward, measured: the outputs its
     policy stored (torch's selective-checkpoint store, read through its private `storage`: the only way
     to see them), the collective outputs it kept (comm/kept_outputs.py) and the block's input, which
-    the checkpoint keeps. `model`: one already parallelized (expert parallel), else a fresh one."""
+    the checkpoint keeps (1/`sp` of the sequence). `model`: one already parallelized, else a fresh one."""
     stores, collectives = [], []
     original, kept_class = recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs
 
@@ -91,8 +96,8 @@ def kept_bytes(
         stores.append(forward.storage)
         return forward, rerun
 
-    def spied_collectives():
-        collectives.append(kept_class())
+    def spied_collectives(*args):
+        collectives.append(kept_class(*args))
         return collectives[-1]
 
     model = build_model(cfg, seed=0) if model is None else model
@@ -103,7 +108,7 @@ def kept_bytes(
         logits, aux = model(tokens[:, :-1], return_aux=True)
     finally:
         recompute.create_selective_checkpoint_contexts, recompute.KeptOutputs = original, kept_class
-    block_input = 2 * 32 * cfg.dim * 4
+    block_input = 2 * 32 * cfg.dim * 4 // sp
     out = []
     for store, kept in zip(stores, collectives, strict=True):
         values = [getattr(w, "val", None) for by_index in store.values() for saved in by_index.values()
@@ -115,7 +120,7 @@ def kept_bytes(
             if isinstance(v, torch.Tensor)
         }
         out.append(block_input + sum(storages.values()))
-    (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux).backward()
+    (logits.float().square().mean() + aux).backward()  # (any loss: tp's logits are a vocabulary shard)
     return out
 
 
@@ -224,6 +229,39 @@ def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispat
             assert rank[f"kept_{mode}"] == want, (mode, rank)
 
 
+def kept_bytes_over_tp(model: str) -> dict:
+    """On each of 2 tp ranks under sequence parallel: what op recompute keeps per block, and the tp bytes
+    and calls of a forward and backward with op recompute and without."""
+    cfg = MODELS[model]
+    mesh, out = ParallelMesh(ParallelDims(tp=2), "cpu"), {}
+    for mode in ("none", "op"):
+        parallel, comm = build_model(cfg, seed=0), Comm()
+        apply_tensor_parallel(parallel, comm, mesh.group("tp"), sequence_parallel=True)
+        with comm.recording() as rec:
+            if mode == "op":
+                out["kept"] = kept_bytes(cfg, "matmuls", model=parallel, sp=2)
+            else:
+                logits, aux = parallel(torch.randint(0, cfg.vocab_size, (2, 32)), return_aux=True)
+                (logits.float().square().mean() + aux).backward()
+        out[mode] = (rec.stats.total_bytes("tp"), rec.stats.total_calls("tp"))
+    mesh.close()
+    return out
+
+
+@pytest.mark.parametrize("model", ["dense", "moe", "mla_moe"])
+def test_sequence_parallel_rerun_takes_the_attentions_reduce_scatter_from_the_store(workers, model):
+    """Under tp 2 with sp, the op rerun gathers each region's input again (as a backward without
+    recompute regathers it) but does not reduce-scatter the attention's output again: it is kept, T·h/tp
+    per layer. A step moves the tp bytes and calls of the same step without recompute, and each block
+    keeps the formula's bytes."""
+    cfg = MODELS[model]
+    routed = 2 * 32 * cfg.top_k if cfg.is_moe else None
+    want = layer_activation_bytes(cfg, 2, 32, recompute="op", tp=2, sp=True, kept=routed, assignments=routed)
+    for rank in workers(2).run(kept_bytes_over_tp, model):
+        assert rank["op"] == rank["none"], rank
+        assert rank["kept"] == [want] * cfg.n_layers, rank
+
+
 # Forward dispatch collectives per MoE layer: the count table, rows and gates (dedup: and the chosen
 # mask); a capacity's two even all-to-alls; the all-gather dispatch's tokens, gates, ids and mask.
 DISPATCH_CALLS = {("alltoall", 0.0): 3, ("alltoall", 1.5): 2, ("allgather", 0.0): 4, ("dedup", 0.0): 4}
@@ -291,23 +329,42 @@ def test_a_rerun_that_strays_from_its_forward_is_refused():
         sent.append(1)
         return torch.ones(3)
 
-    with kept_outputs.keeping(store), kept_outputs.reusable():
+    with kept_outputs.keeping(store), kept_outputs.reusable("dispatch"):
         out = kept_outputs.kept_or_issued(CALL, collective)
     assert kept_outputs.kept_or_issued(CALL, collective) is not out and len(sent) == 2  # outside: issued
-    with kept_outputs.replaying(store), kept_outputs.reusable():
+    with kept_outputs.replaying(store), kept_outputs.reusable("dispatch"):
         assert torch.equal(kept_outputs.kept_or_issued(CALL, collective), out) and len(sent) == 2
         with pytest.raises(RuntimeError, match="more reusable collectives"):
             kept_outputs.kept_or_issued(CALL, collective)
     with (
         kept_outputs.replaying(store),
-        kept_outputs.reusable(),
+        kept_outputs.reusable("dispatch"),
         pytest.raises(RuntimeError, match="another path"),
     ):
         kept_outputs.kept_or_issued(("all_gather", "ep", (3,), 0), collective)
     out.add_(1)
     with (
         kept_outputs.replaying(store),
-        kept_outputs.reusable(),
+        kept_outputs.reusable("dispatch"),
         pytest.raises(RuntimeError, match="changed in place"),
     ):
         kept_outputs.kept_or_issued(CALL, collective)
+
+
+def test_a_store_keeps_only_its_kinds():
+    """A store made without "dispatch" (op_recompute_dispatch = "rerun") lets the dispatch's collectives
+    through, in forward and in the rerun alike, and still keeps tensor parallel's."""
+    store, sent = kept_outputs.KeptOutputs(frozenset({"tp"})), []
+
+    def collective() -> torch.Tensor:
+        sent.append(1)
+        return torch.ones(3)
+
+    for context in (kept_outputs.keeping, kept_outputs.replaying):
+        with context(store), kept_outputs.reusable("dispatch"):
+            kept_outputs.kept_or_issued(CALL, collective)
+    with kept_outputs.keeping(store), kept_outputs.reusable("tp"):
+        kept = kept_outputs.kept_or_issued(CALL, collective)
+    with kept_outputs.replaying(store), kept_outputs.reusable("tp"):
+        assert kept_outputs.kept_or_issued(CALL, collective) is not kept
+    assert len(sent) == 3 and len(store.outputs) == 1

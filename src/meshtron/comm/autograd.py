@@ -47,7 +47,8 @@ class ReduceScatter(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, comm: CountedCollectives, group: CommGroup, dim: int
     ) -> torch.Tensor:
         ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.reduce_scatter_tensor(x, group, dim, consume=not x.is_leaf)
+        # Not in place where a store may keep the partial sum (IN_PLACE: per-op recompute).
+        return comm.reduce_scatter_tensor(x, group, dim, consume=not x.is_leaf and IN_PLACE.on)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -115,7 +116,8 @@ class CopyToGroup(torch.autograd.Function):
 
 
 class _InPlace(threading.local):
-    """Whether ReduceFromGroup may reduce its input in place (per thread; `out_of_place`)."""
+    """Whether ReduceFromGroup and ReduceScatter may reduce their input in place (per thread;
+    `out_of_place`)."""
 
     on = True
 
@@ -125,8 +127,9 @@ IN_PLACE = _InPlace()
 
 @contextlib.contextmanager
 def out_of_place() -> Iterator[None]:
-    """ReduceFromGroup copies its input first: for regions whose operation outputs a store keeps
-    (per-operation recompute), where reducing a kept partial sum in place would change what is kept."""
+    """ReduceFromGroup copies its input first, and ReduceScatter never reduces it in place: for regions
+    whose operation outputs a store keeps (per-operation recompute), where reducing a kept partial sum in
+    place would change what is kept."""
     before, IN_PLACE.on = IN_PLACE.on, False
     try:
         yield

@@ -197,10 +197,17 @@ class CountedCollectives:
         self, x: torch.Tensor, group: CommGroup, dim: int = 0, consume: bool = False
     ) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/n chunk along `dim` (size must divide evenly). With
-        `consume`, x is the caller's scratch: gloo's path may reduce it in place instead of a copy."""
+        `consume`, x is the caller's scratch: gloo's path may reduce it in place instead of a copy.
+        Reusable by a rerun (kept_outputs.py)."""
         if group.size == 1:
             return x
         _splits_evenly("reduce_scatter", x, dim, group)
+        call = ("reduce_scatter", group.name, tuple(x.shape), dim)
+        return kept_or_issued(call, lambda: self._reduce_scatter_tensor(x, group, dim, consume))
+
+    def _reduce_scatter_tensor(
+        self, x: torch.Tensor, group: CommGroup, dim: int, consume: bool
+    ) -> torch.Tensor:
         moved = x.movedim(dim, 0).contiguous()
         if moved.data_ptr() == x.data_ptr() and not consume:
             moved = moved.clone()  # the async path reduces its input in place; never the caller's tensor

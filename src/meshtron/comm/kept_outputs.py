@@ -11,12 +11,17 @@ expert dispatch's exchanges a second time, over the network, for rows that alrea
            outputs instead; nothing is sent, waited on or counted
   else     collectives run as always (outside a checkpoint, or under full recompute: it keeps nothing)
 
-A caller marks which collectives may be kept: the expert dispatch marks its forward exchanges (count
-table, token rows, their gates, ids and masks: parallel/expert.py), whose outputs the experts' matmuls
-read; the combine after the experts is not marked (the rerun stops before it). A kept output costs memory
-from the forward to the block's backward: per MoE layer and micro-batch in flight, one copy of what the
-dispatch delivered to this rank (plan/memory.py prices it). torchtitan's per-op policy keeps its
-reduce-scatters' outputs likewise; it issues them as functional collectives, which torch's store sees.
+A caller marks which collectives may be kept, and as what kind; a store keeps the kinds it is made for:
+
+  "dispatch"  the expert dispatch's forward exchanges (count table, token rows, their gates, ids and
+              masks: parallel/expert.py), whose outputs the experts' matmuls read; the combine after the
+              experts is not marked (the rerun stops before it). Per MoE layer and micro-batch in flight,
+              one copy of what the dispatch delivered to this rank (plan/memory.py prices it);
+              `training.op_recompute_dispatch = "rerun"` leaves it out of the store
+  "tp"        sequence parallel's reduce-scatter after the attention's output projection (parallel/
+              tensor.py), whose output the rest of the block reads: T·h/tp per layer. torchtitan's per-op
+              policy keeps its reduce-scatters' outputs likewise (functional collectives, which torch's
+              store sees); the FFN's and MoE's exits end the block, past where the rerun stops
 
 Every rank reruns the same blocks with the same code, so the ranks of a group skip the same collectives
 and none waits on a partner that replays. State is per thread (a DualPipeV pair reruns one block's
@@ -37,7 +42,8 @@ class KeptOutputs:
     (a rerun that asks for another call is refused) and its version at keeping (an output changed in
     place afterwards would replay wrong values: refused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: frozenset[str] = frozenset({"dispatch", "tp"})) -> None:
+        self.kinds = kinds
         self.outputs: list[tuple[torch.Tensor, int, tuple]] = []
         self.next = 0
 
@@ -69,7 +75,7 @@ class KeptOutputs:
 class _State(threading.local):
     store: KeptOutputs | None = None
     replay = False
-    regions = 0  # depth of `reusable()`
+    kind: str | None = None  # the innermost `reusable()` region's
 
 
 _STATE = _State()
@@ -77,14 +83,14 @@ _STATE = _State()
 
 @contextlib.contextmanager
 def _set(store: KeptOutputs | None, replay: bool) -> Iterator[None]:
-    before = _STATE.store, _STATE.replay, _STATE.regions
-    _STATE.store, _STATE.replay, _STATE.regions = store, replay, 0
+    before = _STATE.store, _STATE.replay, _STATE.kind
+    _STATE.store, _STATE.replay, _STATE.kind = store, replay, None
     if replay and store is not None:
         store.next = 0  # each rerun replays from the first
     try:
         yield
     finally:
-        _STATE.store, _STATE.replay, _STATE.regions = before
+        _STATE.store, _STATE.replay, _STATE.kind = before
 
 
 def keeping(store: KeptOutputs) -> contextlib.AbstractContextManager:
@@ -98,13 +104,14 @@ def replaying(store: KeptOutputs) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def reusable() -> Iterator[None]:
-    """Collectives issued inside may be kept for a rerun (and are replayed there)."""
-    _STATE.regions += 1
+def reusable(kind: str) -> Iterator[None]:
+    """Collectives issued inside may be kept for a rerun (and are replayed there) by a store that keeps
+    `kind` ("dispatch" or "tp")."""
+    before, _STATE.kind = _STATE.kind, kind
     try:
         yield
     finally:
-        _STATE.regions -= 1
+        _STATE.kind = before
 
 
 def kept_or_issued(call: tuple, issue: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -112,7 +119,7 @@ def kept_or_issued(call: tuple, issue: Callable[[], torch.Tensor]) -> torch.Tens
     store without issuing anything. `call` says what is issued (the collective, its group, the input's
     shape and splits): the rerun's must be the forward's."""
     store = _STATE.store
-    if store is None or not _STATE.regions:
+    if store is None or _STATE.kind not in store.kinds:
         return issue()
     if _STATE.replay:
         return store.take(call)

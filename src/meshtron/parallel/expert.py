@@ -107,7 +107,7 @@ class AllToAllDispatch(ExpertDispatch):
             return self.slots(moe, x_TD, weights_Tk, experts_Tk, keep_Tk, capacity)
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
         token_N = order // moe.top_k
-        with reusable():  # a per-op recompute's rerun takes what arrived here from its store
+        with reusable("dispatch"):  # a per-op recompute's rerun takes what arrived here from its store
             table = self.comm.all_gather_tensor(counts_G, self.ep).view(n, n, local)  # [source, dest, expert]
             received_SE = table[:, me]
             # The uneven all-to-all takes its split sizes on the host: the layer's one read of the device.
@@ -144,7 +144,7 @@ class AllToAllDispatch(ExpertDispatch):
         # Each slot's gate value (0 in an empty one; the dropped slot `rows` takes the rest).
         gates_R = weights_Tk.new_zeros(rows + 1).index_put((slot_A,), weights_Tk.flatten())[:rows]
         # [dest rank, local expert, slot] -> [source rank, local expert, slot] -> [local expert, rows]
-        with reusable():
+        with reusable("dispatch"):
             x_SLCD = self.comm.all_to_all(x_RD, self.ep, 0, 0).view(n, local, capacity, -1)
             gates_SLC = self.comm.all_to_all(gates_R[:, None], self.ep, 0, 0).view(n, local, capacity)
         gates_LM = gates_SLC.transpose(0, 1).reshape(local, n * capacity)
@@ -208,7 +208,7 @@ def send_once_per_rank(
     n = group.size
     to_rank_Tn = chosen_TnL.any(-1)
     dest_P, token_P = to_rank_Tn.t().nonzero(as_tuple=True)  # by destination rank, then token
-    with reusable():
+    with reusable("dispatch"):
         table = comm.all_gather_tensor(to_rank_Tn.sum(0), group).view(n, n)  # [source, dest]
         sent, received = torch.stack([table[group.rank], table[:, group.rank]]).tolist()
 
@@ -271,7 +271,7 @@ class AllGatherDispatch(ExpertDispatch):
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         weights_Tk, experts_Tk, keep_Tk, _ = routing
-        with reusable():
+        with reusable("dispatch"):
             x_all = self.comm.all_gather(compute_dtype(x_TD), self.ep)
             weights_all = self.comm.all_gather(weights_Tk, self.ep)
             experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)

@@ -140,12 +140,12 @@ def op_policy(
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         forward, rerun = create_selective_checkpoint_contexts(policy)
-        collectives = KeptOutputs()  # the expert dispatch's outputs (comm/kept_outputs.py)
-        keep = keeping(collectives) if keep_dispatch else contextlib.nullcontext()
-        replay = replaying(collectives) if keep_dispatch else contextlib.nullcontext()
+        # The collectives' outputs the rerun reads (comm/kept_outputs.py): sp's reduce-scatter after the
+        # attention, and the expert dispatch's unless told to send it again.
+        collectives = KeptOutputs(frozenset({"tp", "dispatch"} if keep_dispatch else {"tp"}))
         # A kept matmul output must not be reduced in place afterwards (tensor parallel's partial sums).
-        return _both(forward, _both(out_of_place(), keep)), _both(
-            rerun, _both(_both(out_of_place(), replay), _entered(active_deferrals()))
+        return _both(forward, _both(out_of_place(), keeping(collectives))), _both(
+            rerun, _both(_both(out_of_place(), replaying(collectives)), _entered(active_deferrals()))
         )
 
     return context_fn

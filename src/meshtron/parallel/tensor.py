@@ -52,6 +52,7 @@ from torch import nn
 
 from meshtron.comm.collectives import Comm
 from meshtron.comm.group import CommGroup
+from meshtron.comm.kept_outputs import reusable
 from meshtron.comm.saved_gathers import SAVED_GATHERS
 from meshtron.config.schema import ModelConfig
 from meshtron.models.layers import RMSNorm
@@ -207,6 +208,10 @@ def vocab_parallel_cross_entropy(
 #   kv_column    column when tp divides the key/value heads; otherwise all of them kept (replicated),
 #                each rank selecting the head its query heads read
 #   row          input features split; the partial sums are reduced on the way out (the region's exit)
+#   inner_row    row, where the block goes on after the exit (the attention's wo): a rerun of the block's
+#                forward under per-op recompute reads the reduced output, so under sp the forward's
+#                reduce-scatter output is kept for it (comm/kept_outputs.py) instead of sent again; the
+#                FFN's and MoE's exits end the block, where the rerun has stopped
 #   partial_row  row, left partial: the MoE output reduces the routed and shared parts once, together
 #   replicated   whole on every rank but fed part of the work: gradient summed over tp
 #   on_shards    whole weights on the residual stream, outside any region (MLA's attention_norm: the
@@ -221,7 +226,7 @@ BLOCK_PLAN: dict[str, str] = {
     "attention.wq": "column",
     "attention.wk": "kv_column",
     "attention.wv": "kv_column",
-    "attention.wo": "row",
+    "attention.wo": "inner_row",
     "attention.q_norm": "replicated",
     "attention.k_norm": "replicated",
     "ffn_norm": "entering",
@@ -323,6 +328,14 @@ class _Sharder:
             else self.comm.reduce_from_group(x, self.tp)
         )
 
+    def exit_region_reusable(self, x: torch.Tensor) -> torch.Tensor:
+        """exit_region, its sp reduce-scatter kept for a rerun (the all-reduce without sp is not: its
+        output would be a second whole T·h copy beside the kept partial sum, as torchtitan's policy)."""
+        if not self.sp:
+            return self.exit_region(x)
+        with reusable("tp"):
+            return self.exit_region(x)
+
     def sum_gradient(self, param: nn.Parameter) -> None:
         def summed(grad: torch.Tensor) -> torch.Tensor:  # summed in fp32 (a bf16 parameter's too)
             return self.comm.all_reduce_(grad.to(torch.float32, copy=True), self.tp).to(grad.dtype)
@@ -377,6 +390,11 @@ class _Sharder:
         with torch.no_grad():
             local.weight.copy_(_rows(linear.weight, 1, self.r, self.n))
         self.plan.split_dims[f"{name}.weight"] = (1, linear.in_features)
+        return local
+
+    def inner_row(self, linear: nn.Linear, name: str) -> RowParallelLinear:
+        local = self.row(linear, name)
+        local.exit_fn = self.exit_region_reusable
         return local
 
     def partial_row(self, linear: nn.Linear, name: str) -> RowParallelLinear:

@@ -11,11 +11,11 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                              reshard after forward) and a reduce-scatter
                   replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
                   and clipping's norm add an all-reduce of one fp32 and of two float64 numbers
-  tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation (6 with full
-                  recompute), 2 more around the embedding and head; sp turns each into an all-gather
-                  and a reduce-scatter of the same volume, and gathers each region's input again in
-                  backward (one more all-gather per region, unless full recompute reruns the forward's);
-                  the vocab-parallel loss all-reduces 3 numbers per token
+  tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation, 2 more around
+                  the embedding and head; sp turns each into an all-gather and a reduce-scatter of the
+                  same volume, and gathers each region's input again in backward (one more all-gather
+                  per region); a recomputed block's rerun reduces the attention's output again
+                  (`tp_rerun_units`); the vocab-parallel loss all-reduces 3 numbers per token
   expert          all-to-all dispatch: 4 exchanges of top_k·tokens·dim·(ep−1)/ep rows per MoE layer
                   and micro-batch under balanced routing, 2 of the rows' gates (there, and their
                   gradient back), plus the count table's all-gather; a capacity's E·C slots instead;
@@ -181,10 +181,10 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
     moe_layers = sum(1 for x in params if x.name.endswith("experts.w1"))
     if p.tp > 1:
-        # sp gathers each region's input again in backward (half an all-reduce's volume), unless full
-        # recompute reruns the forward's gathers instead; the head's region always does.
+        # sp gathers each region's input again in backward (half an all-reduce's volume), or a
+        # recomputed block's rerun does; the head's region always does.
         regather = 0.5 if p.sp else 0.0
-        per_layer = 6 if t.recompute in ("full", "op") else 4 + 2 * regather
+        per_layer = 4 + 2 * regather + tp_rerun_units(t.recompute, p.sp)
         activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
         first, last = _holds_ends(cfg, pp_rank)
         add(
@@ -251,6 +251,20 @@ def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:
         dispatch = counts + rows * _ring(members) * (m.dim * act + 4 * width + width)
         out[group] = (2 if rerun else 1) * dispatch + rows * _ring(members) * (3 * m.dim * act + 4 * width)
     return out
+
+
+def tp_rerun_units(recompute: str, sp: bool) -> float:
+    """All-reduces of a layer's [tokens, dim] activation (an all-gather and a reduce-scatter each under
+    sp) that a recomputed block's rerun adds in backward. The rerun stops once backward's saved tensors
+    are back, before the FFN's (or MoE's) exit, so it reduces the attention's output again: an
+    all-reduce (1), or under sp a reduce-scatter (1/2), its all-gathers standing in for the regathers
+    backward would do anyway; op recompute under sp keeps that reduce-scatter's output instead
+    (comm/kept_outputs.py), so adds nothing."""
+    if recompute == "full":
+        return 0.5 if sp else 1.0
+    if recompute == "op":
+        return 0.0 if sp else 1.0
+    return 0.0
 
 
 def reruns_dispatch(t: TrainingConfig) -> bool:

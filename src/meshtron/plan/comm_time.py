@@ -4,11 +4,12 @@ Volumes are those plan/comm.py counts (and tests check against comm.py's counter
 dtype for activations and in the reduce dtype for gradients; times come from plan/network.py.
 
   dim   what, per micro-batch unless said                             hidden behind compute?
-  tp    4 all-reduces of [tokens, dim] per layer (6 with full         no (meshtron runs them inline);
-        recompute); sp turns each into an all-gather + a reduce-       `Overlap.tp` for frameworks that
-        scatter of the same size and gathers each region's input       overlap them with the GEMMs
-        again in backward (5 without full recompute); one more after
-        the embedding (forward), one before the head (backward), and
+  tp    4 all-reduces of [tokens, dim] per layer; sp turns each     no (meshtron runs them inline);
+        into an all-gather + a reduce-scatter of the same size and     `Overlap.tp` for frameworks that
+        gathers each region's input again in backward (5); a           overlap them with the GEMMs
+        recomputed block's rerun reduces the attention's output
+        again (plan/comm.py tp_rerun_units); one more after the
+        embedding (forward), one before the head (backward), and
         the vocab-parallel loss's 3 all-reduces of one number per token
   cp    ring: cp−1 K/V block exchanges per layer forward; backward     ring: yes, behind each step's
         the K/V again (cp−1) and the fp32 dK/dV accumulators' cp       attention; alltoall and
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 
 from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import Config
-from meshtron.plan.comm import capacity_slots, cp_token_bytes, reruns_dispatch
+from meshtron.plan.comm import capacity_slots, cp_token_bytes, reruns_dispatch, tp_rerun_units
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
 from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
@@ -141,9 +142,9 @@ def layer_comm(
     out: dict[str, PassTimes] = {}
     if p.tp > 1:
         one = collective_time("all_reduce", tokens * m.dim * act, _on(net, g["tp"]), net.gpu, net.eff)
-        # Full recompute reruns the forward's two; otherwise sp gathers each region's input again in
-        # backward (two all-gathers: one all-reduce's time).
-        extra = 2 if t.recompute in ("full", "op") else 1 if p.sp else 0
+        # sp gathers each region's input again in backward (two all-gathers: one all-reduce's time),
+        # or a recomputed block's rerun does, which may reduce the attention's output again.
+        extra = (1 if p.sp else 0) + tp_rerun_units(t.recompute, p.sp)
         out["tp"] = PassTimes(f=2 * one, b=(2 + extra) * one) * (0.0 if net.overlap.tp else 1.0)
     if p.cp > 1:
         out["cp"] = _cp_comm(cfg, _on(net, g["cp"]), net, attention_time, act)

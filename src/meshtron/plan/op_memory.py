@@ -8,7 +8,8 @@ k the key/value width held per rank, f the FFN width, the matmuls' outputs are:
   attention     q, k, v projections T·q/t, T·k, T·k; the output projection T·h (a row-parallel partial
                 sum: whole h on every tp rank, reduced after)
   MLA           the query latent T·q_lora and its up-projection T·H·(N + R)/t (or one projection without
-                a query latent), the key/value latent T·(C + R), its up-projection T·H·(N + Dv)/t (inside
+                a query latent), the key/value latent T·(C + R) (both latents T/t under sp with a query
+                latent: each rank projects its own tokens down), its up-projection T·H·(N + Dv)/t (inside
                 the attention core, so recomputed, when context parallel exchanges latents), the output
                 projection T·h
   dense FFN     gate and up T·f/t each, down T·h (partial)
@@ -24,7 +25,8 @@ trade of memory for a little recompute), "matmuls_but_mla_up" all but MLA's two 
 attention kernel's output T·q/t (MLA's padded to N + R per head: models/attention.py) and log-sum-exp
 b·(a/t)·s (fp32) are kept too; under cp the attention core is a ring of partial blocks (or a tiled path
 whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The input is T·h, or
-T·h/t under sequence parallel. M comes from the routing as in plan/memory.py: balanced by default, the
+T·h/t under sequence parallel, where the reduce-scatter after the attention's output projection keeps
+its output T·h/t too (comm/kept_outputs.py: the rerun reads it instead of reducing again). M comes from the routing as in plan/memory.py: balanced by default, the
 measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
 every capacity slot of the ep group's experts, E·C.
 """
@@ -40,24 +42,28 @@ from meshtron.plan.routing import ranks_per_token
 Outputs = list[tuple[int, bool]]
 
 
-def _attention_matmuls(cfg: ModelConfig, tokens: int, tp: int, up_kept: tuple[bool, bool]) -> Outputs:
+def _attention_matmuls(
+    cfg: ModelConfig, tokens: int, tp: int, sp: bool, up_kept: tuple[bool, bool]
+) -> Outputs:
     if cfg.is_mla:
-        return _latent_matmuls(cfg, tokens, tp, *up_kept)
+        return _latent_matmuls(cfg, tokens, tp, sp, *up_kept)
     q = cfg.n_heads * cfg.head_size // tp
     k = cfg.kv_heads_per_rank(tp) * cfg.head_size
     return [(tokens * q, False), (tokens * k, False), (tokens * k, False), (tokens * cfg.dim, False)]
 
 
-def _latent_matmuls(cfg: ModelConfig, tokens: int, tp: int, q_up: bool, kv_up: bool) -> Outputs:
-    """MLA's (models/latent_attention.py): the latents' down-projections whole on every tp rank, the
+def _latent_matmuls(cfg: ModelConfig, tokens: int, tp: int, sp: bool, q_up: bool, kv_up: bool) -> Outputs:
+    """MLA's (models/latent_attention.py): the latents' down-projections whole on every tp rank (on
+    this rank's 1/tp of the tokens under sp with a query latent: the latents enter the region), the
     up-projections of this rank's heads where they are kept (`q_up`, `kv_up`), the output projection's
     partial sum."""
     heads = cfg.n_heads // tp
+    down = tokens // tp if sp and cfg.q_lora_rank else tokens
     if cfg.q_lora_rank:
-        queries = [(tokens * cfg.q_lora_rank, False)] + [(tokens * heads * cfg.head_size, False)] * q_up
+        queries = [(down * cfg.q_lora_rank, False)] + [(tokens * heads * cfg.head_size, False)] * q_up
     else:
         queries = [(tokens * heads * cfg.head_size, False)]
-    latents = [(tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), False)]
+    latents = [(down * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), False)]
     up = [(tokens * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False)] * kv_up
     return [*queries, *latents, *up, (tokens * cfg.dim, False)]
 
@@ -95,7 +101,7 @@ def op_kept_elements(
     # MLA's up-projections, kept unless the policy recomputes them (the keys' and values' one is inside
     # the attention core when context parallel exchanges latents: recomputed too)
     up = saves != "matmuls_but_mla_up"
-    outputs = _attention_matmuls(cfg, tokens, tp, (up, up and not latent_exchange))
+    outputs = _attention_matmuls(cfg, tokens, tp, sp, (up, up and not latent_exchange))
     if moe_rows is None:
         f = cfg.ffn_dim // tp
         outputs += [(tokens * f, False), (tokens * f, False), (tokens * cfg.dim, False)]
@@ -103,6 +109,8 @@ def op_kept_elements(
         outputs += _moe_matmuls(cfg, tokens, tp, expert_tp, moe_rows)
     kept = outputs[::2] if saves == "every_other_matmul" else outputs
     floats = sum(n for n, fp32 in kept if not fp32) + (tokens * cfg.dim // tp if sp else tokens * cfg.dim)
+    if sp and tp > 1:  # the attention's reduce-scattered output
+        floats += tokens * cfg.dim // tp
     fp32 = sum(n for n, is_fp32 in kept if is_fp32)
     if cp == 1:  # the attention kernel's output and log-sum-exp
         floats += tokens * cfg.n_heads * cfg.head_size // tp
