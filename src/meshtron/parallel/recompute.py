@@ -11,9 +11,10 @@
              operations are done twice: norms, rotary, SwiGLU's product, softmax, casts. The expert
              dispatch's outputs are kept too (comm/kept_outputs.py: the rerun does not send the routed
              rows again), unless `training.op_recompute_dispatch = "rerun"` trades that memory for a
-             second dispatch; tensor parallel's collectives run again, as under full recompute. torchtitan's
-             op-level policy does the same (it keeps its reduce-scatters' outputs, the collectives it
-             issues inside a block)
+             second dispatch. Sequence parallel's reduce-scatter after the attention is kept too: the
+             rerun gathers each region's input again, as backward would anyway, and reduces nothing
+             again (without sp the attention's all-reduce runs again). torchtitan's op-level policy
+             keeps its reduce-scatters' outputs likewise (the collectives it issues inside a block)
 
 The wrapped callables are the block's `forward` and the attention's `core`, replaced on the instance so
 that parameter names and module hooks (FSDP, tensor parallel) stay where they are: a block's own hooks
