@@ -6,6 +6,7 @@ and search in general: tests/test_planner.py.)"""
 from __future__ import annotations
 
 import dataclasses
+from itertools import combinations
 
 import pytest
 
@@ -24,8 +25,10 @@ from meshtron.plan.estimate import Cluster, estimate
 from meshtron.plan.hardware import accelerator
 from meshtron.plan.layout import Layout
 from meshtron.plan.network import Group, LinkEfficiency
+from meshtron.plan.op_memory import dispatch_kept_elements
 from meshtron.plan.routing import hierarchical_rows
 from meshtron.plan.search import search
+from meshtron.rules.checks import load_config
 from meshtron.testing.tiny import LLAMA_1B
 from meshtron.testing.tiny import planner_config as config
 
@@ -220,3 +223,26 @@ def test_the_search_tries_deepeps_two_hops_where_ep_crosses_nodes():
     assert {layout.ep_dispatch for layout, _ in inside.ranked} == {"alltoall"}
     dedup = config([*small, "--parallel.ep_dispatch=dedup"], batch=64)
     assert {layout.ep_dispatch for layout, _ in search(dedup, cluster, held, top=5).ranked} == {"dedup"}
+
+
+def test_op_recompute_keeps_both_hops_of_the_hierarchical_dispatch():
+    """What op recompute keeps of the two-hop dispatch over 2 nodes of 2 ep ranks (8 experts, top 2, 64
+    tokens a rank): the in-node hop's rows as the dedup dispatch's, plus those that crossed the network,
+    one per token and node holding its experts, each with gates and mask for the node's 4 experts and
+    each hop's count table. The expected crossings are counted here over every pair of experts."""
+    m = load_config(None, ["--model.name=tiny-moe", "--model.n_experts=8", "--model.top_k=2"]).model
+    tokens, h = 64, m.dim
+    pairs = list(combinations(range(8), 2))
+    nodes_per_token = sum(len({e // 4 for e in pair}) for pair in pairs) / len(pairs)  # experts 0-3: node 0
+    ranks_per_token = sum(len({e // 2 for e in pair}) for pair in pairs) / len(pairs)
+    crossed, received = round(tokens * nodes_per_token), round(tokens * ranks_per_token)
+    one_node = dispatch_kept_elements(m, tokens, 4, "hierarchical", rows=0, per_node=4)
+    assert one_node == dispatch_kept_elements(m, tokens, 4, "dedup", rows=0)
+    assert one_node == (received * h, received * 2, 16, received * 2)
+    two_nodes = dispatch_kept_elements(m, tokens, 4, "hierarchical", rows=0, per_node=2)
+    assert two_nodes == (
+        (crossed + received) * h,
+        crossed * 4 + received * 2,
+        4 + 4,
+        crossed * 4 + received * 2,
+    )

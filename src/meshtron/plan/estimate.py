@@ -282,10 +282,19 @@ def least_memory(cfg: Config, cluster: Cluster) -> float:
     return max(sum(stage_memory(cfg, cluster.gpus, r, 1, cluster.memory).values()) for r in stages.values())
 
 
+def on_nodes(cfg: Config, cluster: Cluster) -> Config:
+    """`cfg` with run.gpus_per_node the cluster's where the run does not set it: the nodes the
+    hierarchical dispatch's two hops (their time and what op recompute keeps of them) are cut by."""
+    if cfg.run.gpus_per_node:
+        return cfg
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, gpus_per_node=cluster.gpu.gpus_per_node))
+
+
 def stage_memories(cfg: Config, cluster: Cluster, simulated: bool = True) -> list[dict[str, float]]:
     """Each pipeline stage's rank 0 at its peak, bytes by part (gpu_memory.py), with the activations its
     schedule holds at most, or (`simulated=False`) the screen's closed-form count of micro-batches in
     flight (what `estimate` reports the most loaded of)."""
+    cfg = on_nodes(cfg, cluster)
     p, t = cfg.parallel, cfg.training
     if simulated:  # the schedule's own walk: no timing needed
         return [stage_memory(cfg, cluster.gpus, r, None, cluster.memory) for r in range(p.pp)]
@@ -371,6 +380,7 @@ def estimate(cfg: Config, cluster: Cluster, simulated: bool = True, imbalance: f
         )
     if cfg.parallel.cp_exchange == "auto":
         cfg = resolved_exchange(cfg, cluster, imbalance)
+    cfg = on_nodes(cfg, cluster)
     p, t = cfg.parallel, cfg.training
     world = cluster.gpus
     micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.dp_replicate * p.dp_shard)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.schema import EpDispatch, ModelConfig, OpRecomputeSaves
-from meshtron.plan.routing import ranks_per_token
+from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 
 # (elements, whether they are fp32 whatever the activation dtype) of each stored output, in forward order.
 Outputs = list[tuple[int, bool]]
@@ -119,7 +119,13 @@ def op_kept_elements(
 
 
 def dispatch_kept_elements(
-    cfg: ModelConfig, tokens: int, ep: int, ep_dispatch: EpDispatch, rows: int, pairs: int | None = None
+    cfg: ModelConfig,
+    tokens: int,
+    ep: int,
+    ep_dispatch: EpDispatch,
+    rows: int,
+    pairs: int | None = None,
+    per_node: int = 0,
 ) -> tuple[int, int, int, int]:
     """(elements in the activation dtype, fp32, int64, bool) of what the expert dispatch delivered to
     this rank, which recompute = "op" keeps for the rerun instead of sending it again
@@ -131,8 +137,11 @@ def dispatch_kept_elements(
                     the E·C slots and their gates
       allgather     every rank's tokens ep·T·h, gates ep·T·k, expert ids ep·T·k (int64), keep mask
       dedup         the row counts ep² (int64), the rows P·h, their gates for the rank's L = E/ep
-                    experts P·L (fp32) and which of them are chosen P·L (uint8); hierarchical as its
-                    in-node hop (as the rest of its memory)"""
+                    experts P·L (fp32) and which of them are chosen P·L (uint8)
+      hierarchical  each hop's as dedup's over its members (plan/routing.py hierarchical_rows): the rows
+                    that crossed the network, one per token and node holding its experts, with gates
+                    and mask for the node's `per_node`·L experts; then the in-node hop's (all of it
+                    when `per_node` is 0 or ep: one node)"""
     if ep == 1:
         return 0, 0, 0, 0
     h, k = cfg.dim, cfg.top_k
@@ -144,7 +153,16 @@ def dispatch_kept_elements(
         return rows * (h + 1), 0, table, 0
     pairs = expected_pairs(cfg, tokens, ep) if pairs is None else pairs
     local = cfg.n_experts // ep
-    return pairs * h, pairs * local, ep * ep, pairs * local
+    if ep_dispatch != "hierarchical" or per_node in (0, ep):
+        return pairs * h, pairs * local, ep * ep, pairs * local
+    (_, crossed, width, nodes), _ = hierarchical_rows(cfg, ep, per_node, tokens)
+    crossed = round(crossed)
+    return (
+        (crossed + pairs) * h,
+        crossed * width + pairs * local,
+        nodes * nodes + per_node * per_node,
+        crossed * width + pairs * local,
+    )
 
 
 def expected_pairs(cfg: ModelConfig, tokens: int, ep: int) -> int:
