@@ -238,6 +238,12 @@ TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
 MIXTRAL_8X7B = dict(name="mixtral-8x7b")
 MIXTRAL_8X22B = dict(name="mixtral-8x7b", dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384)
 ZOO = "Megatron-MoE-ModelZoo runtime.conf layout, {} H100, BF16, seq 4096, batch 256; {}"
+# torchtitan's one published MoE table: Qwen3-30B-A3B with DeepEP on B200s (torchtitan/distributed/deepep/
+# README.md, strong scaling; its config qwen3_30b_a3b_with_deepep.toml: BF16, seq 4096, local batch 8, FSDP
+# over every rank with ep 8 inside a node, full activation checkpointing, compiled, routing forced to balance).
+# DeepEP's in-node dispatch sends a token once to each rank holding its experts: meshtron's dedup.
+TITAN_DEEPEP = ("torchtitan DeepEP README, strong scaling, 1 node of 8 B200 (BF16, seq 4096, local batch 8, "
+                "FSDP, ep 8, full AC, compile, forced balance: qwen3_30b_a3b_with_deepep.toml)")  # fmt: skip
 
 
 def moe_runs() -> list[Run]:
@@ -267,6 +273,8 @@ def moe_runs() -> list[Run]:
             "run_mixtral_8x22B.sh"), "h100", 128, MIXTRAL_8X22B, 4096, 256, dict(tp=2, sp=True, pp=8, vpp=7,
             pp_schedule="interleaved", ep=8, etp=1, ep_dispatch="alltoall", dp_shard=8, zero=1, cp=1, micro_batch=1),
             from_tflops(MIXTRAL_8X22B, 4096, 445), MEGATRON),
+        Run("torchtitan Qwen3-30B-A3B", TITAN_DEEPEP, "b200", 8, QWEN3_30B, 4096, 64, dict(tp=1, pp=1, ep=8,
+            ep_dispatch="dedup", dp_shard=8, zero=3, cp=1, micro_batch=8, recompute="full"), 14796, TITAN),
     ]  # fmt: skip
 
 
