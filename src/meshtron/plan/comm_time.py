@@ -49,7 +49,7 @@ from meshtron.config.schema import Config
 from meshtron.plan.comm import capacity_slots, cp_token_bytes, reruns_dispatch, tp_rerun_units
 from meshtron.plan.compute_time import PassTimes
 from meshtron.plan.hardware import Accelerator
-from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, mesh_strides
+from meshtron.plan.network import Collective, Group, LinkEfficiency, collective_time, ep_group, mesh_strides
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, stage_key
 from meshtron.utils.memo import Memo
@@ -121,8 +121,8 @@ def groups(cfg: Config) -> dict[str, Group]:
     strides = mesh_strides(dense, ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     out = {name: Group(size, strides[name], 0) for name, size in dense.items()}
     out["shard"] = Group(p.dp_shard * p.cp, p.tp, 0)  # dp_shard x cp, flattened
-    etp = p.tp if p.expert_tp else 1  # the experts' grid [edp, ep, etp] (config/layout.py)
-    out["ep"] = Group(p.ep, etp, 0)
+    out["ep"] = ep_group(p.ep, p.tp, p.expert_tp, 0)
+    etp = out["ep"].stride
     out["edp"] = Group(p.dp_shard * p.cp * p.tp // (p.ep * etp), p.ep * etp, 0)
     return out
 

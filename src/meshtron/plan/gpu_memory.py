@@ -34,7 +34,7 @@ from functools import lru_cache
 from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig
 from meshtron.plan.buffers import engine_buffers
 from meshtron.plan.memory import head_activation_bytes, layer_activation_bytes
-from meshtron.plan.network import Group
+from meshtron.plan.network import ep_group
 from meshtron.plan.state import layer_split, model_key, state_bytes
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import Kind, chunks_of_rank
@@ -73,9 +73,8 @@ def layer_bytes(cfg: Config, layer: int, recompute: str) -> int:
         kwargs.update(ep=p.ep, ep_dispatch=p.ep_dispatch, expert_tp=p.expert_tp)
         if recompute == "op":
             kwargs["op_keeps_dispatch"] = t.op_recompute_dispatch == "keep"
-        if p.ep_dispatch == "hierarchical":  # its ep ranks per node (the ep group's stride is etp)
-            nodes = cfg.run.gpus_per_node or p.ep * p.tp
-            kwargs["ep_per_node"] = Group(p.ep, p.tp if p.expert_tp else 1, nodes).per_node
+            if p.ep_dispatch == "hierarchical" and cfg.run.gpus_per_node:  # (unset: one node)
+                kwargs["ep_per_node"] = ep_group(p.ep, p.tp, p.expert_tp, cfg.run.gpus_per_node).per_node
     act = 2 if t.dtype != "fp32" else 4
     key = ("layer", model_key(m), m.is_moe_layer(layer), t.micro_batch, t.seq_len, act, tuple(kwargs.items()))
     return _cached(key, lambda: layer_activation_bytes(m, t.micro_batch, t.seq_len, act, layer, **kwargs))

@@ -74,6 +74,11 @@ class Group:
         return self.size > self.per_node
 
 
+def ep_group(ep: int, tp: int, expert_tp: bool, gpus_per_node: int) -> Group:
+    """The ep group in the experts' grid [edp, ep, etp] (config/layout.py): its ranks lie etp apart."""
+    return Group(ep, tp if expert_tp else 1, gpus_per_node)
+
+
 def mesh_strides(dims: dict[str, int], order: tuple[str, ...]) -> dict[str, int]:
     """The rank distance between neighbours of each dim of a row-major mesh over `order`."""
     strides, stride = {}, 1

@@ -26,9 +26,9 @@ attention kernel's output T·q/t (MLA's padded to N + R per head: models/attenti
 b·(a/t)·s (fp32) are kept too; under cp the attention core is a ring of partial blocks (or a tiled path
 whose matmuls are score tiles), so it is recomputed whole and none of it is kept. The input is T·h, or
 T·h/t under sequence parallel, where the reduce-scatter after the attention's output projection keeps
-its output T·h/t too (comm/kept_outputs.py: the rerun reads it instead of reducing again). M comes from the routing as in plan/memory.py: balanced by default, the
-measured count when given; with a capacity under the all-to-all dispatch (ep > 1) it is
-every capacity slot of the ep group's experts, E·C.
+its output T·h/t too (comm/kept_outputs.py: the rerun reads it instead of reducing again). M comes from
+the routing as in plan/memory.py: balanced by default, the measured count when given; with a capacity
+under the all-to-all dispatch (ep > 1) it is every capacity slot of the ep group's experts, E·C.
 """
 
 from __future__ import annotations
