@@ -163,20 +163,42 @@ def test_kept_bytes_equal_the_formula(model, saves, keep_attention):
     assert measured == [want] * cfg.n_layers
 
 
-def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
-    """On each of 2 ep ranks (each its own tokens): what op recompute keeps per block, keeping the
-    dispatch's outputs ("op") and sending it again ("op_rerun"), the rows the block's experts processed
-    in forward, and the ep bytes and calls of a step in each mode and without recompute."""
+def delivered_rows(picks: list[torch.Tensor], rank: int, per_node: int, local: int) -> tuple[int, int]:
+    """From every ep rank's chosen experts [T, k] of one layer (ep ranks node-major, `per_node` a node,
+    `local` experts each): the (token, rank) rows the dedup dispatch, or the hierarchical one's in-node
+    hop, delivers to `rank` (every token with an expert on it), and the rows the hierarchical network
+    hop delivers to it (the tokens of the ranks at its index on every node that have an expert on its
+    node)."""
+    node, index = divmod(rank, per_node)
+
+    def reaching(experts_Tk: torch.Tensor, first: int, count: int) -> int:
+        return int(((experts_Tk >= first) & (experts_Tk < first + count)).any(-1).sum())
+
+    pairs = sum(reaching(p, rank * local, local) for p in picks)
+    block = per_node * local
+    crossed = sum(reaching(p, node * block, block) for s, p in enumerate(picks) if s % per_node == index)
+    return pairs, crossed
+
+
+def kept_bytes_over_ep(dispatch: str, capacity: float, per_node: int) -> dict:
+    """On each ep rank (each its own tokens; nodes of `per_node` ranks for the hierarchical dispatch):
+    what op recompute keeps per block, keeping the dispatch's outputs ("op") and sending it again
+    ("op_rerun"), the rows the block's experts processed in forward, the rows each dispatch hop
+    delivered to it (from every rank's routing), and the ep bytes and calls of a step in each mode and
+    without recompute."""
     cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
-    mesh = ParallelMesh(ParallelDims(dp_shard=2, ep=2), "cpu")
+    world = torch.distributed.get_world_size()
+    mesh = ParallelMesh(ParallelDims(dp_shard=world, ep=world), "cpu")
+    nodes = mesh.ep_node_groups(per_node) if dispatch == "hierarchical" else None
     rank, out = torch.distributed.get_rank(), {}
     for mode in ("none", "op", "op_rerun"):
-        model, comm, rows = build_model(cfg, seed=0), Comm(), []
-        apply_expert_parallel(model, comm, mesh.group("ep"), dispatch)
+        model, comm, rows, picks = build_model(cfg, seed=0), Comm(), [], []
+        apply_expert_parallel(model, comm, mesh.group("ep"), dispatch, nodes=nodes)
         for block in model.layers.values():
             block.moe.experts.register_forward_pre_hook(
                 lambda _m, a, r=rows: r.append(a[0].shape[:-1].numel())
             )
+            block.moe.router.register_forward_hook(lambda _m, _a, o, p=picks: p.append(o[1]))
         with comm.recording() as rec:
             if mode != "none":
                 keep = mode == "op"
@@ -187,30 +209,46 @@ def kept_bytes_over_ep(dispatch: str, capacity: float) -> dict:
                 )
                 logits, aux = model(tokens[:, :-1], return_aux=True)
                 (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + aux).backward()
-        out[mode] = (rec.stats.total_bytes("ep"), rec.stats.total_calls("ep"))
+        out[mode] = tuple(
+            sum(f(g) for g in ("ep", "ep_inter", "ep_intra"))
+            for f in (rec.stats.total_bytes, rec.stats.total_calls)
+        )
         out["rows"] = rows[: cfg.n_layers]  # the forward's (the rerun's come after)
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, picks[: cfg.n_layers])
+        local = cfg.n_experts // world
+        out["delivered"] = [
+            delivered_rows([p[layer] for p in everyone], rank, per_node, local)
+            for layer in range(cfg.n_layers)
+        ]
     mesh.close()
     return out
 
 
 @pytest.mark.parametrize(
-    "dispatch, capacity", [("alltoall", 0.0), ("alltoall", 1.5), ("allgather", 0.0), ("dedup", 0.0)]
+    "dispatch, capacity, world",
+    [
+        ("alltoall", 0.0, 2),
+        ("alltoall", 1.5, 2),
+        ("allgather", 0.0, 2),
+        ("dedup", 0.0, 2),
+        ("hierarchical", 0.0, 4),
+    ],
 )
-def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispatch, capacity):
+def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispatch, capacity, world):
     """Under ep, the op rerun sends nothing again: a step moves the ep bytes and calls of the same step
     without recompute. With op_recompute_dispatch = "rerun" it sends the forward's dispatch once more
-    (its count table, rows, gates and what else it carries: DISPATCH_CALLS per layer) and keeps none of
-    it. What each block keeps is the formula's either way, to the byte (given the rows each rank's
-    experts processed; the dedup dispatch's received rows are not measured here, so only its traffic
-    is checked)."""
+    (its count table, rows, gates and what else it carries: DISPATCH_CALLS per layer and hop) and keeps
+    none of it. What each block keeps is the formula's either way, to the byte, given the rows each
+    rank's experts processed and the rows each hop delivered to it, counted from every rank's routing
+    (the hierarchical dispatch over 2 "nodes" of 2 ranks)."""
     cfg = dataclasses.replace(MOE_MODEL, capacity_factor=capacity)
-    for rank in workers(2).run(kept_bytes_over_ep, dispatch, capacity):
+    per_node = 2
+    for rank in workers(world).run(kept_bytes_over_ep, dispatch, capacity, per_node):
         assert rank["op"] == rank["none"], rank
         (rerun_bytes, rerun_calls), (once_bytes, once_calls) = rank["op_rerun"], rank["none"]
         assert rerun_calls - once_calls == DISPATCH_CALLS[dispatch, capacity] * cfg.n_layers, rank
         assert rerun_bytes > once_bytes
-        if dispatch == "dedup":
-            continue
         for mode, keeps in (("op", True), ("op_rerun", False)):
             want = [
                 layer_activation_bytes(
@@ -218,13 +256,16 @@ def test_expert_parallel_rerun_takes_the_dispatch_from_the_store(workers, dispat
                     2,
                     32,
                     recompute="op",
-                    ep=2,
+                    ep=world,
                     ep_dispatch=dispatch,
                     kept=rows,
                     assignments=rows,
+                    pairs=pairs,
+                    crossed=crossed,
+                    ep_per_node=per_node if dispatch == "hierarchical" else 0,
                     op_keeps_dispatch=keeps,
                 )  # fmt: skip
-                for rows in rank["rows"]
+                for rows, (pairs, crossed) in zip(rank["rows"], rank["delivered"], strict=True)
             ]
             assert rank[f"kept_{mode}"] == want, (mode, rank)
 
@@ -264,7 +305,13 @@ def test_sequence_parallel_rerun_takes_the_attentions_reduce_scatter_from_the_st
 
 # Forward dispatch collectives per MoE layer: the count table, rows and gates (dedup: and the chosen
 # mask); a capacity's two even all-to-alls; the all-gather dispatch's tokens, gates, ids and mask.
-DISPATCH_CALLS = {("alltoall", 0.0): 3, ("alltoall", 1.5): 2, ("allgather", 0.0): 4, ("dedup", 0.0): 4}
+DISPATCH_CALLS = {
+    ("alltoall", 0.0): 3,
+    ("alltoall", 1.5): 2,
+    ("allgather", 0.0): 4,
+    ("dedup", 0.0): 4,
+    ("hierarchical", 0.0): 8,  # the dedup's four on each hop
+}
 
 
 @pytest.mark.parametrize("model", ["moe", "mla_moe"])

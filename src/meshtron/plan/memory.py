@@ -250,15 +250,17 @@ def moe_layer_activation_elements(
     pairs: int | None = None,
     op_keeps_dispatch: bool = True,
     ep_per_node: int = 0,
+    crossed: int | None = None,
 ) -> SavedElements:
     """What one MoE layer keeps for backward on one rank, by dtype. Routing is assumed balanced unless
     given: `kept`, the assignments of this rank's tokens it sorts and combines (all of them, or under
     etp = 1 (`expert_tp` False) those to its tp rank's experts); `assignments`, those its experts
     process (`kept` again when balanced: each ep rank receives what it sends); `pairs`, under the dedup
-    dispatch the (token, rank) rows it sends (plan/routing.py's expectation when not given);
-    `op_keeps_dispatch`, under recompute = "op", whether the block keeps what the dispatch delivered
+    dispatch the (token, rank) rows it sends, or under recompute = "op" those delivered to it, which
+    the block keeps (plan/routing.py's expectation when not given); `op_keeps_dispatch`, under
+    recompute = "op", whether the block keeps what the dispatch delivered
     (training.op_recompute_dispatch); `ep_per_node`, the hierarchical dispatch's ep ranks per node
-    (0: the ep group on one node)."""
+    (0: the ep group on one node); `crossed`, the rows its network hop delivered (op_memory.py)."""
     seq //= cp
     tokens = batch * seq  # every tp rank routes all of them (gathered under sp)
     if recompute == "full":
@@ -274,7 +276,9 @@ def moe_layer_activation_elements(
         kept_op = SavedElements(floats=floats, fp32=fp32)
         if not op_keeps_dispatch:
             return kept_op
-        delivered = dispatch_kept_elements(cfg, tokens // share, ep, ep_dispatch, rows, pairs, ep_per_node)
+        delivered = dispatch_kept_elements(
+            cfg, tokens // share, ep, ep_dispatch, rows, pairs, ep_per_node, crossed
+        )
         return kept_op + SavedElements(*delivered[:3], bools=delivered[3])
     if ep > 1 and ep_dispatch == "allgather":
         kept = assignments  # every rank's tokens gathered: it sorts and combines what its experts process
@@ -419,6 +423,7 @@ def layer_activation_bytes(
         "pairs",
         "op_keeps_dispatch",
         "ep_per_node",
+        "crossed",
     ):  # a dense layer of an MoE model
         kwargs.pop(moe_only, None)
     return layer_activation_elements(cfg, batch, seq, layer=layer, **kwargs) * dtype_bytes

@@ -126,6 +126,7 @@ def dispatch_kept_elements(
     rows: int,
     pairs: int | None = None,
     per_node: int = 0,
+    crossed: int | None = None,
 ) -> tuple[int, int, int, int]:
     """(elements in the activation dtype, fp32, int64, bool) of what the expert dispatch delivered to
     this rank, which recompute = "op" keeps for the rerun instead of sending it again
@@ -155,8 +156,8 @@ def dispatch_kept_elements(
     local = cfg.n_experts // ep
     if ep_dispatch != "hierarchical" or per_node in (0, ep):
         return pairs * h, pairs * local, ep * ep, pairs * local
-    (_, crossed, width, nodes), _ = hierarchical_rows(cfg, ep, per_node, tokens)
-    crossed = round(crossed)
+    (_, expected, width, nodes), _ = hierarchical_rows(cfg, ep, per_node, tokens)
+    crossed = round(expected) if crossed is None else crossed
     return (
         (crossed + pairs) * h,
         crossed * width + pairs * local,
