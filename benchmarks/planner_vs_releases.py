@@ -1,5 +1,5 @@
 """The planner against one publisher's runs across its releases: Megatron Bridge's performance summary
-(docs/performance-summary.md of NVIDIA-NeMo/Megatron-Bridge), which reprints the same model, GPUs and
+(the performance-summary page of NVIDIA-NeMo/Megatron-Bridge's documentation), which reprints the same model, GPUs and
 layout for each NeMo container, measured again with that release's software.
 
 It asks two things planner_vs_published.py cannot: how far apart a publisher's own figures for one
@@ -45,7 +45,7 @@ from reporting import RESULTS, write_section
 
 from meshtron.plan.search import search
 
-SUMMARY = "Megatron Bridge docs/performance-summary.md"
+SUMMARY = "Megatron Bridge performance summary"
 RELEASES = ("25.09", "25.11")
 
 
