@@ -1,6 +1,6 @@
 """The planner against one publisher's runs across its releases: Megatron Bridge's performance summary
-(the performance-summary page of NVIDIA-NeMo/Megatron-Bridge's documentation), which reprints the same model, GPUs and
-layout for each NeMo container, measured again with that release's software.
+(a page of NVIDIA-NeMo/Megatron-Bridge's documentation), which reprints the same model, GPUs and layout
+for each NeMo container, measured again with that release's software.
 
 It asks two things planner_vs_published.py cannot: how far apart a publisher's own figures for one
 layout are from release to release (the spread any ±15% bar sits inside), and how the planner does on
