@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from meshtron.config.schema import ModelConfig
 from meshtron.models.init import init_region
+from meshtron.models.layers import SwiGLU
 from meshtron.models.llama import build_model
 from meshtron.models.moe import MoE, capacity_keep, router_losses
 from meshtron.models.rope import rope_inv_freq
@@ -200,3 +201,20 @@ def test_positions_are_explicit():
     shifted = model(tokens, torch.arange(6)[None] + 5)
     assert torch.equal(default, explicit)
     assert not torch.allclose(default, shifted)
+
+
+def test_the_fused_swiglu_is_autograds_silu_times_up_and_keeps_gate_and_up():
+    """The dense FFN's SwiGLU (models/layers.py): value and gradients are autograd's of silu(gate)·up; it
+    saves gate and up only (silu(gate) is made again in backward), so the FFN keeps three FFN-wide tensors
+    with the down-projection's input; under bf16 inputs it computes in fp32 and returns bf16."""
+    gate, up = (torch.randn(5, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    probe = torch.randn(5, 6, dtype=torch.float64)
+    ours = torch.autograd.grad((SwiGLU.apply(gate, up) * probe).sum(), (gate, up))
+    plain = torch.autograd.grad((F.silu(gate) * up * probe).sum(), (gate, up))
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a, b)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        SwiGLU.apply(gate, up)
+    assert [t.data_ptr() for t in saved] == [gate.data_ptr(), up.data_ptr()]
+    assert SwiGLU.apply(gate.bfloat16(), up.bfloat16()).dtype == torch.bfloat16

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config.schema import ModelConfig, RouterScore
-from meshtron.models.layers import FeedForward
+from meshtron.models.layers import FeedForward, swiglu_grads
 
 
 class _LoadCounting(threading.local):
@@ -251,13 +251,9 @@ class WeightedSwiGLU(torch.autograd.Function):
         gate, up, w = ctx.saved_tensors
         wide = torch.promote_types(gate.dtype, torch.float32)
         g, u, grad = gate.to(wide), up.to(wide), grad.to(wide)
-        sig = torch.sigmoid(g)
-        silu = g * sig
+        grad_gate, grad_up, silu = swiglu_grads(g, u, grad * w.to(wide)[..., None])
         grad_w = (grad * silu * u).sum(-1).to(w.dtype)
-        grad_h = grad * w.to(wide)[..., None]
-        grad_up = (grad_h * silu).to(up.dtype)
-        grad_gate = (grad_h * u * sig * (1 + g * (1 - sig))).to(gate.dtype)
-        return grad_gate, grad_up, grad_w
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), grad_w
 
 
 # Eager even inside compiled blocks: the compiler has no fp32 grouped_mm (torch 2.13's meta kernel

@@ -13,7 +13,9 @@ width held per rank, f the FFN width:
                                              as Megatron does)
   attention         rotated q and k, v, the kernel's output (which is also the output projection's
                     input) and its log-sum-exp: s·b·(2q/t + 2k) + b·(a/t)·s
-  SwiGLU            gate and up projections, silu(gate), their product: 4·s·b·f/t
+  SwiGLU            gate and up projections and their product silu(gate)·up, the down-projection's
+                    input (one fused op keeps gate and up and makes silu again: models/layers.py)
+                    3·s·b·f/t
   full recompute    the block input only: s·b·h (s·b·h/t with sp)
   op recompute      the block input and every (or every other) matmul's output, and without cp the
                     attention kernel's output and log-sum-exp (plan/op_memory.py)
@@ -55,7 +57,7 @@ Indices are int64, the grouped matmuls' offsets int32, the gate values fp32:
                     expert M (int64)
   combine           nothing: the outputs come weighted (the gate folded in before the
                     down-projection, models/moe.py) and their sum per token keeps only row ids
-  shared experts    SwiGLU 4·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
+  shared experts    SwiGLU 3·T·f_s/t; with the sigmoid gate, the gate T and the shared output T·h
   full recompute    the block input only, as dense
   op recompute      the block input and the outputs its policy keeps (plan/op_memory.py), as dense,
                     and under ep what the dispatch delivered (its rerun takes it instead of sending again)
@@ -218,7 +220,7 @@ def layer_activation_elements(
     seq //= cp
     if recompute == "full":
         return seq * batch * cfg.dim // tp if sp else seq * batch * cfg.dim
-    swiglu = 4 * seq * batch * cfg.ffn_dim // tp
+    swiglu = 3 * seq * batch * cfg.ffn_dim // tp
     return _attention_and_norms(cfg, batch, seq, tp, sp, recompute, ulysses, cp, exchange) + swiglu
 
 
@@ -358,7 +360,7 @@ def _shared_expert_elements(cfg: ModelConfig, tokens: int, tp: int) -> SavedElem
     """The shared experts' SwiGLU (its input is the norm's output) and the optional sigmoid gate."""
     if not cfg.n_shared_experts:
         return SavedElements()
-    floats = 4 * tokens * cfg.shared_expert_ffn_dim // tp
+    floats = 3 * tokens * cfg.shared_expert_ffn_dim // tp
     if cfg.shared_expert_gate:
         floats += tokens + tokens * cfg.dim  # sigmoid(gate) and the (partial) shared output it scales
     return SavedElements(floats=floats)
