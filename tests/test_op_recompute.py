@@ -214,13 +214,14 @@ def kept_bytes_over_ep(dispatch: str, capacity: float, per_node: int) -> dict:
             for f in (rec.stats.total_bytes, rec.stats.total_calls)
         )
         out["rows"] = rows[: cfg.n_layers]  # the forward's (the rerun's come after)
-        everyone = [None] * world
-        torch.distributed.all_gather_object(everyone, picks[: cfg.n_layers])
-        local = cfg.n_experts // world
-        out["delivered"] = [
-            delivered_rows([p[layer] for p in everyone], rank, per_node, local)
-            for layer in range(cfg.n_layers)
-        ]
+        if mode == "op":  # (the routing is the same in every mode: one model seed, one batch)
+            everyone = [None] * world
+            torch.distributed.all_gather_object(everyone, picks[: cfg.n_layers])
+            local = cfg.n_experts // world
+            out["delivered"] = [
+                delivered_rows([p[layer] for p in everyone], rank, per_node, local)
+                for layer in range(cfg.n_layers)
+            ]
     mesh.close()
     return out
 
