@@ -3,7 +3,9 @@ groups equal the printed table, and the picture."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 
 import pytest
 import torch.distributed as dist
@@ -158,3 +160,26 @@ def test_device_mesh_groups_equal_the_table(workers, layout):
             expected = next(g for g in dims.groups(dim) if rank in g)
             assert torch_ranks == expected == our_ranks, (dim, rank)
             assert local == mesh_local == expected.index(rank)
+
+
+def threads_after_closing(layout: dict) -> tuple[int, int, int]:
+    """This rank's thread count before a mesh of `layout` (with its pair lane and checkpoint group),
+    while it is open, and after `close()` and a collection."""
+    before = len(os.listdir("/proc/self/task"))
+    mesh = ParallelMesh(ParallelDims(**layout), "cpu")
+    mesh.pair_lane()
+    mesh.checkpoint_group()
+    held = len(os.listdir("/proc/self/task"))
+    mesh.close()
+    mesh.close()  # a second close does nothing
+    del mesh
+    gc.collect()
+    return before, held, len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_closing_a_mesh_ends_every_groups_threads(workers):
+    """Each gloo group keeps threads that poll; a closed mesh must leave none of them, the expert mesh's
+    own groups included (its pp, dp_replicate and etp groups were once left open: 9 threads a rank)."""
+    for before, held, after in workers(4).run(threads_after_closing, dict(pp=2, dp_shard=2, ep=2, etp=1)):
+        assert held > before and after == before, (before, held, after)

@@ -3,7 +3,9 @@ the single-device run, metrics are written, unimplemented layouts are refused up
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from meshtron.models.llama import build_model
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.rules.checks import load_config, not_yet_supported
-from meshtron.testing.parity import relative, ring, train_rows
+from meshtron.testing.parity import relative, ring, train_rows, trainer_for
 from meshtron.testing.tiny import MOE
 from meshtron.testing.tiny import TINY as TINY_10_STEPS
 from meshtron.train.optim import lr_at
@@ -202,3 +204,28 @@ def test_a_sample_names_ids_its_tokenizer_cannot_decode():
     ids = [*tok.encode("ab"), 300, *tok.encode("c"), 511]
     assert readable(tok.decode, ids, tok.vocab_size) == "ab<id 300>c<id 511>"
     assert readable(tok.decode, tok.encode("plain"), tok.vocab_size) == "plain"
+
+
+def trainers_left_alive(layouts: list[list[str]]) -> list[bool]:
+    """For each layout: a trainer that took a step and was then dropped, whether its model is still alive
+    after a collection (the engines' and tensor parallel's gradient hooks once held them: autograd keeps a
+    parameter's hooks where the collector cannot see them, and a worker ran out of threads)."""
+    alive = []
+    for overrides in layouts:
+        trainer = trainer_for([*TINY_10_STEPS, "--training.micro_batch=2", *overrides])
+        trainer.step(0)
+        model = weakref.ref(trainer.model)
+        del trainer
+        gc.collect()
+        alive.append(model() is not None)
+    return alive
+
+
+def test_a_dropped_trainer_is_collected(workers):
+    layouts = [
+        ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"],  # DDP
+        ["--parallel.dp_shard=2", "--parallel.zero=1"],  # ZeRO-1 (DDP's buckets)
+        ["--parallel.dp_shard=2"],  # ZeRO-3
+        ["--parallel.dp_shard=1", "--parallel.tp=2"],  # tensor parallel's gradient sums
+    ]
+    assert workers(2).run(trainers_left_alive, layouts)[0] == [False] * len(layouts)

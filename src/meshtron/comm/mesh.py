@@ -55,6 +55,7 @@ class ParallelMesh:
         self._ep_nodes: tuple[CommGroup, CommGroup] | None = None
         self._ep_node_cut: tuple[list[list[int]], list[list[int]]] = ([], [])  # their ranks, for twins
         self._sliced: dict[str, Any] = {}  # 1-D meshes by dim: slicing a DeviceMesh builds a new one
+        self._closed = False
 
     def pair_lane(self) -> dict[str, Any]:
         """A second process group for each group a chunk's forward communicates on (tp, cp and its
@@ -107,12 +108,17 @@ class ParallelMesh:
 
     def close(self) -> None:
         """Destroy the process groups this mesh created (each gloo group holds threads and sockets, so a
-        process that builds many meshes, such as a test worker, must release them)."""
-
-        groups = {}
-        for dim in (*DENSE_DIMS, Dim.EP, Dim.EDP, *FLAT_DIMS):
-            group = self.mesh(dim).get_group()
-            groups[id(group)] = group
+        process that builds many meshes, such as a test worker, must release them). A second call does
+        nothing. The groups' threads end when the last reference goes: a DeviceMesh and its flattened
+        views form reference cycles, so a caller that wants them gone now runs `gc.collect()`."""
+        if self._closed:
+            return
+        self._closed = True
+        groups = {}  # every group both DeviceMeshes and the flattened views made, the expert mesh's own
+        # pp, dp_replicate and etp included (leaving those held 9 threads a rank per mesh closed)
+        for mesh in (self.world, self.expert, *self._flat.values()):
+            for group in mesh.get_all_groups():
+                groups[id(group)] = group
         nodes = [part.process_group for part in self._ep_nodes or ()]
         for extra in [
             self._pp_ends,

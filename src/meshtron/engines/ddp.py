@@ -14,6 +14,7 @@ bytes) while gradients accumulate in fp32. ZeRO-1/2 (zero.py) reuse the buckets 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -56,10 +57,11 @@ class BucketedEngine(DataParallelEngine):
         # a positive first entry is the evidence that communication overlapped backward.
         self.launch_log: list[int] = []
         self._ready_total = 0
+        engine = weakref.proxy(self)  # see FullyShardedDataParallel's hooks (fsdp.py)
         for index, bucket in enumerate(self.buckets):
             bucket.ready, bucket.launched, bucket.expected = 0, False, len(bucket.params)
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+                p.register_post_accumulate_grad_hook(lambda _p, i=index, e=engine: e._on_grad_ready(i))
 
     def _start_micro_batch(self, sync: bool) -> None:
         """`sync`: count the gradients of the coming backward towards launching their buckets. Counts

@@ -22,6 +22,7 @@ an all-gather in forward, one in backward and a reduce-scatter: 3Ψ(n-1)/n.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -171,12 +172,16 @@ class FullyShardedDataParallel(DataParallelEngine):
         largest = max(u.layout.shard_numel for u in blocks_only)
         self.gathers = Staging(largest * shard.size, device)
         self.reductions = Staging(largest * (shard.size + 1), device)
+        # The gradient hooks hold the engine weakly: autograd keeps a parameter's hooks where the garbage
+        # collector cannot follow them, so a strong reference kept the engine, the model and their process
+        # groups (with their threads) alive after the trainer was gone.
+        engine = weakref.proxy(self)
         for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
             for module in mods:
                 module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
                 module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda _p, i=index: self._on_grad_ready(i))
+                p.register_post_accumulate_grad_hook(lambda _p, i=index, e=engine: e._on_grad_ready(i))
 
     def _next_in_forward(self, index: int) -> FSDPUnit | None:
         return self.units[index + 1] if index + 1 < len(self.units) else None

@@ -43,6 +43,7 @@ over the tp group. Each tp rank back-propagates the same (replicated) loss, as i
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -337,8 +338,10 @@ class _Sharder:
             return self.exit_region(x)
 
     def sum_gradient(self, param: nn.Parameter) -> None:
+        plan = weakref.proxy(self)  # see FullyShardedDataParallel's hooks (engines/fsdp.py)
+
         def summed(grad: torch.Tensor) -> torch.Tensor:  # summed in fp32 (a bf16 parameter's too)
-            return self.comm.all_reduce_(grad.to(torch.float32, copy=True), self.tp).to(grad.dtype)
+            return plan.comm.all_reduce_(grad.to(torch.float32, copy=True), plan.tp).to(grad.dtype)
 
         param.register_hook(summed)
         # An engine that stores the parameter as a new tensor re-registers it there (engines/simple_fsdp.py).
