@@ -13,15 +13,16 @@ import torch
 from meshtron.comm.workers import WorkerPool, close_pools
 from meshtron.plan.estimate import Cluster
 from meshtron.plan.hardware import Accelerator, GiB
+from meshtron.testing.parity import release_meshes
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Every gloo process group a rank has made keeps threads that wake to poll, even after it is destroyed
-# (a ParallelMesh makes about 24 per rank): 4 idle ranks with 250 threads each burn half a core here,
-# and a suite that kept every pool as it grew spent most of the machine on idle pools. So the pool asked
-# for is restarted (about 6 s) past MAX_POOL_THREADS per rank, and while all pools together hold more
-# than MAX_TOTAL_THREADS, the other pools are closed, the largest first (their next use restarts them).
+# Every gloo process group a rank holds keeps a thread that wakes to poll: an idle 8-rank pool with 100
+# threads a rank spends a quarter of a core doing nothing. A worker keeps the meshes of its last two layouts
+# (testing/parity.py mesh_for), so the pools together hold about 1,200 threads; past MAX_TOTAL_THREADS the
+# idle ones close their meshes, the largest first. A pool restarts (its ranks import torch again, about
+# 6 s) only while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
 MAX_POOL_THREADS = 150
-MAX_TOTAL_THREADS = 1000
+MAX_TOTAL_THREADS = 1600
 
 
 def _held(pool: WorkerPool) -> int:
@@ -38,7 +39,8 @@ def workers():
         for idle in others:
             if sum(_held(p) for p in pools.values()) <= MAX_TOTAL_THREADS:
                 break
-            idle.close()
+            if not idle.broken:
+                idle.run(release_meshes)
         pool = pools.get(world_size)
         if pool is not None and not pool.broken and pool.threads() > MAX_POOL_THREADS:
             pool.close()  # a fresh pool: its ranks no longer poll the threads of old process groups

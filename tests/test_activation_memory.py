@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from meshtron.comm.collectives import Comm
-from meshtron.comm.mesh import ParallelMesh
 from meshtron.comm.saved_gathers import recording_saves
 from meshtron.config.layout import ParallelDims
 from meshtron.config.schema import ModelConfig
@@ -36,6 +35,7 @@ from meshtron.plan.memory import (
     rotary_table_elements,
 )
 from meshtron.rules.checks import load_config
+from meshtron.testing.parity import mesh_for
 from meshtron.testing.tiny import MOE
 
 BATCH, SEQ = 2, 64
@@ -64,7 +64,7 @@ def saved_bytes_of_second_layer(
     ]
     cfg = load_config(None, [*overrides, f"--training.seq_len={SEQ}"])
     model = build_model(cfg.model, seed=0)
-    mesh = ParallelMesh(ParallelDims(cp=cp, tp=tp), "cpu") if tp * cp > 1 else None
+    mesh = mesh_for(ParallelDims(cp=cp, tp=tp)) if tp * cp > 1 else None
     if tp > 1:
         apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp)
     layout = (
@@ -94,8 +94,6 @@ def saved_bytes_of_second_layer(
     positions = torch.arange(SEQ) if layout is None else layout.positions(mesh.group("cp").rank)
     with recording_saves(record):
         model(tokens[:, positions], positions.expand(BATCH, -1))
-    if mesh is not None:
-        mesh.close()
     return sum(n for ptr, n in saved[1].items() if ptr not in saved[0])
 
 
@@ -220,7 +218,7 @@ def saved_bytes_by_part(
     )
     model = build_model(cfg.model, seed=0)
     dims = ParallelDims(tp=tp, dp_shard=ep, ep=ep, etp=etp)  # (etp = 1: ep over the tp ranks first)
-    mesh = ParallelMesh(dims, "cpu") if tp * ep > 1 else None
+    mesh = mesh_for(dims) if tp * ep > 1 else None
     plan = apply_tensor_parallel(model, Comm(), mesh.group("tp"), sp, etp in (0, tp)) if tp > 1 else None
     comm, pairs, kept = Comm(), [], []
     if dims.experts_apart:
@@ -279,8 +277,6 @@ def saved_bytes_by_part(
             else partial(vocab_parallel_cross_entropy, plan=plan, comm=Comm())
         )
         ce(logits, targets).sum() + aux
-    if mesh is not None:
-        mesh.close()
     every = {ptr: n for storages in saved.values() for ptr, n in storages.items()}
     return {
         "embedding": sum(saved.get("embedding", {}).values()),

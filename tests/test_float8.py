@@ -11,14 +11,13 @@ import torch
 import torch.distributed as dist
 
 from meshtron.comm.collectives import Comm
-from meshtron.comm.mesh import ParallelMesh
 from meshtron.config.layout import ParallelDims
 from meshtron.models.float8 import E4M3, E5M2, Float8Linear, no_reduce, quantize, scaled_mm
 from meshtron.parallel.float8 import _reducers, apply_float8
 from meshtron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from meshtron.rules.checks import load_config, validate
 from meshtron.rules.training import float8_device_problems
-from meshtron.testing.parity import assert_losses_match, comm_by_op, train_rows
+from meshtron.testing.parity import assert_losses_match, comm_by_op, mesh_for, train_rows
 from meshtron.testing.tiny import MOE, TINY
 
 NO_REDUCE = (no_reduce, no_reduce, no_reduce)
@@ -66,7 +65,7 @@ def test_the_emulated_matmul_is_torchs_scaled_mm():
 def sharded_float8(rowwise: bool) -> dict[str, float]:
     """On each of 2 ranks: a column-parallel and a row-parallel float8 layer cut from one device's, their
     outputs and gradients gathered back, against the one-device float8 layer (fp32, no autocast)."""
-    comm, mesh = Comm(timeout_s=60), ParallelMesh(ParallelDims(tp=2, dp_shard=1), "cpu")
+    comm, mesh = Comm(timeout_s=60), mesh_for(ParallelDims(tp=2, dp_shard=1))
     tp, r = mesh.group("tp"), dist.get_rank()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 32, generator=gen) * torch.linspace(0.1, 3, 32)  # uneven columns: splits matter
@@ -108,7 +107,6 @@ def sharded_float8(rowwise: bool) -> dict[str, float]:
             ("dx", got_x, whole_x.grad),
         ):
             errors[f"{kind} {name}"] = float((got - want).norm() / want.norm())
-    mesh.close()
     return errors
 
 

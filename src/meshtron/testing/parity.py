@@ -10,6 +10,7 @@ device (computed once per model and data config and reused); `assert_parity` com
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,18 +30,39 @@ STEPS = 6
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 
+# The meshes of a worker's last layouts, the most recent last. A worker runs hundreds of jobs; building a
+# mesh takes about 0.1 s, but each holds 20-40 gloo threads a rank that wake to poll while it sits idle
+# (an 8-rank pool holding 100 a rank spent a quarter of a core doing nothing), so older ones are closed.
+# Two, not one: a job may build a second layout's trainer while its first is still in use.
+KEPT_MESHES = 2
 _MESHES: dict[ParallelDims, ParallelMesh] = {}
 
 
+def mesh_for(dims: ParallelDims) -> ParallelMesh:
+    """This worker's mesh for `dims`: built on first use and kept while it is among the last KEPT_MESHES
+    asked for; every rank of the pool asks in the same order, so all close the same ones together."""
+    mesh = _MESHES.pop(dims, None) or ParallelMesh(dims, "cpu")
+    _MESHES[dims] = mesh
+    stale = list(_MESHES)[:-KEPT_MESHES]
+    for old in stale:
+        _MESHES.pop(old).close()
+    if stale:  # a DeviceMesh and its flattened views form reference cycles that hold their groups
+        gc.collect()
+    return mesh
+
+
+def release_meshes() -> None:
+    """Close every mesh this worker keeps: what a pool left idle runs so its ranks stop polling."""
+    while _MESHES:
+        _MESHES.popitem()[1].close()
+    gc.collect()
+
+
 def trainer_for(overrides: list[str], config: Path | None = None) -> Trainer:
-    """A Trainer on this worker's mesh for the layout (`config` a TOML file the overrides apply to), its
-    mesh built once per layout and process: every gloo process group holds threads, and a worker runs
-    hundreds of jobs."""
+    """A Trainer on this worker's mesh for the layout (`config` a TOML file the overrides apply to)."""
     cfg = load_config(config, overrides)
     dims = cfg.parallel.dims(dist.get_world_size() if dist.is_initialized() else 1)
-    if dims not in _MESHES and dist.is_initialized():
-        _MESHES[dims] = ParallelMesh(dims, "cpu")
-    return Trainer(cfg, _MESHES.get(dims))
+    return Trainer(cfg, mesh_for(dims) if dist.is_initialized() else None)
 
 
 def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
