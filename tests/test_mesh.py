@@ -165,6 +165,7 @@ def test_device_mesh_groups_equal_the_table(workers, layout):
 def threads_after_closing(layout: dict) -> tuple[int, int, int]:
     """This rank's thread count before a mesh of `layout` (with its pair lane and checkpoint group),
     while it is open, and after `close()` and a collection."""
+    gc.collect()  # first, what earlier jobs left for the collector: the count after must be this mesh's alone
     before = len(os.listdir("/proc/self/task"))
     mesh = ParallelMesh(ParallelDims(**layout), "cpu")
     mesh.pair_lane()
