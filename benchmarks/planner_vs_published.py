@@ -223,10 +223,8 @@ def other_runs() -> list[Run]:
 # overlap, Qwen3-30B HybridEP's two hops without it; both FP8 current scaling, no recompute). DeepSeek's own run
 # trained in FP8 with DualPipe hiding the expert all-to-alls, and its node-limited routing sends a token
 # to at most 4 nodes (the two-hop dispatch of DeepEP).
-QWEN3_235B = dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288, vocab_size=151936,
-                  n_experts=128, top_k=8, moe_ffn_dim=1536, qk_norm="true", rope_theta=1e6)  # fmt: skip
-QWEN3_30B = dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
-                 n_experts=128, top_k=8, moe_ffn_dim=768, qk_norm="true", rope_theta=1e6)  # fmt: skip
+QWEN3_235B = dict(name="qwen3-235b-a22b")
+QWEN3_30B = dict(name="qwen3-30b-a3b")
 BRIDGE = "Megatron Bridge performance summary ({}), DGX-H100, FP8, seq 4096, DeepEP"
 TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
 # Mixtral in Megatron-Core: the layouts are Megatron-MoE-ModelZoo's benchmark configs
@@ -236,7 +234,7 @@ TWO_HOPS = ("--parallel.ep_dispatch=hierarchical",)
 # about 445 TFLOP/s/GPU); the 8x7B rate is Megatron-Core's MoE README (v0.9, 468 TFLOP/s/GPU), which does
 # not print its layout beside it: the zoo's 8x7B config is taken as that run's.
 MIXTRAL_8X7B = dict(name="mixtral-8x7b")
-MIXTRAL_8X22B = dict(name="mixtral-8x7b", dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384)
+MIXTRAL_8X22B = dict(name="mixtral-8x22b")
 ZOO = "Megatron-MoE-ModelZoo runtime.conf layout, {} H100, BF16, seq 4096, batch 256; {}"
 # torchtitan's one published MoE table: Qwen3-30B-A3B with DeepEP on B200s (torchtitan/distributed/deepep/
 # README.md, strong scaling; its config qwen3_30b_a3b_with_deepep.toml: BF16, seq 4096, local batch 8, FSDP

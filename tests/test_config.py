@@ -331,12 +331,47 @@ def test_dp_shard_absorbs_the_world():
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny", "tiny-moe", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b"]
-)
+    "name",
+    ["tiny", "tiny-moe", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "mixtral-8x22b",
+     "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"],
+)  # fmt: skip
 def test_presets_validate(name):
     cfg = load_config(None, [f"--model.name={name}"])
     assert validate(cfg, 1) == []
     assert model_preset(name)["dim"] == cfg.model.dim
+
+
+# The fields of each model's published config.json (Hugging Face: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B,
+# mistralai/Mixtral-8x22B-v0.1) that the converter reads.
+_QWEN3_MOE_JSON = dict(
+    model_type="qwen3_moe", head_dim=128, hidden_act="silu", num_attention_heads=None, num_key_value_heads=4,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, router_aux_loss_coef=0.001, attention_bias=False,
+    initializer_range=0.02, tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
+    max_position_embeddings=40960, vocab_size=151936,
+)  # fmt: skip
+PUBLISHED_CONFIGS = {
+    "qwen3-30b-a3b": dict(_QWEN3_MOE_JSON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, moe_intermediate_size=768, max_window_layers=48),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE_JSON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                            num_attention_heads=64, moe_intermediate_size=1536, max_window_layers=94),
+    "mixtral-8x22b": dict(model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                          num_attention_heads=48, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                          hidden_act="silu", rms_norm_eps=1e-5, rope_theta=1e6, router_aux_loss_coef=0.001,
+                          initializer_range=0.02, tie_word_embeddings=False, sliding_window=None,
+                          max_position_embeddings=65536, vocab_size=32000),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CONFIGS))
+def test_presets_are_the_published_architectures(name):
+    """A preset is the model its name says: every field equals what its config.json converts to."""
+    from meshtron.config.huggingface import config_from_hf
+
+    preset = load_config(None, [f"--model.name={name}"]).model
+    published = dataclasses.replace(config_from_hf(PUBLISHED_CONFIGS[name]), name=name)
+    assert preset.expert_ffn_dim == published.expert_ffn_dim  # Mixtral's preset leaves it to ffn_dim (0)
+    assert dataclasses.replace(preset, moe_ffn_dim=published.moe_ffn_dim) == published
 
 
 def test_preset_files_load_and_validate():

@@ -48,6 +48,13 @@ _TINY_DEEPSEEK = dict(
     rope_scaling_factor=4.0, rope_original_max_position=16, mtp_depth=0, aux_loss_coef=0.001,
     router_bias_rate=0.01,
 )  # fmt: skip
+# Qwen3's MoE models (Qwen team 2025, their config.json): grouped-query attention with RMSNorm on each
+# head's queries and keys, 128 experts, top-8 with the chosen gates renormalised, no shared expert.
+_QWEN3_MOE = dict(
+    head_dim=128, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, n_experts=128, top_k=8, router="softmax",
+    router_norm_topk=True, aux_loss_coef=0.001,
+)  # fmt: skip
+_MIXTRAL = dict(rope_theta=1e6, n_experts=8, top_k=2, router="softmax", router_norm_topk=True)
 # Architectures of named models (published hyper-parameters); explicit keys override them.
 # fmt: off
 PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
@@ -58,8 +65,10 @@ PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType({
     "llama3-8b":          {**_body(4096,   32,  32,  8, 14336, 128256), **_LLAMA3_ROPE},
     "llama3-70b":         {**_body(8192,   80,  64,  8, 28672, 128256), **_LLAMA3_ROPE},
     "llama3-405b":        {**_body(16384, 126, 128,  8, 53248, 128256), **_LLAMA3_ROPE},
-    "mixtral-8x7b":       {**_body(4096,   32,  32,  8, 14336,  32000), "rope_theta": 1e6, "n_experts": 8,
-                           "top_k": 2, "router": "softmax", "router_norm_topk": True, "aux_loss_coef": 0.02},
+    "mixtral-8x7b":       {**_body(4096,   32,  32,  8, 14336,  32000), **_MIXTRAL, "aux_loss_coef": 0.02},
+    "mixtral-8x22b":      {**_body(6144,   56,  48,  8, 16384,  32000), **_MIXTRAL, "aux_loss_coef": 0.001},
+    "qwen3-30b-a3b":      {**_body(2048,   48,  32,  4,  6144, 151936), **_QWEN3_MOE, "moe_ffn_dim": 768},
+    "qwen3-235b-a22b":    {**_body(4096,   94,  64,  4, 12288, 151936), **_QWEN3_MOE, "moe_ffn_dim": 1536},
     "deepseek-style-moe": {**_body(2048,   28,  16,  8, 10944, 102400), "rope_theta": 10000.0, **_DEEPSEEK_ROUTING},
     "deepseek-v3":        {**_body(7168,   61, 128, 128, 18432, 129280), **_DEEPSEEK_V3},
     "tiny-deepseek":      {**_body(64,      3,   4,  4,   176,    512), **_TINY_DEEPSEEK},
