@@ -118,3 +118,13 @@ def test_a_pipelines_counted_bytes_equal_its_exact_formula(workers, capsys):
     lines, off = communication_lines(step, {"pp": 200.0, "tp": 100.0}, frozenset({"pp"}))
     assert off == ["pp"] and lines[-2].endswith("0.500  MISMATCH: the formula is exact for this group")
     assert lines[-1].endswith("0.900")  # a leading term (tp) is not held to its count
+
+
+def test_verify_prices_the_context_exchange_latent_attention_runs(workers, capsys):
+    """An MoE model's cp bytes had no formula (`-`), and parallel.cp_exchange = "auto" was priced as the
+    keys and values while the run chose the latents (0.33 of the count). The formula now prices what the
+    run sends; an MoE layer adds only its routing statistics' all-reduce."""
+    cfg = load_config("configs/tiny-deepseek.toml", ["--parallel.cp=2"])
+    assert verify(cfg, 2, steps=2, pools=workers) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  cp "))
+    assert 1.0 <= float(row[3]) <= 1.01, row

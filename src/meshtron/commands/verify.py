@@ -26,6 +26,7 @@ import torch
 from meshtron.comm.workers import WorkerPool, close_pools
 from meshtron.config.schema import Config
 from meshtron.plan.comm import exact_groups, step_bytes
+from meshtron.probe.cluster import run_exchange
 from meshtron.rules.checks import check
 from meshtron.testing.parity import run_layout
 
@@ -144,6 +145,7 @@ def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5, poo
     `pools(n)`: worker pools to run on (started here, and closed after, when not given)."""
     small = shrink(cfg, nproc)
     small = dataclasses.replace(small, training=dataclasses.replace(small.training, steps=steps))
+    small = run_exchange(small, nproc)  # what the run takes, so the formula prices what it sends
     check(small, nproc)
     layout = to_overrides(small)
     single = dataclasses.replace(small, parallel=type(small.parallel)())

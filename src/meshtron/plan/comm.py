@@ -195,8 +195,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
                 + (3 * 2 * tokens * 4 * _ring(p.tp) if last else 0)
             ),
         )
-    if p.cp > 1 and not m.is_moe:  # (an MoE layer adds its routing statistics' all-reduce)
-        layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
+    if p.cp > 1:  # exact for dense models; an MoE layer adds its routing statistics' all-reduce
         add("cp", _cp_bytes(cfg, layers, micro))
     for group, nbytes in _ep_bytes(cfg, world_size, tokens).items():
         add(group, micro * moe_layers * nbytes)

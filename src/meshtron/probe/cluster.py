@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from meshtron.config.schema import Config
-from meshtron.plan.estimate import Cluster
+from meshtron.plan.estimate import Cluster, exchange_choices, resolved_exchange, with_exchange
 from meshtron.plan.gpu_memory import MemoryOverhead
 from meshtron.plan.hardware import Accelerator, accelerator, table_name
 
@@ -51,3 +51,14 @@ def run_cluster(cfg: Config, world_size: int) -> Cluster | None:
     )
     overhead = MemoryOverhead(context_bytes=float(resident_peak_bytes()), in_place_reduce=True)
     return Cluster(cpu, world_size, "fp32", memory=overhead)
+
+
+def run_exchange(cfg: Config, world_size: int) -> Config:
+    """`cfg` with parallel.cp_exchange = "auto" made the planner's choice for this run's hardware (the
+    step it predicts the shorter), as training takes it; unchanged where nothing is to choose."""
+    if cfg.parallel.cp_exchange != "auto" or len(exchange_choices(cfg)) == 1:
+        return cfg  # (nothing to choose: "auto" runs the keys and values, as "kv" does)
+    cluster = run_cluster(cfg, world_size)
+    dims = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(world_size))
+    chosen = resolved_exchange(dataclasses.replace(cfg, parallel=dims), cluster) if cluster else None
+    return with_exchange(cfg, chosen.parallel.cp_exchange if chosen is not None else "kv")

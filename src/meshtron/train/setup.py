@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import time
@@ -58,9 +57,8 @@ from meshtron.observe.records import write_run_records
 from meshtron.parallel.expert import expert_parameter_names
 from meshtron.parallel.parallelize import ParallelModel, parallelize
 from meshtron.parallel.regions import initialize_
-from meshtron.plan.estimate import exchange_choices, resolved_exchange
 from meshtron.plan.state import layer_split
-from meshtron.probe.cluster import ranks_per_node, run_cluster
+from meshtron.probe.cluster import ranks_per_node, run_exchange
 from meshtron.rules.checks import check
 from meshtron.rules.training import float8_device_problems
 from meshtron.train.diloco import OuterStep, make_outer_step
@@ -267,16 +265,16 @@ def _join(cfg: Config, mesh: ParallelMesh | None) -> tuple[RankPlace, ParallelDi
 
 
 def _resolve_exchange(cfg: Config, place: RankPlace) -> Config:
-    """parallel.cp_exchange = "auto" made the planner's choice for this run's hardware (plan/estimate.py
-    `resolved_exchange`; probe/cluster.py); said when it is a choice (MLA under a ring or all-gather)."""
-    if cfg.parallel.cp_exchange != "auto" or len(exchange_choices(cfg)) == 1:
-        return cfg  # (nothing to choose: "auto" runs the keys and values, as "kv" does)
-    cluster = run_cluster(cfg, place.world_size)
-    dims = dataclasses.replace(cfg.parallel, dp_shard=cfg.parallel.dp_shard_for(place.world_size))
-    chosen = resolved_exchange(dataclasses.replace(cfg, parallel=dims), cluster) if cluster else None
-    exchange = chosen.parallel.cp_exchange if chosen is not None else "kv"
-    say(place.rank, f"parallel.cp_exchange='auto': '{exchange}' (the planner's faster step on this hardware)")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_exchange=exchange))
+    """parallel.cp_exchange = "auto" made the planner's choice for this run's hardware (probe/cluster.py
+    `run_exchange`); said when it is a choice (MLA under a ring or all-gather)."""
+    chosen = run_exchange(cfg, place.world_size)
+    if chosen is not cfg:
+        exchange = chosen.parallel.cp_exchange
+        say(
+            place.rank,
+            f"parallel.cp_exchange='auto': '{exchange}' (the planner's faster step on this hardware)",
+        )
+    return chosen
 
 
 def set_up(cfg: Config, mesh: ParallelMesh | None = None) -> Job:
