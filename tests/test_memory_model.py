@@ -11,9 +11,10 @@ from meshtron.commands.dry_run import resolved
 from meshtron.config.schema import SPLIT_BACKWARD
 from meshtron.plan.gpu_memory import (
     MemoryOverhead,
+    alive_counts,
     chunk_activation_bytes,
     optimizer_transient_bytes,
-    peak_alive,
+    peak_of,
     schedule_activation_bytes,
     stage_memory,
     waiting_weight_grad_bytes,
@@ -21,8 +22,8 @@ from meshtron.plan.gpu_memory import (
 )
 from meshtron.plan.state import layer_split
 from meshtron.rules.checks import load_config
-from meshtron.schedules.actions import chunks_of_rank
-from meshtron.schedules.build import build_schedule, simulate
+from meshtron.schedules.actions import Kind, chunks_of_rank
+from meshtron.schedules.build import build_schedule, compute_orders, simulate
 from meshtron.testing.tiny import TINY
 
 NONE = MemoryOverhead(context_bytes=0.0, fragmentation=0.0)
@@ -87,9 +88,11 @@ def test_the_walk_sees_every_peak_within_its_micro_batch_cap(schedule, vpp, pp):
     kept = {c: 1000.0 + 37 * c * c for c in range(pp * vpp)}
     split = schedule in SPLIT_BACKWARD  # a W pass frees what B left waiting
     waiting = {c: (300.0 + 11 * c if c and split else 0.0) for c in range(pp * vpp)}
-    capped, full = build_schedule(pp, vpp, cap, schedule), build_schedule(pp, vpp, 3 * cap, schedule)
+    capped, full = compute_orders(pp, vpp, cap, schedule), compute_orders(pp, vpp, 3 * cap, schedule)
     for rank in range(pp):
-        assert peak_alive(full[rank], kept, waiting) == peak_alive(capped[rank], kept, waiting), rank
+        assert peak_of(alive_counts(full[rank]), kept, waiting) == peak_of(
+            alive_counts(capped[rank]), kept, waiting
+        )
 
 
 def test_zero_bubble_first_stage_waits_for_nothing_and_later_stages_keep_weight_inputs():
@@ -123,3 +126,31 @@ def test_optimizer_temporary_counts_only_where_it_exceeds_the_activations():
         peak = stage["activations"] + stage["transient"]
         assert (peak == temporary) is sets_peak
         assert peak >= temporary
+
+
+def _walked_peak(steps, kept, waiting):
+    """The peak walked step by step, the plain way (what alive_counts and peak_of reduce)."""
+    alive = peak = 0.0
+    split = any(kind == Kind.W for kind, _, _ in steps)
+    for kind, chunk, _ in steps:
+        alive += {Kind.F: kept[chunk], Kind.B: (waiting[chunk] if split else 0.0) - kept[chunk]}.get(
+            kind, 0.0
+        )
+        alive -= waiting[chunk] if kind == Kind.W else 0.0
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "schedule,vpp",
+    [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 3), ("zbv", 2), ("dualpipev", 2)],
+)
+def test_the_reduced_walk_finds_the_plain_walks_peak(schedule, vpp):
+    """alive_counts keeps only the states no other state holds as much of every chunk as: with chunks of
+    unequal sizes, and weight-gradient inputs larger than the activations, the peak is the plain walk's."""
+    pp, micro = 4, 12
+    for seed in range(3):
+        kept = {c: 100.0 + 37 * ((c + seed) % 5) for c in range(pp * vpp)}
+        waiting = {c: 50.0 + 90 * ((c * 3 + seed) % 4) for c in range(pp * vpp)}
+        for steps in compute_orders(pp, vpp, micro, schedule):
+            assert peak_of(alive_counts(steps), kept, waiting) == _walked_peak(steps, kept, waiting)

@@ -24,6 +24,7 @@ orthogonalizes each expert's matrix where it lives, so it needs them whole (trai
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 
 def row_shape(shape: tuple[int, ...], size: int, cut_within: bool = True) -> tuple[int, ...]:
@@ -42,6 +43,7 @@ def block_rows(shape: tuple[int, ...], size: int, cut_within: bool = True) -> in
     return math.ceil(rows[0] / size) if rows else 1
 
 
+@lru_cache(maxsize=65536)  # (the planner asks for the same few shapes millions of times)
 def padded_numel(shape: tuple[int, ...], size: int, cut_within: bool = True) -> int:
     """Elements of all `size` blocks together: what one gather or reduce-scatter of `shape` moves."""
     if not shape:

@@ -147,14 +147,17 @@ def latent_exchange_matmuls(cfg: Config, rows: int) -> tuple[float, float]:
     return float(p.cp - 1), 3.0 * (p.cp - 1) + 1.0
 
 
-def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
-    """(m, k, n) of every weight matmul of one layer on one tp rank (see the module docstring)."""
+Matmuls = list[tuple[float, float, float, int]]  # (m, k, n, how many of that shape)
+
+
+def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> Matmuls:
+    """(m, k, n, count) of the weight matmuls of one layer on one tp rank (see the module docstring)."""
     m, tp = cfg.model, cfg.parallel.tp
-    out = _attention_matmuls(cfg, rows)
+    out = [(a, k, n, 1) for a, k, n in _attention_matmuls(cfg, rows)]
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
-        return out + [(rows, m.dim, f), (rows, m.dim, f), (rows, f, m.dim)]
-    return out + [(rows, m.dim, m.n_experts)] + _expert_matmuls(cfg, rows, imbalance)  # with the router
+        return out + [(rows, m.dim, f, 2), (rows, f, m.dim, 1)]
+    return out + [(rows, m.dim, m.n_experts, 1)] + _expert_matmuls(cfg, rows, imbalance)  # with the router
 
 
 def _routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int, int]:
@@ -165,15 +168,19 @@ def _routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int,
     return imbalance * m.top_k * rows / share * p.ep / m.n_experts, width, m.n_experts // p.ep
 
 
-def _expert_matmuls(cfg: Config, rows: int, imbalance: float) -> list[tuple[float, float, float]]:
-    """(m, k, n) of an MoE layer's routed and shared experts' matmuls on one tp rank."""
+def _expert_matmuls(cfg: Config, rows: int, imbalance: float) -> Matmuls:
+    """(m, k, n, count) of an MoE layer's routed and shared experts' matmuls on one tp rank."""
     m, h = cfg.model, cfg.model.dim
     per_expert, width, local = _routed_shape(cfg, rows, imbalance)
-    out = [(per_expert, h, width)] * 2 * local + [(per_expert, width, h)] * local
+    out = [(per_expert, h, width, 2 * local), (per_expert, width, h, local)]
     if m.n_shared_experts:
         s = m.shared_expert_ffn_dim // cfg.parallel.tp
-        out += [(rows, h, s), (rows, h, s), (rows, s, h)]
+        out += [(rows, h, s, 2), (rows, s, h, 1)]
     return out
+
+
+def _matmuls_time(shapes: Matmuls, rates: Rates) -> float:
+    return sum(count * matmul_time(a, k, n, rates) for a, k, n, count in shapes)
 
 
 def fp8_cast_elements(cfg: Config, layer: int, rows: int, imbalance: float = 1.0) -> PassTimes:
@@ -202,7 +209,8 @@ def _fp8_cast_parts(cfg: Config, layer: int, rows: int, imbalance: float) -> tup
     per_expert, width, local = _routed_shape(cfg, rows, imbalance)
     shared = m.shared_expert_ffn_dim // tp if m.n_shared_experts else 0
     forward = local * per_expert * (m.dim + width) + (rows * (m.dim + shared) if shared else 0)
-    return mine, PassTimes(f=forward, b=sum(a * n for a, _, n in _expert_matmuls(cfg, rows, imbalance)))
+    output_grads = sum(a * n * count for a, _, n, count in _expert_matmuls(cfg, rows, imbalance))
+    return mine, PassTimes(f=forward, b=output_grads)
 
 
 def expert_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -> PassTimes:
@@ -217,7 +225,7 @@ def expert_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) 
     if not m.is_moe_layer(layer):
         return PassTimes()
     rows = cfg.training.micro_batch * cfg.training.seq_len // cfg.parallel.cp
-    gemm = sum(matmul_time(*shape, rates) for shape in _expert_matmuls(cfg, rows, imbalance))
+    gemm = _matmuls_time(_expert_matmuls(cfg, rows, imbalance), rates)
     per_expert, width, local = _routed_shape(cfg, rows, imbalance)
     shared = m.shared_expert_ffn_dim // cfg.parallel.tp if m.n_shared_experts else 0
     act = 2 if cfg.training.dtype != "fp32" else 4
@@ -256,7 +264,7 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     """F, B and W seconds of transformer layer `layer` for one micro-batch on one rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     rows = t.micro_batch * t.seq_len // p.cp
-    gemm = sum(matmul_time(*shape, rates) for shape in _layer_matmuls(cfg, layer, rows, imbalance))
+    gemm = _matmuls_time(_layer_matmuls(cfg, layer, rows, imbalance), rates)
     width = m.n_heads // p.tp * (m.head_size + m.value_size)  # QKᵀ over the key dims, softmax·V the value's
     keys = keys_per_query(t.seq_len, m.sliding_window)
     core = rates.attention_time(2.0 * width * keys * rows)

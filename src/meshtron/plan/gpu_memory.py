@@ -38,7 +38,7 @@ from meshtron.plan.network import ep_group
 from meshtron.plan.state import layer_split, model_key, state_bytes
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import Kind, chunks_of_rank
-from meshtron.schedules.build import build_schedule
+from meshtron.schedules.build import compute_orders
 from meshtron.utils.memo import Memo
 
 GiB = 2**30
@@ -85,6 +85,13 @@ def _kinds(m: ModelConfig, layers: list[int]) -> list[tuple[int, int]]:
     is an MoE layer."""
     if not m.is_moe:
         return [(layers[0], len(layers))] if layers else []
+    return _KINDS.get((model_key(m), tuple(layers)), lambda: _kinds_of(m, layers))
+
+
+_KINDS: Memo[list[tuple[int, int]]] = Memo(limit=4096)  # per model and chunk's layers
+
+
+def _kinds_of(m: ModelConfig, layers: list[int]) -> list[tuple[int, int]]:
     moe = [layer for layer in layers if m.is_moe_layer(layer)]
     dense = [layer for layer in layers if not m.is_moe_layer(layer)]
     return [(group[0], len(group)) for group in (dense, moe) if group]
@@ -127,7 +134,8 @@ def recompute_transient_bytes(cfg: Config, layers: list[int]) -> float:
     t = cfg.training
     if t.recompute not in ("full", "op") or not layers:
         return 0.0
-    rebuilt = replace(cfg, training=replace(t, op_recompute_dispatch="rerun"))
+    keeps = t.recompute == "op" and t.op_recompute_dispatch != "rerun"  # (only "op" reads the setting)
+    rebuilt = replace(cfg, training=replace(t, op_recompute_dispatch="rerun")) if keeps else cfg
     return max(
         layer_bytes(cfg, layer, "none") - layer_bytes(rebuilt, layer, t.recompute)
         for layer, _ in _kinds(cfg.model, layers)
@@ -168,9 +176,9 @@ def walked_micro_batches(micro: int, pp: int, vpp: int, schedule: str) -> int:
 
 
 @lru_cache(maxsize=64)
-def _schedule(pp: int, vpp: int, micro: int, schedule: str) -> list:
-    """Every rank's actions (built once per schedule, not once per stage asked about)."""
-    return build_schedule(pp, vpp, micro, schedule)
+def _orders(pp: int, vpp: int, micro: int, schedule: str) -> list[list[tuple[Kind, int, int]]]:
+    """Every rank's compute steps (built once per schedule, not once per stage asked about)."""
+    return compute_orders(pp, vpp, micro, schedule)
 
 
 def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]]) -> float:
@@ -193,25 +201,59 @@ def schedule_activation_bytes(cfg: Config, pp_rank: int, split: list[list[int]])
     }
 
     def walk() -> float:
-        return peak_alive(_schedule(p.pp, p.vpp, m, p.pp_schedule)[pp_rank], kept, waiting)
+        return peak_of(_alive_counts(p.pp, p.vpp, m, p.pp_schedule, pp_rank), kept, waiting)
 
     key = ("walk", p.pp, p.vpp, m, p.pp_schedule, pp_rank, tuple(kept.items()), tuple(waiting.items()))
     return _cached(key, walk)
 
 
-def peak_alive(actions: list, kept: dict[int, float], waiting: dict[int, float]) -> float:
-    """The most bytes alive along one rank's actions: F adds its chunk's `kept`, B trades them for the
-    `waiting` weight-gradient inputs, W frees those."""
-    alive = peak = 0.0
-    for a in actions:
-        if a.kind == Kind.F:
-            alive += kept[a.chunk]
-        elif a.kind == Kind.B:
-            alive += waiting[a.chunk] - kept[a.chunk]
-        elif a.kind == Kind.W:
-            alive -= waiting[a.chunk]
-        peak = max(peak, alive)
-    return peak
+@dataclass(frozen=True)
+class AliveStates:
+    """What one rank's actions can hold at their peak: its `chunks`, and `states`, each the micro-batches
+    per chunk (in that order) whose F ran and B did not, then those whose B ran and W did not."""
+
+    chunks: tuple[int, ...]
+    states: frozenset[tuple[int, ...]]
+
+
+@lru_cache(maxsize=8192)  # (a search of 256 ranks asks for thousands of stages' schedules)
+def _alive_counts(pp: int, vpp: int, micro: int, schedule: str, rank: int) -> AliveStates:
+    """alive_counts of one rank's actions, once per schedule (the search asks for thousands of layouts)."""
+    return alive_counts(_orders(pp, vpp, micro, schedule)[rank])
+
+
+def alive_counts(steps: list[tuple[Kind, int, int]]) -> AliveStates:
+    """The states along one rank's compute steps (kind, chunk, micro-batch) that can hold its peak: after
+    each step, per chunk, the micro-batches whose F ran and B did not (they hold the chunk's kept
+    activations) and those whose B ran and W did not (they hold its waiting weight-gradient inputs); of
+    those, the ones no other state holds as many of every count as (bytes are never negative). A steady
+    state repeats a few of them."""
+    chunks = tuple(sorted({chunk for _, chunk, _ in steps}))
+    index = {c: i for i, c in enumerate(chunks)}
+    split = any(kind == Kind.W for kind, _, _ in steps)  # (without W passes nothing waits after B)
+    counts, states = [0] * (2 * len(chunks)), set()
+    for kind, chunk, _ in steps:
+        if kind == Kind.F:
+            counts[index[chunk]] += 1
+        elif kind == Kind.B:
+            counts[index[chunk]] -= 1
+            counts[len(chunks) + index[chunk]] += split
+        elif kind == Kind.W:
+            counts[len(chunks) + index[chunk]] -= 1
+        states.add(tuple(counts))
+    top: list[tuple[int, ...]] = []  # a dominating state has the larger sum: meet those first
+    for state in sorted(states, key=sum, reverse=True):
+        if not any(all(x <= y for x, y in zip(state, o, strict=True)) for o in top):
+            top.append(state)
+    return AliveStates(chunks, frozenset(top))
+
+
+def peak_of(alive: AliveStates, kept: dict[int, float], waiting: dict[int, float]) -> float:
+    """The most bytes alive in any of `alive`'s states: each held micro-batch of a chunk keeps its `kept`
+    bytes, each waiting one its `waiting` bytes."""
+    weights = [kept[c] for c in alive.chunks] + [waiting[c] for c in alive.chunks]
+    peaks = (sum(n * w for n, w in zip(state, weights, strict=True)) for state in alive.states)
+    return max(0.0, max(peaks, default=0.0))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from meshtron.config.optimizer import is_muon_matrix
 from meshtron.config.row_blocks import block_rows, row_shape
@@ -252,6 +253,7 @@ def _mtp_parameters(m: ModelConfig, tp: int, ep: int, etp: int) -> list[RankPara
     return out
 
 
+@lru_cache(maxsize=65536)  # (the search asks for the same few shapes millions of times)
 def row_block_elements(shape: tuple[int, ...], n: int, padded: bool, cut_within: bool = True) -> int:
     """Elements of rank 0's row block of `shape` over n ranks (config/row_blocks.py; padded: its full
     block, padding rows included)."""

@@ -211,17 +211,27 @@ def build_schedule(
     """Every rank's ordered actions. `paired` (dualpipev): its F&B pairs as units (`with_p2p`), for a
     runtime that runs each pair's forward and backward at once; else each action in its own turn."""
     check_schedule_args(pp, vpp, microbatches, name)
-    if name == "zero_bubble":
-        orders = _zero_bubble_orders(pp, microbatches)
-    elif name == "dualpipev":
+    if name == "dualpipev":
         built = [dualpipev_order(pp, microbatches, r) for r in range(pp)]
         return [
             with_p2p(order, r, pp, vpp, name, pairs if paired else ())
             for r, (order, pairs) in enumerate(built)
         ]
-    else:
-        orders = [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
+    orders = compute_orders(pp, vpp, microbatches, name)
     return [with_p2p(order, r, pp, vpp, name) for r, order in enumerate(orders)]
+
+
+def compute_orders(
+    pp: int, vpp: int, microbatches: int, name: PipelineSchedule
+) -> list[list[tuple[Kind, int, int]]]:
+    """Every rank's compute steps (kind, chunk, mb) in order: `build_schedule` without its sends and
+    receives (what the planner's memory walk reads)."""
+    check_schedule_args(pp, vpp, microbatches, name)
+    if name == "zero_bubble":
+        return _zero_bubble_orders(pp, microbatches)
+    if name == "dualpipev":
+        return [dualpipev_order(pp, microbatches, r)[0] for r in range(pp)]
+    return [_compute_order(pp, vpp, microbatches, name, r) for r in range(pp)]
 
 
 def send_release_points(schedule: list[list[Action]], rank: int) -> dict[int, list[tuple[int, int]]]:
