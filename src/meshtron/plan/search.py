@@ -164,7 +164,10 @@ def _finish(
             yield "interleaved needs micro-batches per step a multiple of pp"
             continue
         block = base.dp_shard * base.cp * (base.tp if etp == 1 else 1)
-        if etp not in (1, base.tp) or (ep > 1 and (m.n_experts % ep or block % ep)):
+        if etp not in (1, base.tp):
+            yield "etp must be 1 (whole experts) or tp (each expert cut as the dense layers are)"
+            continue
+        if ep > 1 and (m.n_experts % ep or block % ep):
             yield "ep must divide model.n_experts and dp_shard*cp (dp_shard*cp*tp with etp=1)"
             continue
         chosen = dict(
