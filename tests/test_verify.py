@@ -128,3 +128,13 @@ def test_verify_prices_the_context_exchange_latent_attention_runs(workers, capsy
     assert verify(cfg, 2, steps=2, pools=workers) == 0
     row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  cp "))
     assert 1.0 <= float(row[3]) <= 1.01, row
+
+
+def test_verify_shows_the_last_stages_communication_too(workers, capsys):
+    """Under pp the table was rank 0's alone: DeepSeek's first layer is dense, so a pp 2 layout showed no
+    expert exchange at all. The last stage's first rank has its table too, its exact groups held."""
+    layout = ["--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"]
+    assert verify(load_config("configs/tiny-deepseek.toml", layout), 4, steps=2, pools=workers) == 0
+    out = capsys.readouterr().out
+    first, last = out.split("on rank 0 per group")[1].split("on rank 2 per group")
+    assert "\n  ep " not in first and "\n  ep " in last and "\n  pp " in last

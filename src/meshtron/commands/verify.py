@@ -162,10 +162,14 @@ def verify(cfg: Config, nproc: int, steps: int = 5, tolerance: float = 1e-5, poo
             close_pools(list(own.values()))
     result = {**results[-1], "grads": {k: v for r in results for k, v in r["grads"].items()}}
     lines, ok = report(result, ref, tolerance)
-    comm, off = communication_lines(
-        results[0]["rows"][min(1, steps - 1)], step_bytes(small, nproc), exact_groups(small)
-    )
-    ok &= not off
+    comm: list[str] = []
+    pp = small.parallel.pp
+    for stage in sorted({0, pp - 1}):  # the first stage's first rank, and the last's (the head, MoE layers)
+        rank = stage * nproc // pp  # (pp is the mesh's outermost dim)
+        row = results[rank]["rows"][min(1, steps - 1)]
+        lines_of, off = communication_lines(row, step_bytes(small, nproc, stage), exact_groups(small), rank)
+        comm += lines_of
+        ok &= not off
     print("\n".join(lines + comm))
     print(f"meshtron verify: {'OK' if ok else 'MISMATCH'} (tolerance {tolerance:g})")
     return 0 if ok else 1
@@ -181,12 +185,12 @@ def shape_of(cfg: Config) -> str:
 
 
 def communication_lines(
-    row: dict[str, Any], formulas: dict[str, float], exact: frozenset[str]
+    row: dict[str, Any], formulas: dict[str, float], exact: frozenset[str], rank: int = 0
 ) -> tuple[list[str], list[str]]:
-    """Rank 0's counted bytes per group in one step, next to the formulas (plan/comm.py); and the groups
+    """`rank`'s counted bytes per group in one step, next to the formulas (plan/comm.py); and the groups
     of `exact` formulas whose count differs: a bug in the formula or in the counting, not noise."""
     lines = [
-        f"communication of step {row['step']} on rank 0 per group (bytes as comm/counted.py counts them; formula: "
+        f"communication of step {row['step']} on rank {rank} per group (bytes as comm/counted.py counts them; formula: "
         "plan/comm.py, exact where marked =, leading terms for tp and ep at balanced routing):",
         f"  {'group':<14} {'counted':>14} {'formula':>14}  counted/formula",
     ]
