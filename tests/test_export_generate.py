@@ -146,6 +146,34 @@ def test_export_of_an_expert_parallel_mixtral_checkpoint(workers, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mixtral"
 
 
+def test_export_of_an_expert_parallel_deepseek_checkpoint(workers, tmp_path):
+    """DeepSeek-V3's shape: its router's correction bias is a buffer, learned by the bias step, not a
+    parameter; `export` asked for parameters only and stopped with a KeyError (leaving a partial
+    model.safetensors behind that refused the next try). The exported bias is the trained one."""
+    run_dir = tmp_path / "deepseek"
+    workers(2).run(train_rows, [*TINY, "--model.name=tiny-deepseek", *EP2, *SAVING, f"--run.dir={run_dir}"])
+    ours = assert_export_matches(run_dir, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    bias = ours.state_dict()["layers.1.moe.router.expert_bias"]
+    assert bias.abs().max() > 0  # trained: what transformers' logits matched was not zeros
+
+
+def test_a_failed_export_leaves_no_weights_behind(tmp_path):
+    """A tensor that cannot be read stops the export; the shards written before it are removed, so the
+    next try is not refused as an export over existing weights."""
+    from meshtron.hf.stream import Entry, save_streamed
+
+    def read(source: str) -> torch.Tensor:
+        if source == "b":
+            raise KeyError(source)
+        return torch.ones(4, 4)
+
+    entries = [Entry(name, (4, 4), name) for name in ("a", "b")]
+    with pytest.raises(KeyError):
+        save_streamed(tmp_path, entries, torch.float32, read, max_shard_bytes=64)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_commands_and_checkpoint_forms(tmp_path, capsys):
     """`export` and `generate` take a step, checkpoints or run directory; the newest intact checkpoint
     is used (a corrupt one is skipped); what is not a checkpoint is refused with exit status 2."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -172,7 +171,10 @@ def export(
     cfg = checkpoint_config(step_dir, config)
     check_format(step_dir)
     with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg.model).named_parameters()}
+        model = Transformer(cfg.model)
+        # (the persistent buffers too: DeepSeek's router bias is learned state, not a parameter)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        n_params = sum(p.numel() for p in model.parameters())
     out = Path(out)
     try:  # one parameter at a time: the checkpoint is read, converted and written tensor by tensor
         save_streamed_model(
@@ -193,7 +195,7 @@ def export(
     )
     config = json.loads((out / "config.json").read_text())
     return (
-        f"wrote {out}: {config['model_type']}, {sum(math.prod(s) for s in shapes.values()):,} parameters "
+        f"wrote {out}: {config['model_type']}, {n_params:,} parameters "
         f"({str(dtype).removeprefix('torch.')}), max_position_embeddings {config['max_position_embeddings']}, "
         f"from {step_dir}; tokenizer: {'yes' if tok is not None else 'unknown, none written'}"
         + (f"; carried from what the run was given: {', '.join(kept)}" if kept else "")

@@ -113,16 +113,24 @@ def save_streamed(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
     """Write `entries` (in this order; `read(source)` makes each source tensor when it is needed) under
-    `out` as one safetensors file, or shards and an index past `max_shard_bytes`. Returns the files."""
+    `out` as one safetensors file, or shards and an index past `max_shard_bytes`. Returns the files. If a
+    tensor cannot be read or written, the files written so far are removed before the error goes on."""
     element = torch.empty((), dtype=dtype).element_size()
     groups = shards(entries, element, max_shard_bytes)
     if len(groups) == 1:
         names = [SINGLE_FILE]
     else:
         names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    total = sum(
-        _write_file(out / name, group, dtype, read) for name, group in zip(names, groups, strict=True)
-    )
+    written: list[Path] = []
+    try:
+        total = 0
+        for name, group in zip(names, groups, strict=True):
+            written.append(out / name)
+            total += _write_file(out / name, group, dtype, read)
+    except BaseException:  # a failed or interrupted export leaves no partial weights behind
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
     if len(groups) > 1:
         weight_map = {e.name: name for name, group in zip(names, groups, strict=True) for e in group}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
