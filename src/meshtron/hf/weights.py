@@ -47,6 +47,7 @@ from meshtron.config.huggingface import config_from_hf, config_to_hf, read_hf_co
 from meshtron.config.schema import ModelConfig
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, Entry, save_streamed
 from meshtron.models.llama import Transformer
+from meshtron.models.moe import MoE
 from meshtron.models.rope import rope_inv_freq
 
 # meshtron key suffix inside a layer -> HF key suffix inside `model.layers.{i}.`; `{moe}` is the
@@ -276,6 +277,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transfor
         assign=True,
     )
     model.rope_inv_freq = rope_inv_freq(cfg)  # the meta-device buffer holds no values
+    for module in model.modules():  # nor do the MoE layers' load counters (not state): none counted yet
+        if isinstance(module, MoE):
+            module.loads_2E = torch.zeros(module.loads_2E.shape)
     return model.eval()
 
 
