@@ -207,6 +207,21 @@ def test_a_preset_of_the_same_architecture_is_a_label(tmp_path: Path) -> None:
     )
 
 
+def test_a_preset_with_keys_beside_it_is_compared_as_they_leave_it(tmp_path: Path) -> None:
+    """A run's own file (`name = "tiny"` with `vocab_size = 300`) fine-tuning its exported checkpoint was
+    refused: the preset's vocab_size was compared, not the file's. The keys beside the name replace the
+    preset's, each checked against the checkpoint; a preset that still disagrees is refused."""
+    import dataclasses
+
+    tiny = dataclasses.replace(load_config(None, ["--model.name=tiny"]).model, vocab_size=300)
+    hf.save(build_model(tiny), tmp_path / "hf")
+    own = tmp_path / "own.toml"
+    own.write_text('[model]\nname = "tiny"\nvocab_size = 300\n')
+    assert load_config(own, [f"--model.init_from={tmp_path / 'hf'}"]).model.vocab_size == 300
+    with pytest.raises(ConfigError, match=r"vocab_size 512 \(preset\) vs 300"):
+        load_config(None, ["--model.name=tiny", f"--model.init_from={tmp_path / 'hf'}"])
+
+
 def test_finetune_example_config_validates(checkpoints: dict[str, Any]) -> None:
     example = Path(__file__).resolve().parents[1] / "configs" / "finetune-example.toml"
     cfg = load_config(example, [f"--model.init_from={checkpoints['llama']}"])

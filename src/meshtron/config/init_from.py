@@ -58,13 +58,17 @@ def _same(key: str, value: Any, cfg: ModelConfig) -> bool:
     return getattr(dataclasses.replace(cfg, **{key: value}), derived) == getattr(cfg, derived)
 
 
-def _preset_problem(name: str, cfg: ModelConfig, source: str) -> str | None:
-    """Why preset `name` cannot label a run initialised from a checkpoint of architecture `cfg`."""
+def _preset_problem(name: str, cfg: ModelConfig, source: str, explicit: Mapping[str, Any]) -> str | None:
+    """Why preset `name` cannot label a run initialised from a checkpoint of architecture `cfg`; the keys
+    set beside it (`explicit`, checked against the checkpoint on their own) replace the preset's."""
     preset = model_preset(name)
     differ = [
         f"{key} {preset[key]!r} (preset) vs {getattr(cfg, key)!r}"
         for key in sorted(preset)
-        if key not in TRAINING_KEYS and key not in LABELS and not _same(key, preset[key], cfg)
+        if key not in TRAINING_KEYS
+        and key not in LABELS
+        and key not in explicit
+        and not _same(key, preset[key], cfg)
     ]
     if not differ:
         return None
@@ -87,7 +91,7 @@ def resolve_model_keys(explicit: Mapping[str, Any], problems: list[str]) -> dict
         return dict(explicit)
     if explicit.get("name"):
         try:
-            problem = _preset_problem(str(explicit["name"]), cfg, source)
+            problem = _preset_problem(str(explicit["name"]), cfg, source, explicit)
         except ConfigError as err:
             problem = "; ".join(err.problems)
         problems += [problem] if problem else []
