@@ -28,7 +28,8 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   backward (one sent, the other received), plus the loss and clipping's all-reduces
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
-(tests/test_plan.py checks them against the counted bytes of every engine and schedule); tp is a
+(tests/test_plan.py checks them against the counted bytes of every engine and schedule), but for ZeRO-3
+under the V schedules and what multi-token prediction adds (`exact_groups`); tp is a
 leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
 balanced routing); the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
 context parallel's ring, all-gather and all-to-all exchanges are exact for dense models (hybrid is not
@@ -40,7 +41,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.row_blocks import padded_numel
-from meshtron.config.schema import Config, ModelConfig, TrainingConfig
+from meshtron.config.schema import V_SCHEDULES, Config, ModelConfig, TrainingConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, row_block_elements
@@ -51,10 +52,19 @@ DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate
 
 
 def exact_groups(cfg: Config) -> frozenset[str]:
-    """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms."""
+    """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms.
+    Not yet: ZeRO-3's gathers where a rank's chunks share a unit or run out of the order its prefetch
+    assumes (the V schedules: the root gathered for the first chunk and again for the last), and what
+    multi-token prediction adds (its loss's all-reduce and pipeline message, its head's gathers)."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
-    return DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
+    out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
+    zero3 = {"dp_shard", "dp_shard_cp", "edp"} if p.zero == 3 else set()
+    if cfg.model.mtp_depth:
+        out -= {"dp", "dp_cp", "pp", *zero3}
+    if p.pp_schedule in V_SCHEDULES and p.pp > 1:
+        out -= zero3
+    return out
 
 
 def routing_free_ep(cfg: Config) -> bool:
