@@ -33,7 +33,7 @@ from meshtron.data import DataError
 from meshtron.data.tokenizer import TOKENIZER_FILE, HFTokenizer, Tokenizer, tokenizer_json
 from meshtron.hf.carry import CARRIED_FILE, write_carried
 from meshtron.hf.stream import DEFAULT_MAX_SHARD_BYTES
-from meshtron.hf.weights import save_streamed_model
+from meshtron.hf.weights import save_streamed_model, stored_shapes
 from meshtron.models.llama import Transformer
 from meshtron.train.sample import CONFIG_FILE
 
@@ -172,8 +172,7 @@ def export(
     check_format(step_dir)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-        # (the persistent buffers too: DeepSeek's router bias is learned state, not a parameter)
-        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        shapes = stored_shapes(model)  # (DeepSeek's router bias too: learned state, not a parameter)
         n_params = sum(p.numel() for p in model.parameters())
     out = Path(out)
     try:  # one parameter at a time: the checkpoint is read, converted and written tensor by tensor

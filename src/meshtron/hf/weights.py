@@ -283,6 +283,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transfor
     return model.eval()
 
 
+def stored_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
+    """What a checkpoint of `model` stores, in the order an export writes it: the parameters, then the
+    routers' correction biases (buffers, learned by the bias step)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes |= {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("expert_bias")}
+    return shapes
+
+
 def hf_entries(cfg: ModelConfig, dtype: str = "float32") -> tuple[dict, list[Entry]]:
     """The transformers config.json dict of `cfg`, and its checkpoint's tensors in the classic HF names
     (per-expert tensors), each with the meshtron parameter it comes from (shapes from a meta build)."""
@@ -293,10 +301,7 @@ def hf_entries(cfg: ModelConfig, dtype: str = "float32") -> tuple[dict, list[Ent
     renames = layer_renames(model_type, block)
     global_names = dict(GLOBAL_RENAMES)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    # The parameters and the routers' correction biases (buffers a checkpoint stores too).
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    shapes |= {name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("expert_bias")}
+        shapes = stored_shapes(Transformer(cfg))
     entries = []
     for k in range(cfg.mtp_depth):  # DeepSeek's copies of the shared embedding and head in each module
         for theirs, ours in MTP_COPIES.items():

@@ -210,14 +210,14 @@ def build_schedule(
 ) -> list[list[Action]]:
     """Every rank's ordered actions. `paired` (dualpipev): its F&B pairs as units (`with_p2p`), for a
     runtime that runs each pair's forward and backward at once; else each action in its own turn."""
-    check_schedule_args(pp, vpp, microbatches, name)
     if name == "dualpipev":
+        check_schedule_args(pp, vpp, microbatches, name)
         built = [dualpipev_order(pp, microbatches, r) for r in range(pp)]
         return [
             with_p2p(order, r, pp, vpp, name, pairs if paired else ())
             for r, (order, pairs) in enumerate(built)
         ]
-    orders = compute_orders(pp, vpp, microbatches, name)
+    orders = compute_orders(pp, vpp, microbatches, name)  # (which checks the arguments)
     return [with_p2p(order, r, pp, vpp, name) for r, order in enumerate(orders)]
 
 
