@@ -6,8 +6,9 @@ buffer, see shard.py), which is what the optimizer updates. The module's own par
 at full shape, but their storage is empty except while the unit runs:
 
   forward   pre-hook: all-gather the unit (in the compute dtype), and start gathering the next unit
-            so that communication overlaps this unit's compute; post-hook: free the full parameters
-            (reshard_after_forward) and hook the unit's output so backward can find it again
+            (of the same pipeline chunk) so that communication overlaps this unit's compute; post-hook:
+            free the full parameters (reshard_after_forward) and hook the unit's output so backward
+            can find it again
   backward  on the output's gradient: gather the unit again (prefetching the unit before it); when
             every parameter's gradient has been accumulated: reduce-scatter them (in reduce_dtype)
             into this rank's fp32 gradient shard, free the full gradients and parameters
@@ -81,6 +82,7 @@ class FSDPUnit:
         )
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
+        self.in_backward = False  # a backward hook of this unit fired since it last reduced
         self.reduced = False  # reduced at least once this step
         self.reducing: list[Callable[[], None]] = []  # folds of reductions in flight
 
@@ -123,6 +125,11 @@ class FSDPUnit:
             for p in self.params:
                 p.untyped_storage().resize_(0)
             self.unsharded = False
+
+
+def _chunk_of_modules(chunks: list[nn.Module]) -> dict[int, int]:
+    """id of each module inside a pipeline chunk -> the chunk's position in `chunks`."""
+    return {id(m): c for c, chunk in enumerate(chunks) for m in chunk.modules()}
 
 
 def _activations(output: Any) -> list[torch.Tensor]:
@@ -176,41 +183,56 @@ class FullyShardedDataParallel(DataParallelEngine):
         # collector cannot follow them, so a strong reference kept the engine, the model and their process
         # groups (with their threads) alive after the trainer was gone.
         engine = weakref.proxy(self)
+        chunk_of = _chunk_of_modules(wrapped.chunks)
+        # Each chunk's blocks, by unit index in forward order: prefetches stay inside the chunk running
+        # (the next chunk of a rank runs after other ranks' work, maybe another micro-batch's first).
+        self.chunk_blocks: dict[int, list[int]] = {}
         for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
             for module in mods:
-                module.register_forward_pre_hook(lambda _m, _a, i=index: self._pre_forward(i))
-                module.register_forward_hook(lambda _m, _a, out, i=index: self._post_forward(i, out))
+                chunk = chunk_of.get(id(module), 0)
+                if index or not self.has_root:
+                    self.chunk_blocks.setdefault(chunk, []).append(index)
+                module.register_forward_pre_hook(lambda _m, _a, i=index, c=chunk: self._pre_forward(i, c))
+                module.register_forward_hook(
+                    lambda _m, _a, out, i=index, c=chunk: self._post_forward(i, c, out)
+                )
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda _p, i=index, e=engine: e._on_grad_ready(i))
 
-    def _next_in_forward(self, index: int) -> FSDPUnit | None:
-        return self.units[index + 1] if index + 1 < len(self.units) else None
+    def _next_in_forward(self, index: int, chunk: int) -> FSDPUnit | None:
+        """After the root, the chunk's first block; after a block, the chunk's next."""
+        later = [i for i in self.chunk_blocks.get(chunk, []) if i > index]
+        return self.units[later[0]] if later else None
 
-    def _next_in_backward(self, index: int) -> FSDPUnit | None:
-        if not self.has_root:
-            return self.units[index - 1] if index > 0 else None
-        if index == 0:
-            return self.units[-1] if len(self.units) > 1 else None  # after the head: the last block
-        return self.units[index - 1] if index > 1 else None  # block 0 is followed by the root, gathered
+    def _next_in_backward(self, index: int, chunk: int) -> FSDPUnit | None:
+        """After the root (the head's gradient comes first), the chunk's last block; after a block, the
+        chunk's previous one (the first block's is the root, gathered already, or none)."""
+        blocks = self.chunk_blocks.get(chunk, [])
+        earlier = blocks if self.has_root and index == 0 else [i for i in blocks if i < index]
+        return self.units[earlier[-1]] if earlier else None
 
-    def _pre_forward(self, index: int) -> None:
+    def _pre_forward(self, index: int, chunk: int) -> None:
         self.units[index].unshard(self.comm, self.shard, self.gathers)
-        following = self._next_in_forward(index)
+        following = self._next_in_forward(index, chunk)
         if following is not None:
             following.start_gather(self.comm, self.shard, self.gathers)
 
-    def _post_forward(self, index: int, output: Any) -> None:
+    def _post_forward(self, index: int, chunk: int, output: Any) -> None:
         # Each activation output (an MTP module returns two, a root with MTP several logits), whichever
         # backward reaches first; not a scalar aux loss, whose gradient comes as soon as backward starts.
         for out in _activations(output):
             if torch.is_grad_enabled() and out.requires_grad:
-                out.register_hook(lambda grad, i=index: self._pre_backward(i, grad))
+                out.register_hook(lambda grad, i=index, c=chunk: self._pre_backward(i, c, grad))
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will come for it
             self.units[index].reshard()
 
-    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        self.units[index].unshard(self.comm, self.shard, self.gathers)
-        following = self._next_in_backward(index)
+    def _pre_backward(self, index: int, chunk: int, grad: torch.Tensor) -> torch.Tensor:
+        unit = self.units[index]
+        unit.unshard(self.comm, self.shard, self.gathers)
+        # Only the first of a unit's outputs to get its gradient prefetches: a root with MTP heads has
+        # several, and a later one would gather again a unit that has already reduced and resharded.
+        following = None if unit.in_backward else self._next_in_backward(index, chunk)
+        unit.in_backward = True
         if following is not None:
             following.start_gather(self.comm, self.shard, self.gathers)
         return grad
@@ -232,6 +254,7 @@ class FullyShardedDataParallel(DataParallelEngine):
         for p in unit.params:
             p.grad = None
         unit.reshard()
+        unit.in_backward = False
         pending: list[Pending] = [self.comm.reduce_scatter_async(received, send, self.shard)]
 
         def fold() -> None:  # the reduced shard into the accumulator, once (the buffer is free after)

@@ -72,6 +72,9 @@ class EngineModel:
     # The modules whose forwards use the parameters outside `blocks` (embedding, final norm, head): the
     # model itself (None), or under pipeline parallel the stage's chunks that hold them.
     roots: list[nn.Module] | None = None
+    # The pipeline chunks this rank runs, in order (none: the model runs as one): ZeRO-3 prefetches the
+    # next unit only inside the chunk that is running.
+    chunks: list[nn.Module] = field(default_factory=list)
     float8: frozenset[str] = frozenset()  # parameters ZeRO-3 gathers in float8 (training.fp8_all_gather)
     # Every replica is initialised (or loaded) identically after construction, as after a meta-device
     # build: DDP need not broadcast rank 0's values.

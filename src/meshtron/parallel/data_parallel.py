@@ -45,25 +45,31 @@ def apply_data_parallel(
     mesh: ParallelMesh,
     settings: DataParallelSettings,
     roots: list[nn.Module] | None = None,
+    chunks: list[nn.Module] | None = None,
 ) -> DataParallelEngine:
     """The data-parallel step of `parallelize`: the engine for this layout over `model` (already cut by
     the earlier steps). `roots`: the modules whose forwards use the parameters outside the blocks, when it
-    is not the model (a pipeline stage's chunks that hold the embedding or the head). With expert
-    parallel, the experts get an engine of their own over edp (engines/expert.py)."""
+    is not the model (a pipeline stage's chunks that hold the embedding or the head); `chunks`: all the
+    stage's chunks, in order (ZeRO-3 prefetches within the one running). With expert parallel, the experts get an engine of their own over edp (engines/expert.py)."""
     shard_dim, whole_dim = mesh.with_cp(Dim.DP_SHARD), mesh.with_cp(Dim.DP)
     # One unit (ZeRO-1/2/3) per block, an MTP depth's norms and projection with its block.
     blocks = [*model.layers.values(), *(model.mtp.values() if model.mtp is not None else ())]
+    chunks = chunks or []
     experts = expert_parameter_names(model) if mesh.dims.experts_apart else frozenset()
     if not experts:
-        return _engine(
-            EngineModel(model=model, blocks=blocks, roots=roots), comm, mesh, settings, shard_dim, whole_dim
-        )
+        whole = EngineModel(model=model, blocks=blocks, roots=roots, chunks=chunks)
+        return _engine(whole, comm, mesh, settings, shard_dim, whole_dim)
     dense_params = EngineModel(
-        model=ParameterSubset(model, experts, keep=False), blocks=blocks, roots=roots or [model]
+        model=ParameterSubset(model, experts, keep=False),
+        blocks=blocks,
+        roots=roots or [model],
+        chunks=chunks,
     )
     dense = _engine(dense_params, comm, mesh, settings, shard_dim, whole_dim)
     expert_modules = [block.moe.experts for _, block in model.blocks() if block.moe is not None]
-    expert_params = EngineModel(model=ParameterSubset(model, experts, keep=True), blocks=expert_modules)
+    expert_params = EngineModel(
+        model=ParameterSubset(model, experts, keep=True), blocks=expert_modules, chunks=chunks
+    )
     expert_engine = _engine(expert_params, comm, mesh, settings, Dim.EDP, Dim.DP_REPLICATE)
     return ExpertDataParallel(model, dense, expert_engine, mesh.group(Dim.EP))
 

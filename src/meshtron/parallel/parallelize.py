@@ -138,7 +138,8 @@ def parallelize(
             for chunk in pipeline.chunks.values():
                 SAVED_GATHERS.hook(chunk)
     roots = pipeline.boundary_chunks() if pipeline is not None else None
-    engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots)
+    chunks = list(pipeline.chunks.values()) if pipeline is not None else None
+    engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots, chunks)
     model.reset_buffers(device)  # built on the meta device, or emptied with fully_shard's shards
     if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
         engine.expect_grad_uses(model.tok_embeddings.weight, 2)  # a V's first rank: head and embedding

@@ -10,7 +10,8 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                     ZeRO-3   per micro-batch an all-gather in forward, another in backward (when units
                              reshard after forward) and a reduce-scatter
                   replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
-                  and clipping's norm add an all-reduce of one fp32 and of two float64 numbers
+                  (and each multi-token prediction depth's) and clipping's norm add an all-reduce of
+                  1 + mtp_depth fp32 and of two float64 numbers
   tensor          per micro-batch and layer 4 all-reduces of a [tokens, dim] activation, 2 more around
                   the embedding and head; sp turns each into an all-gather and a reduce-scatter of the
                   same volume, and gathers each region's input again in backward (one more all-gather
@@ -25,11 +26,11 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                   does op recompute with op_recompute_dispatch = "rerun" (by default it keeps the
                   dispatch's outputs instead: comm/kept_outputs.py) (`_ep_bytes`)
   pipeline        per micro-batch and remote chunk boundary: the activation forward, its gradient
-                  backward (one sent, the other received), plus the loss and clipping's all-reduces
+                  backward (one sent, the other received), plus the losses' and clipping's all-reduces
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
 (tests/test_plan.py checks them against the counted bytes of every engine and schedule), but for ZeRO-3
-under the V schedules and what multi-token prediction adds (`exact_groups`); tp is a
+under the schedules that split backward (`exact_groups`); tp is a
 leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
 balanced routing); the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
 context parallel's ring, all-gather and all-to-all exchanges are exact for dense models (hybrid is not
@@ -41,7 +42,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.row_blocks import padded_numel
-from meshtron.config.schema import V_SCHEDULES, Config, ModelConfig, TrainingConfig
+from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig, TrainingConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, row_block_elements
@@ -53,17 +54,16 @@ DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate
 
 def exact_groups(cfg: Config) -> frozenset[str]:
     """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms.
-    Not yet: ZeRO-3's gathers where a rank's chunks share a unit or run out of the order its prefetch
-    assumes (the V schedules: the root gathered for the first chunk and again for the last), and what
-    multi-token prediction adds (its loss's all-reduce and pipeline message, its head's gathers)."""
+    Not yet: ZeRO-3's gathers under the schedules that split backward (zero_bubble, zbv, dualpipev): a
+    unit gathered for one micro-batch's input gradients stays gathered until its weight gradients are
+    reduced, which may come after the next micro-batch's (fewer gathers than the formula's two per
+    micro-batch), and the first rank of a V gathers the root for each of its two chunks and reduces it
+    as each chunk's gradients complete."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
     out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
-    zero3 = {"dp_shard", "dp_shard_cp", "edp"} if p.zero == 3 else set()
-    if cfg.model.mtp_depth:
-        out -= {"dp", "dp_cp", "pp", *zero3}
-    if p.pp_schedule in V_SCHEDULES and p.pp > 1:
-        out -= zero3
+    if p.zero == 3 and p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
+        out -= {"dp_shard", "dp_shard_cp", "edp"}
     return out
 
 
@@ -164,9 +164,10 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         add("dp_replicate", on_replicas)
     else:
         add("dp_replicate" if diloco else f"dp{cp}", on_replicas)
-    add(f"dp{cp}", 2 * 4 * _ring(dp * p.cp))  # the loss
-    if p.pp > 1:  # the loss from the last stage, clipping's sums over the stages
-        add("pp", 2 * 4 * _ring(p.pp) + 2 * 16 * _ring(p.pp))
+    losses = 1 + m.mtp_depth  # the loss, and each multi-token prediction depth's
+    add(f"dp{cp}", 2 * 4 * losses * _ring(dp * p.cp))
+    if p.pp > 1:  # the losses from the last stage, clipping's sums over the stages
+        add("pp", 2 * 4 * losses * _ring(p.pp) + 2 * 16 * _ring(p.pp))
     first, last = _holds_ends(cfg, pp_rank)
     if (m.tie_embeddings or m.mtp_depth) and p.pp > 1 and first != last:  # two copies' gradients summed
         rows = math.ceil(m.vocab_size / p.tp)
