@@ -102,6 +102,9 @@ LAYOUTS = {
     # ZeRO-3 under interleaving: each unit gathered twice per micro-batch, prefetches kept inside the chunk
     # running (a block's prefetch of the next chunk's first block gathered it once more)
     "pp2_interleaved_zero3": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=4", "--parallel.zero=3", "--training.micro_batch=2"]),
+    # Split backward: a unit stays gathered from its input gradients to its weight gradients, so ZeRO-3's
+    # gathers are not held exact (exact_groups); the loss, clipping and pipeline bytes are
+    "pp2_zero_bubble_zero3": (4, ["--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--model.n_layers=4", "--parallel.zero=3", "--training.micro_batch=2"]),
     # Multi-token prediction: each depth's loss all-reduced with the main one, over dp and from the last
     # stage; its module a ZeRO-3 unit of the last chunk (the root's second logits once prefetched it again)
     "mtp2_zero3_4": (4, [*DEEPSEEK, "--model.mtp_depth=2", "--parallel.zero=3", "--training.micro_batch=2"]),
