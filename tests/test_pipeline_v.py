@@ -55,6 +55,22 @@ def test_tied_embeddings_on_the_first_rank(workers, pp, schedule):
     assert_layout_trains_as_one_device(workers, model, pp, v_pipeline(pp, schedule, 8 // (2 * pp)))
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_tied_head_and_mtp_on_the_first_rank(workers, schedule):
+    """With a tied head and multi-token prediction the embedding on a V's first rank takes three
+    gradients per micro-batch (chunk 0's lookup; in the last chunk the head's, in W, and the MTP depth's
+    lookup, in B): DDP's bucket waited for two and reduced before the third (every gradient off by
+    about half); ZeRO-3's root unit reduced early."""
+    model = [
+        "--model.name=tiny-deepseek",
+        "--model.n_layers=4",
+        "--model.tie_embeddings=true",
+        "--model.mtp_depth=1",
+    ]
+    for composed in (["--parallel.dp_replicate=2"], ["--parallel.dp_shard=2", "--parallel.zero=3"]):
+        assert_layout_trains_as_one_device(workers, model, 4, v_pipeline(2, schedule, 1, *composed))
+
+
 COMPOSED = {
     "ddp": ["--parallel.dp_replicate=2"],
     "zero3": ["--parallel.dp_shard=2", "--parallel.zero=3"],

@@ -17,6 +17,8 @@ Per step the loop calls, in order:
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +135,11 @@ class DataParallelEngine:
     def finish_gradients(self) -> None:
         """Wait for every reduction; afterwards the optimizer params' `.grad` hold the global gradient."""
         raise NotImplementedError
+
+    def chunk_backward(self, chunk: nn.Module, defers_weights: bool) -> AbstractContextManager:
+        """What the pipeline runs `chunk`'s backward (B) in; `defers_weights`: its linear layers' weight
+        gradients come later (W, split backward), needing no parameters. Nothing but for ZeRO-3."""
+        return contextlib.nullcontext()
 
     def grad_norm_sq_parts(
         self, whole_on_every_tp_rank: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()

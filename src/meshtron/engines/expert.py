@@ -17,6 +17,7 @@ once per shard, expert rows once per edp shard of each ep rank's distinct expert
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -77,6 +78,13 @@ class ExpertDataParallel(DataParallelEngine):
     def finish_gradients(self) -> None:
         for engine in self.engines:
             engine.finish_gradients()
+
+    @contextlib.contextmanager
+    def chunk_backward(self, chunk: nn.Module, defers_weights: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for engine in self.engines:
+                stack.enter_context(engine.chunk_backward(chunk, defers_weights))
+            yield
 
     def grad_norm_sq_parts(
         self, whole_on_every_tp_rank: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()

@@ -23,8 +23,9 @@ an all-gather in forward, one in backward and a reduce-scatter: 3Ψ(n-1)/n.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ class FSDPUnit:
         )
         self.unsharded = False
         self.ready = 0  # parameters whose gradient has been accumulated since the unit last reduced
+        self.expected = len(params)  # accumulations per micro-batch (more where backward calls share one)
         self.in_backward = False  # a backward hook of this unit fired since it last reduced
+        self.chunks: set[int] = set()  # the pipeline chunks whose forwards use it (0: no pipeline)
         self.reduced = False  # reduced at least once this step
         self.reducing: list[Callable[[], None]] = []  # folds of reductions in flight
 
@@ -184,14 +187,20 @@ class FullyShardedDataParallel(DataParallelEngine):
         # groups (with their threads) alive after the trainer was gone.
         engine = weakref.proxy(self)
         chunk_of = _chunk_of_modules(wrapped.chunks)
+        self.chunk_index = {id(chunk): c for c, chunk in enumerate(wrapped.chunks)}
+        self.holding: int | None = None  # the chunk whose split B is running (`chunk_backward`)
+        self.root_chunks: set[int] = set()
         # Each chunk's blocks, by unit index in forward order: prefetches stay inside the chunk running
         # (the next chunk of a rank runs after other ranks' work, maybe another micro-batch's first).
         self.chunk_blocks: dict[int, list[int]] = {}
         for index, ((mods, _), unit) in enumerate(zip(modules, self.units, strict=True)):
             for module in mods:
                 chunk = chunk_of.get(id(module), 0)
+                unit.chunks.add(chunk)
                 if index or not self.has_root:
                     self.chunk_blocks.setdefault(chunk, []).append(index)
+                else:
+                    self.root_chunks.add(chunk)
                 module.register_forward_pre_hook(lambda _m, _a, i=index, c=chunk: self._pre_forward(i, c))
                 module.register_forward_hook(
                     lambda _m, _a, out, i=index, c=chunk: self._post_forward(i, c, out)
@@ -237,10 +246,33 @@ class FullyShardedDataParallel(DataParallelEngine):
             following.start_gather(self.comm, self.shard, self.gathers)
         return grad
 
+    @contextlib.contextmanager
+    def chunk_backward(self, chunk: nn.Module, defers_weights: bool) -> Iterator[None]:
+        """Afterwards free the chunk's units (the root with a chunk holding it): under a split backward
+        they would stay gathered until their weight gradients (W) reduce them, maybe after other
+        micro-batches' B, and a chunk's every unit could be whole at once. Meanwhile a split B reduces
+        without resharding: a unit whose gradient count completes while its B runs (its norms' from
+        this micro-batch, its linear layers' from an earlier one's W) still computes input gradients."""
+        position = self.chunk_index[id(chunk)]
+        self.holding = position if defers_weights else None
+        try:
+            yield
+        finally:
+            self.holding = None
+            root = [0] if self.has_root and position in self.root_chunks else []
+            for index in [*root, *self.chunk_blocks.get(position, [])]:
+                self.units[index].reshard()
+                self.units[index].in_backward = False
+
+    def expect_grad_uses(self, param: nn.Parameter, uses: int) -> None:
+        for unit in self.units:
+            if any(p is param for p in unit.params):
+                unit.expected += uses - 1
+
     def _on_grad_ready(self, index: int) -> None:
         unit = self.units[index]
         unit.ready += 1
-        if unit.ready == len(unit.params):
+        if unit.ready == unit.expected:
             unit.ready, unit.reduced = 0, True
             self._reduce(unit)
 
@@ -253,8 +285,9 @@ class FullyShardedDataParallel(DataParallelEngine):
         unit.layout.pack(grads, send)
         for p in unit.params:
             p.grad = None
-        unit.reshard()
-        unit.in_backward = False
+        if self.holding not in unit.chunks:  # (else the running B still needs it: chunk_backward)
+            unit.reshard()
+            unit.in_backward = False
         pending: list[Pending] = [self.comm.reduce_scatter_async(received, send, self.shard)]
 
         def fold() -> None:  # the reduced shard into the accumulator, once (the buffer is free after)

@@ -36,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from meshtron.comm.collectives import Comm
@@ -57,6 +59,8 @@ from meshtron.schedules.actions import ACTION_PHASES, Action, Kind, action_span,
 from meshtron.schedules.build import build_schedule, busy_seconds, send_release_points
 
 TIED_WEIGHT = "tok_embeddings.weight"
+# What a chunk's backward (B) runs in, given the chunk and whether its weight gradients are deferred to W
+ChunkBackward = Callable[[nn.Module, bool], AbstractContextManager]
 
 
 def sum_tied_gradients(engine: DataParallelEngine, comm: Comm, ends: CommGroup) -> None:
@@ -134,8 +138,10 @@ class _Step:
         loss: StepLoss,
         before_grads: Callable[[bool], None],
         layouts: list[MicroBatchLayout] | None = None,
+        chunk_backward: ChunkBackward = lambda chunk, defers: contextlib.nullcontext(),
     ):
         self.rt, self.micro_batches, self.loss, self.before_grads = runtime, micro_batches, loss, before_grads
+        self.chunk_backward = chunk_backward
         schedule = build_schedule(
             runtime.pp.size, runtime.vpp, len(micro_batches), runtime.schedule, paired=runtime.overlap
         )
@@ -217,7 +223,11 @@ class _Step:
         key = (a.chunk, a.mb)
         roots, grads = self.outputs.pop(key)
         self.before_grads(self.last_of[Kind.B, a.chunk] == index)
-        with self.deferred.get(key, contextlib.nullcontext()):
+        deferred = self.deferred.get(key)
+        with (
+            deferred or contextlib.nullcontext(),
+            self.chunk_backward(self.rt.chunks[a.chunk], bool(deferred)),
+        ):
             torch.autograd.backward(roots, grads)
         if a.chunk > 0:
             self.input_grads[key] = self.inputs.pop(key).grad
@@ -317,13 +327,15 @@ class PipelineRuntime:
         loss: StepLoss,
         before_grads: Callable[[bool], None] = lambda is_last: None,
         layouts: list[MicroBatchLayout] | None = None,
+        chunk_backward: ChunkBackward = lambda chunk, defers: contextlib.nullcontext(),
     ) -> torch.Tensor:
         """One step's forwards and backwards; returns this rank's share of the mean cross-entropy
         (non-zero on the rank holding the last chunk only). `before_grads(is_last)` runs before every
-        action that accumulates parameter gradients, true for the chunk's last such action of the step.
+        action that accumulates parameter gradients, true for the chunk's last such action of the step;
+        `chunk_backward(chunk, defers_weights)`: what each B runs in (DataParallelEngine's).
         `layouts`: each micro-batch's RoPE positions (the tokens' global ones under context parallel;
         None: 0..S-1) and document ids (None without a document mask)."""
-        step = _Step(self, micro_batches, loss, before_grads, layouts)
+        step = _Step(self, micro_batches, loss, before_grads, layouts, chunk_backward)
         self.released_outputs = 0
         self.timeline = []
         self.step_start = time.perf_counter()

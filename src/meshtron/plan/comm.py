@@ -8,7 +8,8 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                     ZeRO-1   one reduce-scatter + one all-gather of the padded flat
                     ZeRO-2   a reduce-scatter per micro-batch + one all-gather
                     ZeRO-3   per micro-batch an all-gather in forward, another in backward (when units
-                             reshard after forward) and a reduce-scatter
+                             reshard after forward) and a reduce-scatter; the first rank of a V gathers
+                             the root for each of its two chunks
                   replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
                   (and each multi-token prediction depth's) and clipping's norm add an all-reduce of
                   1 + mtp_depth fp32 and of two float64 numbers
@@ -30,8 +31,7 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
 (tests/test_plan.py checks them against the counted bytes of every engine and schedule), but for ZeRO-3
-under the schedules that split backward (`exact_groups`); tp is a
-leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
+without resharding after forward on the first rank of a V (`exact_groups`); tp is a leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
 balanced routing); the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
 context parallel's ring, all-gather and all-to-all exchanges are exact for dense models (hybrid is not
 modelled yet). `exact_groups` names the exact ones.
@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 
 from meshtron.config.row_blocks import padded_numel
-from meshtron.config.schema import SPLIT_BACKWARD, Config, ModelConfig, TrainingConfig
+from meshtron.config.schema import V_SCHEDULES, Config, ModelConfig, TrainingConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
 from meshtron.plan.state import rank_parameters, row_block_elements
@@ -54,16 +54,13 @@ DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate
 
 def exact_groups(cfg: Config) -> frozenset[str]:
     """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms.
-    Not yet: ZeRO-3's gathers under the schedules that split backward (zero_bubble, zbv, dualpipev): a
-    unit gathered for one micro-batch's input gradients stays gathered until its weight gradients are
-    reduced, which may come after the next micro-batch's (fewer gathers than the formula's two per
-    micro-batch), and the first rank of a V gathers the root for each of its two chunks and reduces it
-    as each chunk's gradients complete."""
+    Not yet: ZeRO-3 without resharding after forward on the first rank of a V, whose two chunks keep
+    the root unit gathered in turns that depend on the schedule's order."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
     out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
-    if p.zero == 3 and p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
-        out -= {"dp_shard", "dp_shard_cp", "edp"}
+    if p.zero == 3 and p.pp > 1 and p.pp_schedule in V_SCHEDULES and not p.reshard_after_forward:
+        out -= {"dp_shard", "dp_shard_cp"}
     return out
 
 
@@ -96,6 +93,15 @@ def _dp_bytes(
     else:
         volume = ((micro if p.zero == 2 else 1) * reduce + gather) * padded
     return volume * _ring(shard), 2 * reduce * (padded / shard) * _ring(replicate)
+
+
+def _v_root_regathers(cfg: Config, params: list, shard: int, micro: int) -> float:
+    """ZeRO-3 on the first rank of a V (embedding and head on one rank): each of its two chunks gathers
+    the root unit in forward and again in backward, two gathers more per micro-batch than a unit's."""
+    root = [x.shape for x in params if not x.name.startswith(("layers.", "mtp."))]
+    padded = sum(padded_numel(s, shard, cfg.training.optimizer != "muon") for s in root)
+    gather = 2 if cfg.training.dtype != "fp32" else 4
+    return micro * 2 * gather * padded * _ring(shard)
 
 
 def cp_token_bytes(cfg: Config, element: int = 4) -> int:
@@ -156,6 +162,8 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     cp = "_cp" if p.cp > 1 else ""
     dense = [x.shape for x in params if not x.expert or not p.experts_apart]
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
+    if p.zero == 3 and shard > 1 and p.pp > 1 and all(_holds_ends(cfg, pp_rank)):
+        on_shard += _v_root_regathers(cfg, params, shard, micro)
     diloco = cfg.fault_tolerance.diloco_every
     if diloco:  # the outer step's fp32 all-reduce every H steps, and the replicas' largest clipping norm
         on_replicas = _outer_bytes(dense, shard, p.dp_replicate, cfg) + 2 * 4 * _ring(p.dp_replicate)

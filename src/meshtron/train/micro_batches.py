@@ -92,7 +92,8 @@ def run_micro_batches(
     if parallel.pipeline is not None:
         if not backward:
             return parallel.pipeline.forward_only(local, loss, layouts)
-        return parallel.pipeline.run(local, loss, before_grads=before_grads, layouts=layouts)
+        chunk_backward = parallel.engine.chunk_backward
+        return parallel.pipeline.run(local, loss, before_grads, layouts, chunk_backward=chunk_backward)
     ce_sum = torch.zeros((), device=device)
     for index, ((inputs, targets), layout) in enumerate(zip(local, layouts, strict=True)):
         if backward:
