@@ -73,7 +73,8 @@ EIGHT_RANKS = {
 
 def test_the_seed_list_covers_every_dim_and_option():
     """Each mesh dim at least twice, every other option (schedule, cp_impl, dispatcher, ZeRO stage,
-    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1, ep folded over tp, Muon) at least once, over the seeds' layouts and
+    recompute mode, dense/MoE, tied, MHA/GQA/MQA, sp, etp 1, ep folded over tp, Muon, DeepSeek-V3's
+    architecture with MTP) at least once, over the seeds' layouts and
     the 8-rank cases. To repick: draw seeds 0..299, then greedily take the layout covering the most
     still-missing features per rank it needs."""
     drawn = [coverage(draw_layout(random.Random(seed))[0]) for seed in SEEDS]
@@ -94,6 +95,7 @@ def test_the_seed_list_covers_every_dim_and_option():
         "kv_heads:1",
         "kv_heads:2",
         "muon",
+        "deepseek",
     }
     want |= {f"schedule:{s}" for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")}
     want |= {f"cp_impl:{i}" for i in ("ring", "allgather", "alltoall", "hybrid")}

@@ -98,6 +98,12 @@ LAYOUTS = {
     "muon_zero3_tp2_2": (4, [*MUON, "--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
     "muon_fp32_zero1_cp2_2": (4, [*MUON, "--training.muon_ns_dtype=fp32", "--parallel.cp=2", "--parallel.dp_shard=2", "--parallel.zero=1", "--training.micro_batch=4"]),
     "muon_moe_ep2_zero3_edp2_tp2": (4, [*MOE, *MUON, "--parallel.ep=2", "--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch=4"]),
+    # A recomputed attention sends its cp exchange again: the ring's and the gathered kv, or Ulysses' q, k,
+    # v (and o when the whole block or every op reruns, not the attention core alone)
+    "cp2_ring_full_recompute": (2, ["--parallel.cp=2", "--parallel.dp_shard=1", "--training.recompute=full", "--training.micro_batch=4"]),
+    "cp2_allgather_op_recompute": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather", "--parallel.dp_shard=1", "--training.recompute=op", "--training.micro_batch=4"]),
+    "cp2_alltoall_selective_tp2": (4, ["--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.tp=2", "--parallel.dp_shard=1", "--training.recompute=selective", "--training.micro_batch=4"]),
+    "mla_cp2_alltoall_full_recompute": (2, [*MLA, "--parallel.cp=2", "--parallel.cp_impl=alltoall", "--training.recompute=full"]),
     # ZeRO-3 under interleaving: each unit gathered twice per micro-batch, prefetches kept inside the chunk
     # running (a block's prefetch of the next chunk's first block gathered it once more)
     "pp2_interleaved_zero3": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=4", "--parallel.zero=3", "--training.micro_batch=2"]),

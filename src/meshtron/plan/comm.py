@@ -121,18 +121,24 @@ def _cp_bytes(cfg: Config, layers: int, micro: int) -> float:
                  each way, plus the fp32 gradient accumulators' cp hops of 2·b·(s/cp)·kv each way
       allgather  kv all-gathered forward and backward, its gradient reduce-scattered
       alltoall   q, k, v, o and their gradients, 2·b·(s/cp)·(q + o + kv')·(cp−1)/cp, kv' with the key/value
-                 heads replicated up to cp"""
+                 heads replicated up to cp
+    A recomputed attention (every recompute mode: op recompute keeps no attention output under cp) sends
+    its forward exchange again in backward: the ring's kv, the gathered kv, or under alltoall q, k and v
+    (and o, where the rerun is the whole block's or every op's, not the attention core's alone)."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
     cp, b, s = p.cp, t.micro_batch, t.seq_len
     kv = cp_token_bytes(cfg)
-    q_and_o = m.n_heads // p.tp * (m.head_size + m.value_size) * 4
+    heads = m.n_heads // p.tp
+    rerun = t.recompute != "none"
     if p.cp_impl == "ring":
-        per_layer = 2 * (2 * b * s * kv * _ring(cp) + cp * b * (s // cp) * kv)
+        per_layer = (4 + 2 * rerun) * b * s * kv * _ring(cp) + 2 * cp * b * (s // cp) * kv
     elif p.cp_impl == "allgather":
-        per_layer = 3 * b * s * kv * _ring(cp)
+        per_layer = (3 + rerun) * b * s * kv * _ring(cp)
     elif p.cp_impl == "alltoall":
         kv_rep = max(kv, (m.head_size + m.value_size) * 4 * cp)
-        per_layer = 2 * b * (s // cp) * (q_and_o + kv_rep) * _ring(cp)
+        q, o = heads * m.head_size * 4, heads * m.value_size * 4
+        rerun_width = (q + kv_rep + (o if t.recompute != "selective" else 0)) if rerun else 0
+        per_layer = b * (s // cp) * (2 * (q + o + kv_rep) + rerun_width) * _ring(cp)
     else:
         return 0.0  # hybrid: not modelled yet
     return micro * layers * per_layer

@@ -307,24 +307,32 @@ def ends_comm(cfg: Config, first: bool, last: bool, net: Network) -> dict[str, P
 
 
 def _cp_comm(cfg: Config, group: Group, net: Network, attention_time: float, act: int) -> PassTimes:
-    """Context parallel of one layer: the exchanges of plan/comm.py's `_cp_bytes`, timed."""
+    """Context parallel of one layer: the exchanges of plan/comm.py's `_cp_bytes`, timed (a recomputed
+    attention's rerun sends its forward exchange again in backward)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    cp, tokens = p.cp, t.micro_batch * t.seq_len // p.cp
+    cp, tokens, rerun = p.cp, t.micro_batch * t.seq_len // p.cp, t.recompute != "none"
     kv = cp_token_bytes(cfg, act)  # keys and values, or MLA's latents
-    q_and_o = m.n_heads // p.tp * (m.head_size + m.value_size) * act
     if p.cp_impl in ("ring", "hybrid"):
         hop = collective_time("p2p", tokens * kv, group, net.gpu, net.eff)
         accumulator = collective_time("p2p", tokens * kv * 4 / act, group, net.gpu, net.eff)
         forward, backward = (cp - 1) * hop, (cp - 1) * hop + cp * accumulator
         if net.overlap.cp_ring:  # each step's exchange runs behind the previous step's attention
-            return PassTimes(f=max(0.0, forward - attention_time), b=max(0.0, backward - 2 * attention_time))
-        return PassTimes(f=forward, b=backward)
+            f = max(0.0, forward - attention_time)
+            return PassTimes(f=f, b=max(0.0, backward - 2 * attention_time) + rerun * f)
+        return PassTimes(f=forward, b=backward + rerun * forward)
     if p.cp_impl == "allgather":
         gather = collective_time("all_gather", cp * tokens * kv, group, net.gpu, net.eff)
-        return PassTimes(f=gather, b=2 * gather)
-    heads = max(kv, (m.head_size + m.value_size) * act * cp)
-    exchange = collective_time("all_to_all", tokens * (q_and_o + heads), group, net.gpu, net.eff)
-    return PassTimes(f=exchange, b=exchange)
+        return PassTimes(f=gather, b=(2 + rerun) * gather)
+    heads = m.n_heads // p.tp
+    q, o, kv_rep = (
+        heads * m.head_size * act,
+        heads * m.value_size * act,
+        max(kv, (m.head_size + m.value_size) * act * cp),
+    )
+    exchange = collective_time("all_to_all", tokens * (q + o + kv_rep), group, net.gpu, net.eff)
+    again = q + kv_rep + (o if t.recompute != "selective" else 0)
+    rerun_time = collective_time("all_to_all", tokens * again, group, net.gpu, net.eff) if rerun else 0.0
+    return PassTimes(f=exchange, b=exchange + rerun_time)
 
 
 def pp_p2p(cfg: Config, net: Network) -> float:

@@ -2,10 +2,12 @@
 
 A drawn layout picks degrees for pp (with vpp and every schedule, V ones included), dp_replicate, dp_shard (ZeRO 1/2/3),
 cp (every implementation), tp (with or without sp), ep (every dispatcher, etp 1 or tp, ep folded over the tp ranks), a recompute mode,
-AdamW or Muon (fp32 Newton-Schulz), a dense or MoE model, tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
+AdamW or Muon (fp32 Newton-Schulz), a dense or MoE model (or DeepSeek-V3's architecture with multi-token
+prediction), tied or untied embeddings and MHA/GQA/MQA, on at most `max_world` ranks; draws the
 config's own rules refuse (validate, not_yet_supported) are redrawn. Each layout runs 6 steps and is
 compared with the single-device run by parity.py's tolerances (loss rel <= 1e-5 at every step, step-1
-gradients rel L2 <= 1e-5).
+gradients rel L2 <= 1e-5), and its second step's bytes with plan/comm.py's formula wherever that
+formula is exact (`exact_groups`).
 
     python -m meshtron.testing.fuzz --layouts 20 --seed 7       # prints each layout and its verdict
 
@@ -22,6 +24,7 @@ import traceback
 from typing import Any
 
 from meshtron.comm.workers import WorkerPool, close_pools
+from meshtron.plan.comm import exact_groups, step_bytes
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.parity import assert_parity, merged, reference, run_layout
 from meshtron.testing.tiny import MOE, TINY
@@ -89,7 +92,8 @@ def draw_layout(rng: random.Random, max_world: int = 8) -> tuple[list[str], int]
             check(load_config(None, [*TINY, *overrides]), world)
         except ValueError:
             continue
-        return _with_muon(rng, _with_fold(rng, _with_dedup(rng, overrides), world), world), world
+        drawn = _with_muon(rng, _with_fold(rng, _with_dedup(rng, overrides), world), world)
+        return _with_deepseek(rng, drawn, world), world
 
 
 def _with_dedup(rng: random.Random, overrides: list[str]) -> list[str]:
@@ -131,6 +135,32 @@ def _with_muon(rng: random.Random, overrides: list[str], world: int) -> list[str
     return [*overrides, *MUON]
 
 
+# DeepSeek-V3's architecture, small: latent attention, sigmoid group-limited routing with a correction
+# bias and the first layer dense, and one multi-token prediction depth.
+DEEPSEEK = ["--model.name=tiny-deepseek", "--model.mtp_depth=1"]
+
+
+def _with_deepseek(rng: random.Random, overrides: list[str], world: int) -> list[str]:
+    """A quarter of the layouts train DeepSeek-V3's architecture in place of the drawn model (its
+    experts where the draw had them, none where it was dense), where the layout runs it; drawn last."""
+    if rng.random() >= 0.25:
+        return overrides
+    moe = "--model.name=tiny-moe" in overrides
+    model = [*DEEPSEEK, *([] if moe else ["--model.n_experts=0"])]
+    drop = (
+        "--model.name=",
+        "--model.n_kv_heads=",
+        "--model.shared_expert_gate=",
+        "--model.router_bias_rate=",
+    )
+    switched = [*model, *(o for o in overrides if not o.startswith(drop))]
+    try:
+        check(load_config(None, [*TINY, *switched]), world)
+    except ValueError:
+        return overrides
+    return switched
+
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
@@ -141,11 +171,15 @@ def coverage(overrides: list[str]) -> set[str]:
         return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"--{key}=")), None)
 
     found = {dim for dim in MESH_DIMS if int(value(f"parallel.{dim}") or 1) > 1}
+    deepseek = value("model.name") == "tiny-deepseek"
     found |= {f"zero{value('parallel.zero')}", f"recompute:{value('training.recompute')}"}
     found |= {
         f"kv_heads:{value('model.n_kv_heads')}",
-        "moe" if value("model.name") == "tiny-moe" else "dense",
+        "moe"
+        if value("model.name") == "tiny-moe" or (deepseek and value("model.n_experts") != "0")
+        else "dense",
     }
+    found |= {"deepseek"} if deepseek else set()
     found |= {"sp"} if value("parallel.sp") == "true" else set()
     found |= {"tied"} if value("model.tie_embeddings") == "true" else set()
     found |= {"muon"} if value("training.optimizer") == "muon" else set()
@@ -163,13 +197,23 @@ def micro_batch_of(overrides: list[str]) -> int:
 
 
 def check_layout(pools: Any, overrides: list[str], world: int) -> None:
-    """Run `overrides` on `world` ranks and assert parity with the single-device run. `pools(n)` gives a
-    WorkerPool of n ranks."""
+    """Run `overrides` on `world` ranks and assert parity with the single-device run, and the second
+    step's bytes of every group plan/comm.py holds exact equal to its formula on each stage's first data-
+    parallel rank. `pools(n)` gives a WorkerPool of n ranks."""
     results = pools(world).run(run_layout, [*TINY, *overrides])
     model = [o for o in overrides if o.startswith(("--model.", "--training.optimizer", "--training.muon_"))]
     ref = reference(pools(1), model, micro_batch_of(overrides))
     pipelined = any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in overrides)
     assert_parity(merged(results) if pipelined else results[0], ref)
+    cfg = load_config(None, [*TINY, *overrides, f"--parallel.cp_exchange={results[0]['cp_exchange']}"])
+    exact = exact_groups(cfg)
+    for result in results:
+        if result["dp_first"]:
+            formula = step_bytes(cfg, world, result["pp_rank"])
+            counted = result["rows"][1]["comm_bytes_by_group"]
+            for group in exact & (set(formula) | set(counted)):
+                got, want = counted.get(group, 0.0), formula.get(group, 0.0)
+                assert abs(got - want) <= 1e-9 * max(want, 1.0), (group, result["pp_rank"], got, want)
 
 
 def main(argv: list[str] | None = None) -> int:

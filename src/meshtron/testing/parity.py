@@ -84,9 +84,15 @@ def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
 
     trainer.compute_gradients = first_step_gradients
     rows = [trainer.step(step) for step in range(steps)]
+    mesh = trainer.job.place.mesh
     return {
         "grads": grads,
         "rows": rows,
+        # Where plan/comm.py's step_bytes speaks for this rank: its stage, and whether it is rank 0 of
+        # its data-parallel group (the most loaded, which the formula describes)
+        "pp_rank": mesh.local_rank("pp"),
+        "dp_first": mesh.local_rank("dp_shard_cp") == 0 and mesh.local_rank("dp_replicate") == 0,
+        "cp_exchange": trainer.cfg.parallel.cp_exchange,  # "auto" as the run resolved it
         "state_bytes": model_state_bytes(
             trainer.engine, trainer.optimizer, trainer.job.outer.tensors() if trainer.job.outer else ()
         ),
