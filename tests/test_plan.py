@@ -104,6 +104,10 @@ LAYOUTS = {
     "cp2_allgather_op_recompute": (2, ["--parallel.cp=2", "--parallel.cp_impl=allgather", "--parallel.dp_shard=1", "--training.recompute=op", "--training.micro_batch=4"]),
     "cp2_alltoall_selective_tp2": (4, ["--parallel.cp=2", "--parallel.cp_impl=alltoall", "--parallel.tp=2", "--parallel.dp_shard=1", "--training.recompute=selective", "--training.micro_batch=4"]),
     "mla_cp2_alltoall_full_recompute": (2, [*MLA, "--parallel.cp=2", "--parallel.cp_impl=alltoall", "--training.recompute=full"]),
+    # A recomputed block reruns its experts' unit (ZeRO-3 over edp): gathered once for the rerun and its
+    # backward, with no prefetch of the next layer's experts (reduced already: a gather thrown away)
+    "moe_ep2_zero3_full_recompute": (4, [*MOE, "--parallel.ep=2", "--training.recompute=full", "--training.micro_batch=2"]),
+    "moe_tp2_etp1_zero3_op_recompute": (2, [*MOE, "--parallel.tp=2", "--parallel.etp=1", "--parallel.dp_shard=1", "--parallel.zero=3", "--training.recompute=op", "--training.micro_batch=4"]),
     # ZeRO-3 under interleaving: each unit gathered twice per micro-batch, prefetches kept inside the chunk
     # running (a block's prefetch of the next chunk's first block gathered it once more)
     "pp2_interleaved_zero3": (4, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=interleaved", "--model.n_layers=4", "--parallel.zero=3", "--training.micro_batch=2"]),

@@ -18,10 +18,11 @@ cannot be an argument. tests/test_architecture.py fails on a module-level mutabl
                                                                            process-wide
   LANE, IN_PLACE (comm/),            per-thread flags: the pipeline pair   torch calls these from autograd
   _LOAD_COUNTING (models/moe.py),    lane; in-place reduction; whether a   (forward, backward, recompute) in
-  _REGION (parallel/recompute.py),   forward counts expert loads; inside   the thread that runs it; per thread
-  _ACTIVE (pipeline/zero_bubble.py), the attention core; deferred weight   as torch's own grad mode is, since a
-  SavedGathers.depth,                gradients; the hooks entered; the     DualPipeV pair runs two threads
-  _STATE (comm/kept_outputs.py)      collective outputs a recompute keeps
+  _RERUN (models/rerun.py),          forward counts expert loads; inside   the thread that runs it; per thread
+  _REGION (parallel/recompute.py),   a recompute; inside the attention     as torch's own grad mode is, since a
+  _ACTIVE (pipeline/zero_bubble.py), core; deferred weight gradients; the  DualPipeV pair runs two threads
+  SavedGathers.depth,                hooks entered; the collective outputs
+  _STATE (comm/kept_outputs.py)      a recompute keeps
   _SIDE_STREAMS (pipeline/pairs.py)  one CUDA side stream per device       streams are per device, not per run
   _MEMO, _MEASURED_AGAIN             the MFU reference measured in this    a test process builds hundreds of
   (probe/peak.py)                    process                               trainers; measuring is seconds each

@@ -40,6 +40,7 @@ from meshtron.engines.materialize import is_meta, materialize_, untouched_zeros
 from meshtron.engines.settings import DataParallelSettings, EngineGroups, EngineModel
 from meshtron.engines.shard import FlatLayout
 from meshtron.engines.staging import Staging
+from meshtron.models.rerun import is_rerunning
 
 
 class FSDPUnit:
@@ -222,7 +223,9 @@ class FullyShardedDataParallel(DataParallelEngine):
 
     def _pre_forward(self, index: int, chunk: int) -> None:
         self.units[index].unshard(self.comm, self.shard, self.gathers)
-        following = self._next_in_forward(index, chunk)
+        # A recompute's rerun (a unit inside a recomputed block: an MoE layer's experts) runs in backward,
+        # after the units that follow it in forward have reduced: prefetching one would be thrown away.
+        following = None if is_rerunning() else self._next_in_forward(index, chunk)
         if following is not None:
             following.start_gather(self.comm, self.shard, self.gathers)
 
@@ -232,7 +235,8 @@ class FullyShardedDataParallel(DataParallelEngine):
         for out in _activations(output):
             if torch.is_grad_enabled() and out.requires_grad:
                 out.register_hook(lambda grad, i=index, c=chunk: self._pre_backward(i, c, grad))
-        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward will come for it
+        # (A rerun's unit stays gathered: its backward follows at once.)
+        if (self.reshard_after_forward and not is_rerunning()) or not torch.is_grad_enabled():
             self.units[index].reshard()
 
     def _pre_backward(self, index: int, chunk: int, grad: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from meshtron.config.schema import OpRecomputeSaves, Recompute
 from meshtron.models.latent_attention import LatentAttention
 from meshtron.models.llama import Transformer
 from meshtron.models.moe import loads_not_counted
+from meshtron.models.rerun import rerunning
 from meshtron.pipeline.zero_bubble import active_deferrals
 
 
@@ -55,6 +56,7 @@ def _entered(modes: list[Any]) -> Iterator[None]:
         for mode in modes:
             stack.enter_context(mode)
         stack.enter_context(loads_not_counted())
+        stack.enter_context(rerunning())
         yield
 
 
