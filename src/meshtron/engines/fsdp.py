@@ -13,6 +13,8 @@ at full shape, but their storage is empty except while the unit runs:
             every parameter's gradient has been accumulated: reduce-scatter them (in reduce_dtype)
             into this rank's fp32 gradient shard, free the full gradients and parameters
   HSDP      with dp_replicate > 1 the gradient shards are then all-reduced across replicas
+  pipeline  prefetches stay inside the chunk running; after a chunk's backward (B) its units are freed
+            even where its weight gradients come later (W, split backward: `chunk_backward`)
 
 Freeing resizes a parameter's storage to zero and gathering resizes it back, so tensors autograd saved
 during forward (which share that storage) see the gathered values again in backward. Per step this moves

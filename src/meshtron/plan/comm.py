@@ -31,8 +31,9 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
 
 Tokens are this rank's: micro_batch·seq_len/cp. The data-parallel groups and the pipeline's are exact
 (tests/test_plan.py checks them against the counted bytes of every engine and schedule), but for ZeRO-3
-without resharding after forward on the first rank of a V (`exact_groups`); tp is a leading term, and so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at
-balanced routing); the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
+without resharding after forward on the first rank of a V (`exact_groups`); tp is a leading term, and
+so is ep where routing sets the bytes (dropless all-to-all, dedup, hierarchical: at balanced routing);
+the routing-free ep exchanges (a capacity's slots, the all-gather dispatch) are exact;
 context parallel's ring, all-gather and all-to-all exchanges are exact for dense models (hybrid is not
 modelled yet). `exact_groups` names the exact ones.
 """
@@ -45,7 +46,7 @@ from meshtron.config.row_blocks import padded_numel
 from meshtron.config.schema import V_SCHEDULES, Config, ModelConfig, TrainingConfig
 from meshtron.plan.muon import muon_bytes
 from meshtron.plan.routing import hierarchical_rows, ranks_per_token
-from meshtron.plan.state import rank_parameters, row_block_elements
+from meshtron.plan.state import RankParameter, rank_parameters, row_block_elements
 from meshtron.rules.data import micro_batches_per_step
 from meshtron.schedules.actions import chunks_of_rank, rank_of_chunk
 
@@ -95,7 +96,7 @@ def _dp_bytes(
     return volume * _ring(shard), 2 * reduce * (padded / shard) * _ring(replicate)
 
 
-def _v_root_regathers(cfg: Config, params: list, shard: int, micro: int) -> float:
+def _v_root_regathers(cfg: Config, params: list[RankParameter], shard: int, micro: int) -> float:
     """ZeRO-3 on the first rank of a V (embedding and head on one rank): each of its two chunks gathers
     the root unit in forward and again in backward, two gathers more per micro-batch than a unit's."""
     root = [x.shape for x in params if not x.name.startswith(("layers.", "mtp."))]
