@@ -142,10 +142,7 @@ def parallelize(
     engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots, chunks)
     model.reset_buffers(device)  # built on the meta device, or emptied with fully_shard's shards
     if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
-        # A V's first rank: the embedding's gradient comes from chunk 0's backward and, in the last
-        # chunk, from the tied head's W and the MTP depths' B (separate backward calls each).
-        m = model.cfg
-        engine.expect_grad_uses(model.tok_embeddings.weight, 1 + m.tie_embeddings + (m.mtp_depth > 0))
+        _expect_embedding_grads(engine, model)
     token_loss = (
         cross_entropy_per_token
         if tp_plan is None
@@ -163,3 +160,10 @@ def parallelize(
         positions=layout.positions(mesh.group(Dim.CP).rank) if layout is not None else None,
         counted_elsewhere=pipeline.counted_elsewhere() if pipeline is not None else frozenset(),
     )
+
+
+def _expect_embedding_grads(engine: DataParallelEngine, model: Transformer) -> None:
+    """A V's first rank: the embedding's gradient comes from chunk 0's backward and, in the last chunk,
+    from the tied head's W and the MTP depths' B (separate backward calls each)."""
+    m = model.cfg
+    engine.expect_grad_uses(model.tok_embeddings.weight, 1 + m.tie_embeddings + (m.mtp_depth > 0))
