@@ -36,6 +36,17 @@ GRAD_RTOL = 1e-5
 # Two, not one: a job may build a second layout's trainer while its first is still in use.
 KEPT_MESHES = 2
 _MESHES: dict[ParallelDims, ParallelMesh] = {}
+# The trainer each kept mesh was last handed to. A job returns after some steps with collectives still in
+# flight (ZeRO-1/2 post the next step's first all-gathers as a step ends); dropped so, their messages stay
+# on the mesh's groups, where the next trainer's first all-gathers on them would take them (a hang, seen
+# under load). Each one's are waited for (as Trainer.run does at its end) before its mesh serves another.
+_TRAINERS: dict[ParallelDims, Trainer] = {}
+
+
+def _settle(dims: ParallelDims) -> None:
+    trainer = _TRAINERS.pop(dims, None)
+    if trainer is not None:
+        trainer.engine.finish_params()
 
 
 def mesh_for(dims: ParallelDims) -> ParallelMesh:
@@ -45,6 +56,7 @@ def mesh_for(dims: ParallelDims) -> ParallelMesh:
     _MESHES[dims] = mesh
     stale = list(_MESHES)[:-KEPT_MESHES]
     for old in stale:
+        _settle(old)
         _MESHES.pop(old).close()
     if stale:  # a DeviceMesh and its flattened views form reference cycles that hold their groups
         gc.collect()
@@ -54,15 +66,21 @@ def mesh_for(dims: ParallelDims) -> ParallelMesh:
 def release_meshes() -> None:
     """Close every mesh this worker keeps: what a pool left idle runs so its ranks stop polling."""
     while _MESHES:
-        _MESHES.popitem()[1].close()
+        dims, mesh = _MESHES.popitem()
+        _settle(dims)
+        mesh.close()
     gc.collect()
 
 
 def trainer_for(overrides: list[str], config: Path | None = None) -> Trainer:
     """A Trainer on this worker's mesh for the layout (`config` a TOML file the overrides apply to)."""
     cfg = load_config(config, overrides)
-    dims = cfg.parallel.dims(dist.get_world_size() if dist.is_initialized() else 1)
-    return Trainer(cfg, mesh_for(dims) if dist.is_initialized() else None)
+    if not dist.is_initialized():
+        return Trainer(cfg, None)
+    dims = cfg.parallel.dims(dist.get_world_size())
+    _settle(dims)
+    trainer = _TRAINERS[dims] = Trainer(cfg, mesh_for(dims))
+    return trainer
 
 
 def run_layout(overrides: list[str], steps: int = STEPS) -> dict[str, Any]:
