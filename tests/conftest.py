@@ -16,13 +16,17 @@ from meshtron.plan.hardware import Accelerator, GiB
 from meshtron.testing.parity import release_meshes
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Every gloo process group a rank holds keeps a thread that wakes to poll: an idle 8-rank pool with 100
-# threads a rank spends a quarter of a core doing nothing. A worker keeps the meshes of its last two layouts
-# (testing/parity.py mesh_for), so the pools together hold about 1,200 threads; past MAX_TOTAL_THREADS the
-# idle ones close their meshes, the largest first. A pool restarts (its ranks import torch again, about
-# 6 s) only while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
+# Every gloo process group a rank holds keeps a thread that wakes about a hundred times a second while
+# idle (gloo's tcp loop): the meshes left by test_plan.py's layouts took 0.18 of a core doing nothing.
+# A worker keeps the meshes of its last two layouts (testing/parity.py mesh_for); past MAX_TOTAL_THREADS
+# the idle pools close theirs, the largest first, and every pool closes them before a test that uses
+# none (a launch, whose ranks want the cores: 0.02 of a core is left). Closing takes 0.3-0.5 s, so a
+# pool the next tests use keeps its meshes. A pool restarts (its ranks import torch again, about 6 s)
+# only while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
 MAX_POOL_THREADS = 150
 MAX_TOTAL_THREADS = 1600
+IDLE_THREADS = 12  # a rank's threads with no mesh: its world group's, the store's, Python's
+_POOLS: dict[int, WorkerPool] = {}
 
 
 def _held(pool: WorkerPool) -> int:
@@ -32,24 +36,34 @@ def _held(pool: WorkerPool) -> int:
 @pytest.fixture(scope="session")
 def workers():
     """workers(n) -> a WorkerPool of n ranks, started on first use and kept for the session."""
-    pools: dict[int, WorkerPool] = {}
 
     def get(world_size: int) -> WorkerPool:
-        others = sorted((p for size, p in pools.items() if size != world_size), key=_held, reverse=True)
+        others = sorted((p for size, p in _POOLS.items() if size != world_size), key=_held, reverse=True)
         for idle in others:
-            if sum(_held(p) for p in pools.values()) <= MAX_TOTAL_THREADS:
+            if sum(_held(p) for p in _POOLS.values()) <= MAX_TOTAL_THREADS:
                 break
             if not idle.broken:
                 idle.run(release_meshes)
-        pool = pools.get(world_size)
+        pool = _POOLS.get(world_size)
         if pool is not None and not pool.broken and pool.threads() > MAX_POOL_THREADS:
             pool.close()  # a fresh pool: its ranks no longer poll the threads of old process groups
         if pool is None or pool.broken:
-            pool = pools[world_size] = WorkerPool(world_size, timeout_s=180)
+            pool = _POOLS[world_size] = WorkerPool(world_size, timeout_s=180)
         return pool
 
     yield get
-    close_pools(list(pools.values()))
+    close_pools(list(_POOLS.values()))
+    _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _pools_quiet_beside_other_tests(request):
+    """Before a test that uses no pool, every pool closes the meshes it holds."""
+    if "workers" not in request.fixturenames:
+        for pool in _POOLS.values():
+            if not pool.broken and pool.threads() > IDLE_THREADS:
+                pool.run(release_meshes)
+    yield
 
 
 @pytest.fixture

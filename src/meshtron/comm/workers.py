@@ -126,9 +126,9 @@ class WorkerPool:
             self.timeout_s = before
 
     def threads(self) -> int:
-        """The most threads any rank runs, 0 where /proc cannot tell. A rank keeps gloo's threads of every
-        process group it made (about 9 per ParallelMesh, even after `close()` and a collection), and
-        each of them polls: a pool that has built hundreds of meshes spends cores on them while idle."""
+        """The most threads any rank runs, 0 where /proc cannot tell. Each gloo process group a rank holds
+        runs threads, one of which wakes to poll even while idle, until the group is destroyed: a pool
+        holding many meshes spends cores on them while it waits."""
         counts = [0]
         for p in self._procs:
             with contextlib.suppress(OSError):
