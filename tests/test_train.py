@@ -16,7 +16,7 @@ from meshtron.models.llama import build_model
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.rules.checks import load_config, not_yet_supported
-from meshtron.testing.parity import relative, ring, train_rows, trainer_for
+from meshtron.testing.parity import drop_trainer, relative, ring, train_rows, trainer_for
 from meshtron.testing.tiny import MOE
 from meshtron.testing.tiny import TINY as TINY_10_STEPS
 from meshtron.train.optim import lr_at
@@ -215,6 +215,7 @@ def trainers_left_alive(layouts: list[list[str]]) -> list[bool]:
         trainer = trainer_for([*TINY_10_STEPS, "--training.micro_batch=2", *overrides])
         trainer.step(0)
         model = weakref.ref(trainer.model)
+        drop_trainer(trainer)  # the harness's own reference (testing/parity.py), not a hook's
         del trainer
         gc.collect()
         alive.append(model() is not None)

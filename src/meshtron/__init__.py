@@ -30,8 +30,9 @@ cannot be an argument. tests/test_architecture.py fails on a module-level mutabl
   _WORKER_TOKENIZER (data/encode.py) the tokenizer of a pool worker        set once per worker process
   Memo objects (plan/)               the planner's per-stage sums          pure functions of their keys: a
                                                                            cache, never a result's input
-  _MESHES, _SINGLE_DEVICE            meshes and single-device references   the test workers live across tests
-  (testing/parity.py)                kept alive in a worker
+  _MESHES, _SINGLE_DEVICE,           meshes, single-device references and  the test workers live across tests;
+  _TRAINERS (testing/parity.py)      each mesh's last trainer, kept alive  a trainer's in-flight collectives
+                                     in a worker                           are waited before its mesh is reused
 """
 
 __version__ = "0.1.0"

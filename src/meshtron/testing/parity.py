@@ -49,6 +49,14 @@ def _settle(dims: ParallelDims) -> None:
         trainer.engine.finish_params()
 
 
+def drop_trainer(trainer: Trainer) -> None:
+    """Wait for `trainer`'s in-flight collectives and let go of it: a job that must see a trainer collected
+    calls this first, since this module keeps the last trainer of each mesh."""
+    for dims, kept in list(_TRAINERS.items()):
+        if kept is trainer:
+            _settle(dims)
+
+
 def mesh_for(dims: ParallelDims) -> ParallelMesh:
     """This worker's mesh for `dims`: built on first use and kept while it is among the last KEPT_MESHES
     asked for; every rank of the pool asks in the same order, so all close the same ones together."""
