@@ -33,7 +33,7 @@ from meshtron.comm.group import CommGroup
 from meshtron.comm.mesh import ParallelMesh
 from meshtron.comm.saved_gathers import SAVED_GATHERS
 from meshtron.config.layout import PP_ENDS, Dim
-from meshtron.config.schema import Config
+from meshtron.config.schema import Config, ParallelConfig
 from meshtron.engines.engine import DataParallelEngine
 from meshtron.models.llama import Transformer
 from meshtron.models.loss import cross_entropy_per_token
@@ -125,18 +125,7 @@ def parallelize(
     t = cfg.training
     keep = t.op_recompute_dispatch == "keep"
     apply_recompute(model, t.recompute, t.op_recompute_saves, keep_attention=p.cp == 1, keep_dispatch=keep)
-    pipeline = None
-    if layer_split is not None:  # group what the steps above left of this rank's chunks into modules
-        seq_shards = mesh.size(Dim.TP) if p.sp else 1
-        overlap = p.pp_overlap  # pairs.py: only dualpipev on CPU ranks gets here with it (rules/pipeline.py)
-        if overlap:
-            comm.add_pair_lane(mesh.pair_lane())
-        pipeline = PipelineRuntime(
-            model, comm, mesh.group(Dim.PP), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
-        )
-        if seq_shards > 1:  # sp's gathered inputs gathered again in backward (tensor.py), chunk by chunk
-            for chunk in pipeline.chunks.values():
-                SAVED_GATHERS.hook(chunk)
+    pipeline = _pipeline_runtime(model, comm, mesh, p, layer_split) if layer_split is not None else None
     roots = pipeline.boundary_chunks() if pipeline is not None else None
     chunks = list(pipeline.chunks.values()) if pipeline is not None else None
     engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots, chunks)
@@ -157,9 +146,26 @@ def parallelize(
         token_loss=token_loss,
         comm=comm,
         tied_ends=tied_ends,
-        positions=layout.positions(mesh.group(Dim.CP).rank) if layout is not None else None,
+        positions=layout.positions(cp.rank) if layout is not None else None,
         counted_elsewhere=pipeline.counted_elsewhere() if pipeline is not None else frozenset(),
     )
+
+
+def _pipeline_runtime(
+    model: Transformer, comm: Comm, mesh: ParallelMesh, p: ParallelConfig, layer_split: list[list[int]]
+) -> PipelineRuntime:
+    """Group what the steps before it left of this rank's chunks into the pipeline's modules."""
+    seq_shards = mesh.size(Dim.TP) if p.sp else 1
+    overlap = p.pp_overlap  # pairs.py: only dualpipev on CPU ranks gets here with it (rules/pipeline.py)
+    if overlap:
+        comm.add_pair_lane(mesh.pair_lane())
+    pipeline = PipelineRuntime(
+        model, comm, mesh.group(Dim.PP), p.vpp, p.pp_schedule, layer_split, seq_shards, overlap
+    )
+    if seq_shards > 1:  # sp's gathered inputs gathered again in backward (tensor.py), chunk by chunk
+        for chunk in pipeline.chunks.values():
+            SAVED_GATHERS.hook(chunk)
+    return pipeline
 
 
 def _expect_embedding_grads(engine: DataParallelEngine, model: Transformer) -> None:
