@@ -19,18 +19,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every gloo process group a rank holds keeps a thread that wakes about a hundred times a second while
 # idle (gloo's tcp loop): the meshes left by test_plan.py's layouts took 0.18 of a core doing nothing.
 # A worker keeps the meshes of its last two layouts (testing/parity.py mesh_for); past MAX_TOTAL_THREADS
-# the idle pools close theirs, the largest first, and every pool closes them before a test that uses
-# none (a launch, whose ranks want the cores: 0.02 of a core is left). Closing takes 0.3-0.5 s, so a
-# pool the next tests use keeps its meshes. A pool restarts (its ranks import torch again, about 6 s)
-# only while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
+# the idle pools close theirs, the largest first, and every pool a test used closes them before a test
+# that uses none (a launch, whose ranks want the cores: 0.02 of a core is left). Closing takes 0.3-0.5 s
+# (each rank's gc.collect), so a pool the next tests use keeps its meshes, and a pool no test has used
+# since it closed them is not asked again: asking every pool before each of the suite's ~800 tests
+# without one cost 0.3-0.5 s a test. A pool restarts (its ranks import torch again, about 6 s) only
+# while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
 MAX_POOL_THREADS = 150
 MAX_TOTAL_THREADS = 1600
-IDLE_THREADS = 12  # a rank's threads with no mesh: its world group's, the store's, Python's
 _POOLS: dict[int, WorkerPool] = {}
+_USED: set[int] = set()  # world sizes of the pools that ran a test since they last closed their meshes
 
 
 def _held(pool: WorkerPool) -> int:
     return 0 if pool.broken else pool.threads() * pool.world_size
+
+
+def _release(world_size: int) -> None:
+    pool = _POOLS[world_size]
+    if not pool.broken:
+        pool.run(release_meshes)
+    _USED.discard(world_size)
 
 
 @pytest.fixture(scope="session")
@@ -42,27 +51,27 @@ def workers():
         for idle in others:
             if sum(_held(p) for p in _POOLS.values()) <= MAX_TOTAL_THREADS:
                 break
-            if not idle.broken:
-                idle.run(release_meshes)
+            _release(idle.world_size)
         pool = _POOLS.get(world_size)
         if pool is not None and not pool.broken and pool.threads() > MAX_POOL_THREADS:
             pool.close()  # a fresh pool: its ranks no longer poll the threads of old process groups
         if pool is None or pool.broken:
             pool = _POOLS[world_size] = WorkerPool(world_size, timeout_s=180)
+        _USED.add(world_size)
         return pool
 
     yield get
     close_pools(list(_POOLS.values()))
     _POOLS.clear()
+    _USED.clear()
 
 
 @pytest.fixture(autouse=True)
 def _pools_quiet_beside_other_tests(request):
-    """Before a test that uses no pool, every pool closes the meshes it holds."""
+    """Before a test that uses no pool, every pool used since it last did closes the meshes it holds."""
     if "workers" not in request.fixturenames:
-        for pool in _POOLS.values():
-            if not pool.broken and pool.threads() > IDLE_THREADS:
-                pool.run(release_meshes)
+        for world_size in sorted(_USED):
+            _release(world_size)
     yield
 
 
