@@ -26,6 +26,9 @@ memory section trains on the byte-tokenized default corpus, prepared from Python
 4. Operations: a short `Trainer.run` with profiled steps and an asynchronous checkpoint on the device:
    the trace (CUDA kernels included), the allocator's history, the peak per phase against the planner,
    the checkpoint published and loading back into the same loss (docs/operations.md).
+5. The planner's compute terms: benchmarks/planner_terms.py times each kernel class the planner prices
+   (GEMMs, grouped experts, attention core, MoE permutation, router) at the published MoE runs' shapes
+   against the planner's seconds for it (about a minute; its own section of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_step
+import planner_terms
 import torch
 import torch.nn.functional as F
 from reporting import RESULTS, table, write_section
@@ -394,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, ok = correctness(setting)
     speed = ["--smoke"] if args.smoke else ["--budget-s", str(args.speed_budget_s)]
     speed_failed = gpu_step.main([*speed, "--out", args.out])
+    terms_failed = planner_terms.main([*(["--smoke"] if args.smoke else []), "--out", args.out])
     with tempfile.TemporaryDirectory() as tmp:
         memory_rows = memory(setting, args.smoke, tmp)
     with tempfile.TemporaryDirectory() as tmp:
@@ -405,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         f"correctness: {'every check within tolerance' if ok else 'SOME CHECKS OVER TOLERANCE'}; model "
         f"dim {setting.dense.dim}, {setting.dense.n_layers} layers, seq {setting.seq}, batch {setting.batch}, "
         f"device dtype {str(setting.dtype).removeprefix('torch.')}",
-        "speed: the section of benchmarks/gpu_step.py (written by this run)",
+        "speed: the section of benchmarks/gpu_step.py, and the planner's terms that of "
+        "benchmarks/planner_terms.py (both written by this run)",
         f"reproduce: `python benchmarks/gpu_check.py{' --smoke' if args.smoke else ''}`",
     ]
     body = "\n".join(
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if args.out != "-":
         write_section(Path(args.out), TITLE, "gpu_check.py", body + "\n")
-    return 0 if ok and operations_ok and not speed_failed else 1
+    return 0 if ok and operations_ok and not speed_failed and not terms_failed else 1
 
 
 if __name__ == "__main__":

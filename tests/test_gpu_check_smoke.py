@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py's CPU path (tiny shapes, fp32), so that the one-GPU acceptance script cannot rot
 between the sessions that have a GPU: its correctness checks must pass, gpu_step.py's table (which it
 runs) must build both models from the same weights and agree on the first loss, and the memory section
-must train every configuration it predicts."""
+must train every configuration it predicts, and planner_terms.py (which it runs) must time every term the
+planner prices for an MoE layer."""
 
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ def test_gpu_check_runs_its_cpu_smoke_path():
     assert "FAILED" not in out.stdout
     for configuration in ("| eager |", "| selective recompute |", "| full recompute |"):
         assert configuration in out.stdout, configuration
+    terms = ("attention projections", "dense FFN or shared experts", "attention core, forward + backward",
+             "routed experts, a loop of GEMMs", "routed experts, grouped", "permutation and combine, forward",
+             "router, forward")  # fmt: skip
+    for term in terms:
+        assert f"| tiny MoE (smoke) | {term} |" in out.stdout, term
+    assert "not measured" not in out.stdout

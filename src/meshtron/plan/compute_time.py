@@ -119,7 +119,7 @@ def matmul_time(m: float, k: float, n: float, rates: Rates) -> float:
     return max(flops, traffic)
 
 
-def _attention_matmuls(cfg: Config, rows: int) -> list[tuple[float, float, float]]:
+def attention_matmuls(cfg: Config, rows: int) -> list[tuple[float, float, float]]:
     """(m, k, n) of the attention's weight matmuls on one tp rank: wq, wk, wv, wo, or MLA's down-
     projections (whole, on the latents' tokens: all of them, or this rank's under sp with q_lora_rank),
     up-projections and wo (its heads)."""
@@ -153,14 +153,14 @@ Matmuls = list[tuple[float, float, float, int]]  # (m, k, n, how many of that sh
 def _layer_matmuls(cfg: Config, layer: int, rows: int, imbalance: float) -> Matmuls:
     """(m, k, n, count) of the weight matmuls of one layer on one tp rank (see the module docstring)."""
     m, tp = cfg.model, cfg.parallel.tp
-    out = [(a, k, n, 1) for a, k, n in _attention_matmuls(cfg, rows)]
+    out = [(a, k, n, 1) for a, k, n in attention_matmuls(cfg, rows)]
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
         return out + [(rows, m.dim, f, 2), (rows, f, m.dim, 1)]
-    return out + [(rows, m.dim, m.n_experts, 1)] + _expert_matmuls(cfg, rows, imbalance)  # with the router
+    return out + [(rows, m.dim, m.n_experts, 1)] + expert_matmuls(cfg, rows, imbalance)  # with the router
 
 
-def _routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int, int]:
+def routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int, int]:
     """(rows each local expert multiplies, its width on this rank, local experts) of an MoE layer."""
     m, p = cfg.model, cfg.parallel
     # etp = tp: each expert split over tp, all tokens; etp = 1: whole experts, 1/tp of the tokens each.
@@ -168,10 +168,10 @@ def _routed_shape(cfg: Config, rows: int, imbalance: float) -> tuple[float, int,
     return imbalance * m.top_k * rows / share * p.ep / m.n_experts, width, m.n_experts // p.ep
 
 
-def _expert_matmuls(cfg: Config, rows: int, imbalance: float) -> Matmuls:
+def expert_matmuls(cfg: Config, rows: int, imbalance: float) -> Matmuls:
     """(m, k, n, count) of an MoE layer's routed and shared experts' matmuls on one tp rank."""
     m, h = cfg.model, cfg.model.dim
-    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    per_expert, width, local = routed_shape(cfg, rows, imbalance)
     out = [(per_expert, h, width, 2 * local), (per_expert, width, h, local)]
     if m.n_shared_experts:
         s = m.shared_expert_ffn_dim // cfg.parallel.tp
@@ -197,7 +197,7 @@ def _fp8_cast_parts(cfg: Config, layer: int, rows: int, imbalance: float) -> tup
     """fp8_cast_elements split into the attention's (with a dense layer's FFN) and an MoE layer's
     experts'."""
     m, tp = cfg.model, cfg.parallel.tp
-    attention = _attention_matmuls(cfg, rows)
+    attention = attention_matmuls(cfg, rows)
     # Which projections read the layer's input x beside the first: k and v (grouped-query attention), or
     # MLA's key/value down-projection beside its query's (or beside wq without a query latent).
     beside = {2 if m.q_lora_rank else 1} if m.is_mla else {1, 2}
@@ -206,10 +206,10 @@ def _fp8_cast_parts(cfg: Config, layer: int, rows: int, imbalance: float) -> tup
     if not m.is_moe_layer(layer):
         f = m.ffn_dim // tp
         return mine + PassTimes(f=rows * (m.dim + f), b=rows * (2 * f + m.dim)), PassTimes()
-    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    per_expert, width, local = routed_shape(cfg, rows, imbalance)
     shared = m.shared_expert_ffn_dim // tp if m.n_shared_experts else 0
     forward = local * per_expert * (m.dim + width) + (rows * (m.dim + shared) if shared else 0)
-    output_grads = sum(a * n * count for a, _, n, count in _expert_matmuls(cfg, rows, imbalance))
+    output_grads = sum(a * n * count for a, _, n, count in expert_matmuls(cfg, rows, imbalance))
     return mine, PassTimes(f=forward, b=output_grads)
 
 
@@ -225,12 +225,12 @@ def expert_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) 
     if not m.is_moe_layer(layer):
         return PassTimes()
     rows = cfg.training.micro_batch * cfg.training.seq_len // cfg.parallel.cp
-    gemm = _matmuls_time(_expert_matmuls(cfg, rows, imbalance), rates)
-    per_expert, width, local = _routed_shape(cfg, rows, imbalance)
+    gemm = _matmuls_time(expert_matmuls(cfg, rows, imbalance), rates)
+    per_expert, width, local = routed_shape(cfg, rows, imbalance)
     shared = m.shared_expert_ffn_dim // cfg.parallel.tp if m.n_shared_experts else 0
     act = 2 if cfg.training.dtype != "fp32" else 4
     kept = (local * per_expert * (m.dim + 3 * width) + rows * 3 * shared) * act
-    moved = _routed_rows_moved(cfg, layer, rows) + kept
+    moved = routed_rows_moved(cfg, layer, rows) + kept
     elementwise = rates.eff.elementwise_passes * moved / (rates.hbm * rates.eff.hbm)
     casts = _fp8_cast_parts(cfg, layer, rows, imbalance)[1] * _fp8_cast_seconds(rates)
     return PassTimes(f=gemm + elementwise / 4 + casts.f, b=gemm + 3 * elementwise / 4 + casts.b, w=gemm)
@@ -248,7 +248,7 @@ def _op_rerun_matmuls(cfg: Config, rows: int, gemm: float, rates: Rates) -> floa
     return queries + keys
 
 
-def _routed_rows_moved(cfg: Config, layer: int, rows: int) -> float:
+def routed_rows_moved(cfg: Config, layer: int, rows: int) -> float:
     """Bytes an MoE layer's routed rows move in its permutation and combine that the layer does not keep:
     each row's token written in expert order and its output read back (activation dtype), then summed
     into the token's fp32 result; 0 for a dense layer."""
@@ -268,7 +268,7 @@ def layer_times(cfg: Config, layer: int, rates: Rates, imbalance: float = 1.0) -
     width = m.n_heads // p.tp * (m.head_size + m.value_size)  # QKᵀ over the key dims, softmax·V the value's
     keys = keys_per_query(t.seq_len, m.sliding_window)
     core = rates.attention_time(2.0 * width * keys * rows)
-    kept = layer_bytes(cfg, layer, "none") + _routed_rows_moved(cfg, layer, rows)
+    kept = layer_bytes(cfg, layer, "none") + routed_rows_moved(cfg, layer, rows)
     elementwise = rates.eff.elementwise_passes * kept / (rates.hbm * rates.eff.hbm)
     casts = _fp8_cast_times(cfg, layer, rows, imbalance, rates)
     forward = gemm + core + elementwise / 4 + casts.f
