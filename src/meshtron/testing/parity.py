@@ -73,10 +73,10 @@ def mesh_for(dims: ParallelDims) -> ParallelMesh:
 
 def release_meshes() -> None:
     """Close every mesh this worker keeps: what a pool left idle runs so its ranks stop polling."""
-    while _MESHES:
-        dims, mesh = _MESHES.popitem()
+    while _MESHES:  # no local names the last mesh when the collection runs, which would keep it
+        dims = next(reversed(_MESHES))
         _settle(dims)
-        mesh.close()
+        _MESHES.pop(dims).close()
     gc.collect()
 
 
