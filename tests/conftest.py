@@ -20,11 +20,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # idle (gloo's tcp loop): the meshes left by test_plan.py's layouts took 0.18 of a core doing nothing.
 # A worker keeps the meshes of its last two layouts (testing/parity.py mesh_for); past MAX_TOTAL_THREADS
 # the idle pools close theirs, the largest first, and every pool a test used closes them before a test
-# that uses none (a launch, whose ranks want the cores: 0.02 of a core is left). Closing takes 0.3-0.5 s
-# (each rank's gc.collect), so a pool the next tests use keeps its meshes, and a pool no test has used
-# since it closed them is not asked again: asking every pool before each of the suite's many tests
-# without one cost 0.3-0.5 s a test. A pool restarts (its ranks import torch again, about 6 s) only
-# while its ranks hold more than MAX_POOL_THREADS: process groups something leaked.
+# that uses none (a launch, whose ranks want the cores: 0.02 of a core is left). Closing takes 0.3-0.5 s,
+# so a pool the next tests use keeps its meshes, and a pool no test has used since it closed them is not
+# asked again (asking every pool before each of the suite's many tests without one cost 0.3-0.5 s a
+# test). A pool restarts (its ranks import torch again, about 6 s) only while its ranks hold more than
+# MAX_POOL_THREADS: process groups something leaked.
 MAX_POOL_THREADS = 150
 MAX_TOTAL_THREADS = 1600
 _POOLS: dict[int, WorkerPool] = {}
