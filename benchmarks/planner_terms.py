@@ -159,9 +159,8 @@ def grouped_row(case: Case) -> list[str]:
     per_expert, width, local = routed_shape(case.cfg, case.rows, 1.0)
     rows, k = _round16(per_expert), case.cfg.model.dim
     offsets = torch.arange(1, local + 1, device=case.device, dtype=torch.int32) * rows
-    shapes = [(k, width, 2), (width, k, 1)]  # gate and up, then down
     measured = planner = 0.0
-    for a, b, count in shapes:
+    for _, a, b, count in expert_matmuls(case.cfg, case.rows, 1.0)[:2]:  # gate and up, then down
         x = torch.randn(local * rows, a, device=case.device, dtype=case.dtype)
         w = torch.randn(local, a, b, device=case.device, dtype=case.dtype)
         dy = torch.randn(local * rows, b, device=case.device, dtype=case.dtype)
@@ -170,8 +169,8 @@ def grouped_row(case: Case) -> list[str]:
             lambda dy=dy, w=w: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offsets),
             lambda x=x, dy=dy: torch._grouped_mm(x.t(), dy, offs=offsets),
         ]
-        measured += count * sum(timed(f, case.device) for f in forms)
-        planner += count * local * 3 * matmul_time(per_expert, a, b, case.rates)
+        measured += count // local * sum(timed(f, case.device) for f in forms)
+        planner += count * 3 * matmul_time(per_expert, a, b, case.rates)
     shape = f"{local} experts x [{per_expert:.0f},{k}]x[{k},{width}] grouped"
     return _row(case, "routed experts, grouped", shape, measured, planner)
 
