@@ -16,6 +16,10 @@ from meshtron.plan.hardware import Accelerator, GiB
 from meshtron.testing.parity import release_meshes
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# inductor's C++ kernels on this CPU without explicit SIMD: the compiled tests check what meshtron hands
+# the compiler (graphs, breaks, collectives in them), not inductor's vectoriser, and its scalar kernels
+# take about a fifth less time to generate (a compiled tiny DeepSeek step: 35-38 s, not 42-50 s).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Every gloo process group a rank holds keeps a thread that wakes about a hundred times a second while
 # idle (gloo's tcp loop): the meshes left by test_plan.py's layouts took 0.18 of a core doing nothing.
 # A worker keeps the meshes of its last two layouts (testing/parity.py mesh_for); past MAX_TOTAL_THREADS
