@@ -88,6 +88,14 @@ def plan_row(row: Measured) -> dict[str, Any]:
     return dict(row=row, est=est, error=est.step_time_s / row.step_s - 1)
 
 
+def layer_microbatches(row: Measured) -> float:
+    """The layer passes (forward and backward of one layer on one micro-batch) a rank runs per step: its
+    micro-batches times its layers (94 over pp stages: a fraction where they do not divide)."""
+    cfg = config_of(row)
+    p, t = cfg.parallel, cfg.training
+    return t.global_batch / (p.dp_shard * p.dp_replicate * t.micro_batch) * cfg.model.n_layers / p.pp
+
+
 def _ranks(values: list[float]) -> list[int]:
     order = sorted(range(len(values)), key=values.__getitem__)
     return [order.index(i) + 1 for i in range(len(values))]
@@ -99,8 +107,9 @@ def table(planned: list[dict[str, Any]]) -> list[str]:
     predicted_rank = dict(zip(map(id, timed), _ranks([p["est"].step_time_s for p in timed]), strict=True))
     lines = [
         "| layout (published) | meshtron's keys | --overlap | published step s | predicted step s | error | "
-        "rank published / predicted | predicted parts (s) | memory GiB (fits 80) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "rank published / predicted | predicted parts (s) | ms per layer and micro-batch: published / "
+        "predicted compute | memory GiB (fits 80) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in planned:
         row = p["row"]
@@ -110,14 +119,16 @@ def table(planned: list[dict[str, Any]]) -> list[str]:
         keys += f",micro_batch={row.micro_batch},recompute={row.recompute}"
         head = f"| {row.name} | {keys} | {row.overlap} | {row.step_s:.1f} |"
         if "refused" in p:
-            lines.append(f"{head} refused: {p['refused']} | | | | |")
+            lines.append(f"{head} refused: {p['refused']} | | | | | |")
             continue
         est = p["est"]
         parts = ", ".join(f"{k} {v:.1f}" for k, v in est.time.items() if v >= 0.05)
         memory = est.memory_bytes_per_gpu / 2**30
+        passes = layer_microbatches(row)
         lines.append(
             f"{head} {est.step_time_s:.1f} | {100 * p['error']:+.0f}% | {measured_rank[id(p)]} / "
-            f"{predicted_rank[id(p)]} | {parts} | {memory:.0f} ({'yes' if est.fits else 'no'}) |"
+            f"{predicted_rank[id(p)]} | {parts} | {1e3 * row.step_s / passes:.1f} / "
+            f"{1e3 * est.time['compute'] / passes:.1f} | {memory:.0f} ({'yes' if est.fits else 'no'}) |"
         )
     return lines
 
