@@ -15,20 +15,21 @@ memory section trains on the byte-tokenized default corpus, prepared from Python
    the CPU smoke run (fp32 throughout) 1e-5, 1e-4, 1e-4. Generation compares the KV-cached logits of
    every new token with a full forward over the whole sequence (fp32, 1e-4), and the checkpoint the
    loss after a safetensors round trip (exactly equal).
-2. Speed: benchmarks/gpu_step.py's cases (the Llama-3.2-1B and 3B shapes and an MoE, eager and
+2. The planner's compute terms: benchmarks/planner_terms.py times each kernel class the planner prices
+   (GEMMs, grouped experts, attention core, MoE permutation, router) and meshtron's whole block at the
+   published MoE runs' shapes against the planner's seconds for it (about a minute; its own section of
+   RESULTS.md, written as it ends).
+3. Speed: benchmarks/gpu_step.py's cases (the Llama-3.2-1B and 3B shapes and an MoE, eager and
    compiled, recompute on and off, against transformers on the same weights, MFU against the datasheet
    peak), within a time budget; its own section of RESULTS.md.
-3. Memory: a few steps of `meshtron train`'s Trainer on the 1B shape per configuration, the peak of
+4. Memory: a few steps of `meshtron train`'s Trainer on the 1B shape per configuration, the peak of
    `torch.cuda.max_memory_allocated` against the planner's prediction for the same config on one GPU
    (plan/gpu_memory.py: parameters, gradients, optimizer, activations, transients; no CUDA context, no
    fragmentation: allocated, not reserved). The smoke run trains the tiny shape on the CPU and reports
    the prediction only (the CPU's measurement is benchmarks/memory_vs_plan.py's).
-4. Operations: a short `Trainer.run` with profiled steps and an asynchronous checkpoint on the device:
+5. Operations: a short `Trainer.run` with profiled steps and an asynchronous checkpoint on the device:
    the trace (CUDA kernels included), the allocator's history, the peak per phase against the planner,
    the checkpoint published and loading back into the same loss (docs/operations.md).
-5. The planner's compute terms: benchmarks/planner_terms.py times each kernel class the planner prices
-   (GEMMs, grouped experts, attention core, MoE permutation, router) at the published MoE runs' shapes
-   against the planner's seconds for it (about a minute; its own section of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -396,9 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         setting = Setting(torch.device("cuda"), torch.bfloat16, SMALL, 512, 2)
     rows, ok = correctness(setting)
+    # The planner's terms before the speed table: the shorter run, and the figures the planner waits on.
+    # Each writes its own section of the results file as it ends, so a run cut short keeps them.
+    terms_failed = planner_terms.main([*(["--smoke"] if args.smoke else []), "--out", args.out])
     speed = ["--smoke"] if args.smoke else ["--budget-s", str(args.speed_budget_s)]
     speed_failed = gpu_step.main([*speed, "--out", args.out])
-    terms_failed = planner_terms.main([*(["--smoke"] if args.smoke else []), "--out", args.out])
     with tempfile.TemporaryDirectory() as tmp:
         memory_rows = memory(setting, args.smoke, tmp)
     with tempfile.TemporaryDirectory() as tmp:

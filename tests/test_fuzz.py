@@ -113,3 +113,28 @@ def test_fuzzed_layout_matches_single_device(workers, seed):
 @pytest.mark.parametrize("case", list(EIGHT_RANKS))
 def test_eight_rank_composition_matches_single_device(workers, case):
     check_layout(workers, EIGHT_RANKS[case], 8)
+
+
+# Found by `python -m meshtron.testing.fuzz --layouts 60 --seed 9191`: under a split backward (zero-bubble) the
+# last stage's copy of a tied embedding takes two gradients per micro-batch, the MTP depth's lookup in
+# B and the tied heads' in W. The engines expected one: DDP all-reduced before the second arrived (the
+# losses drifted from step 2), ZeRO-1/2/3 reduced early and again (parity held, the bytes did not).
+SPLIT_TIED_MTP = [
+    "--model.name=tiny-deepseek",
+    "--model.n_experts=0",
+    "--model.n_layers=4",
+    "--model.tie_embeddings=true",
+    "--model.mtp_depth=1",
+    "--parallel.pp=2",
+    "--parallel.pp_schedule=zero_bubble",
+    "--training.micro_batch=2",
+]
+
+
+@pytest.mark.parametrize(
+    "data_parallel",
+    [["--parallel.dp_replicate=2", "--parallel.dp_shard=1"], ["--parallel.dp_shard=2", "--parallel.zero=3"]],
+    ids=["ddp", "zero3"],
+)
+def test_a_split_last_stage_waits_for_both_gradients_of_its_tied_copy(workers, data_parallel):
+    check_layout(workers, [*SPLIT_TIED_MTP, *data_parallel], 4)

@@ -130,8 +130,8 @@ def parallelize(
     chunks = list(pipeline.chunks.values()) if pipeline is not None else None
     engine = apply_data_parallel(model, comm, mesh, DataParallelSettings.of(cfg, device), roots, chunks)
     model.reset_buffers(device)  # built on the meta device, or emptied with fully_shard's shards
-    if pipeline is not None and pipeline.holds_tied_weight() and not pipeline.tied_across_ranks():
-        _expect_embedding_grads(engine, model)
+    if pipeline is not None and pipeline.holds_tied_weight():  # its gradient arrives in pieces
+        engine.expect_grad_uses(model.tok_embeddings.weight, pipeline.embedding_grad_calls())
     token_loss = (
         cross_entropy_per_token
         if tp_plan is None
@@ -166,10 +166,3 @@ def _pipeline_runtime(
         for chunk in pipeline.chunks.values():
             SAVED_GATHERS.hook(chunk)
     return pipeline
-
-
-def _expect_embedding_grads(engine: DataParallelEngine, model: Transformer) -> None:
-    """A V's first rank: the embedding's gradient comes from chunk 0's backward and, in the last chunk,
-    from the tied head's W and the MTP depths' B (separate backward calls each)."""
-    m = model.cfg
-    engine.expect_grad_uses(model.tok_embeddings.weight, 1 + m.tie_embeddings + (m.mtp_depth > 0))

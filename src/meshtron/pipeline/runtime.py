@@ -312,6 +312,18 @@ class PipelineRuntime:
         """This rank holds one of two copies of a tied embedding (its gradient is summed with the other)."""
         return self.holds_tied_weight() and not {0, self.n_chunks - 1} <= set(self.chunks)
 
+    def embedding_grad_calls(self) -> int:
+        """The separate backward calls that give this rank's embedding table (or its copy) a gradient per
+        micro-batch: chunk 0's B (its lookup); in the last chunk, the MTP depths' lookup in B and the tied
+        head in that B too or, under a split backward, in W (zero_bubble.py: linear weights' gradients)."""
+        m, last = self.model.cfg, self.n_chunks - 1
+        calls = {(0, "B")} if 0 in self.chunks else set()
+        if last in self.chunks:
+            calls |= {(last, "B")} if m.mtp_depth else set()
+            split = self.schedule in SPLIT_BACKWARD and last > 0
+            calls |= {(last, "W" if split else "B")} if m.tie_embeddings else set()
+        return len(calls)
+
     def is_last_stage(self) -> bool:
         return self.n_chunks - 1 in self.chunks
 
