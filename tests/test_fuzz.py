@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from meshtron.testing.fuzz import MESH_DIMS, check_layout, coverage, draw_layout
-from meshtron.testing.tiny import MOE
+from meshtron.rules.checks import check, load_config
+from meshtron.testing.fuzz import MESH_DIMS, WIDE, check_layout, coverage, draw_layout, with_wide
+from meshtron.testing.tiny import MOE, TINY
 
 # One layout per seed (draw_layout with random.Random(seed)); with the 8-rank cases below they cover
 # what test_the_seed_list_covers_every_dim_and_option asks. Changing draw_layout changes them: rerun the
@@ -138,3 +139,31 @@ SPLIT_TIED_MTP = [
 )
 def test_a_split_last_stage_waits_for_both_gradients_of_its_tied_copy(workers, data_parallel):
     check_layout(workers, [*SPLIT_TIED_MTP, *data_parallel], 4)
+
+
+def test_wide_draws_valid_layouts_with_each_of_its_options():
+    """`--wide`'s options, drawn over the plain draws, keep every layout valid and each turns up."""
+    rng, wide, seen = random.Random(0), random.Random(-1), set()
+    for _ in range(60):
+        overrides, world = draw_layout(rng)
+        drawn = with_wide(wide, overrides, world)
+        check(load_config(None, [*TINY, *drawn]), world)
+        seen |= set(drawn) - set(overrides)
+    assert {option for _, options in WIDE for option in options} <= seen
+
+
+def test_simple_fsdp_under_recompute_trains_as_one_device_and_claims_no_exact_bytes(workers):
+    """Found by `--wide` (seed 555): SimpleFSDP gathers per parameter read, so full recompute moves other
+    bytes than meshtron's units, which step_bytes prices; verify and the fuzzer held them to that formula
+    as exact and failed a layout that trains right (plan/comm.py exact_groups)."""
+    layout = [
+        "--model.n_kv_heads=1",
+        "--parallel.dp_replicate=2",
+        "--parallel.cp=2",
+        "--parallel.cp_impl=allgather",
+        "--parallel.zero=3",
+        "--parallel.fsdp_impl=simple",
+        "--training.recompute=full",
+        "--training.micro_batch=4",
+    ]
+    check_layout(workers, layout, 4)

@@ -161,6 +161,35 @@ def _with_deepseek(rng: random.Random, overrides: list[str], world: int) -> list
     return switched
 
 
+# `--wide` draws these too, each a third of the time where the layout runs it (a separate stream, so the
+# CI seed list's layouts stay what they are): per-op recompute (rerunning MoE dispatches), DeepEP-style
+# two-hop dispatch over two-rank "nodes", the embedding and the head as pipeline chunks of their own,
+# torch's FSDP2 and SimpleFSDP for ZeRO-3, MLA's latent exchange under cp, and tiny gradient buckets.
+WIDE = (
+    ("--training.recompute=", ["--training.recompute=op", "--training.op_recompute_dispatch=rerun"]),
+    ("--parallel.ep_dispatch=", ["--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2"]),
+    ("--parallel.pp_embedding_layers=", ["--parallel.pp_embedding_layers=1", "--parallel.pp_head_layers=1"]),
+    ("--parallel.fsdp_impl=", ["--parallel.fsdp_impl=simple"]),
+    ("--parallel.fsdp_impl=", ["--parallel.fsdp_impl=torch"]),
+    ("--parallel.cp_exchange=", ["--parallel.cp_exchange=latent"]),
+    ("--parallel.bucket_mb=", ["--parallel.bucket_mb=0.01"]),
+)
+
+
+def with_wide(rng: random.Random, overrides: list[str], world: int) -> list[str]:
+    """`overrides` with WIDE's options drawn in, each replacing the key it sets, kept where valid."""
+    for key, options in WIDE:
+        if rng.random() >= 1 / 3:
+            continue
+        candidate = [o for o in overrides if not o.startswith(key)] + options
+        try:
+            check(load_config(None, [*TINY, *candidate]), world)
+        except ValueError:
+            continue
+        overrides = candidate
+    return overrides
+
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
@@ -223,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-world", type=int, default=8)
+    parser.add_argument("--wide", action="store_true", help="draw the options of WIDE too")
     args = parser.parse_args(argv)
     pools: dict[int, WorkerPool] = {}
 
@@ -231,10 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             pools[n] = WorkerPool(n, timeout_s=300)
         return pools[n]
 
-    rng, failures = random.Random(args.seed), 0
+    rng, wide, failures = random.Random(args.seed), random.Random(-args.seed - 1), 0
     try:
         for index in range(args.layouts):
             overrides, world = draw_layout(rng, args.max_world)
+            overrides = with_wide(wide, overrides, world) if args.wide else overrides
             try:
                 check_layout(pool, overrides, world)
                 verdict = "ok"
