@@ -82,8 +82,8 @@ class BucketedEngine(DataParallelEngine):
             self._launch(bucket)
 
     def expect_grad_uses(self, param: nn.Parameter, uses: int) -> None:
-        """`param` gets its final gradient in `uses` separate backward calls (the tied embedding on the
-        first rank of a V pipeline: the head's chunk and the embedding's): its bucket waits for all."""
+        """`param` gets its final gradient in `uses` separate backward calls (a pipeline's embedding table
+        or its tied copy: PipelineRuntime.embedding_grad_calls): its bucket waits for all."""
         for bucket in self.buckets:
             if any(p is param for p in bucket.params):
                 bucket.expected += uses - 1
