@@ -152,18 +152,25 @@ def test_wide_draws_valid_layouts_with_each_of_its_options():
     assert {option for _, options in WIDE for option in options} <= seen
 
 
-def test_simple_fsdp_under_recompute_trains_as_one_device_and_claims_no_exact_bytes(workers):
-    """Found by `--wide` (seed 555): SimpleFSDP gathers per parameter read, so full recompute moves other
-    bytes than meshtron's units, which step_bytes prices; verify and the fuzzer held them to that formula
-    as exact and failed a layout that trains right (plan/comm.py exact_groups)."""
+# Found by `--wide` (seeds 555 and 999): ZeRO-3 by SimpleFSDP, which gathers per parameter read (full
+# recompute moves other bytes than meshtron's units), and by torch's fully_shard, whose collectives
+# (its HSDP replicas' all-reduce too) meshtron does not count, were held to step_bytes' formula for
+# meshtron's units as exact: verify and the fuzzer failed layouts that train right (exact_groups).
+OTHER_FSDP = {
+    "simple_full_recompute": ["--parallel.fsdp_impl=simple", "--parallel.cp_impl=allgather"],
+    "torch_hsdp": ["--parallel.fsdp_impl=torch", "--parallel.cp_impl=alltoall"],
+}
+
+
+@pytest.mark.parametrize("impl", list(OTHER_FSDP))
+def test_other_fsdp_under_recompute_trains_as_one_device_and_claims_no_exact_bytes(workers, impl):
     layout = [
         "--model.n_kv_heads=1",
         "--parallel.dp_replicate=2",
         "--parallel.cp=2",
-        "--parallel.cp_impl=allgather",
         "--parallel.zero=3",
-        "--parallel.fsdp_impl=simple",
         "--training.recompute=full",
         "--training.micro_batch=4",
+        *OTHER_FSDP[impl],
     ]
     check_layout(workers, layout, 4)

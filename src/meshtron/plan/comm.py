@@ -59,14 +59,15 @@ def exact_groups(cfg: Config) -> frozenset[str]:
     the root unit gathered in turns that depend on the schedule's order; and the shard group of ZeRO-3
     by another implementation than meshtron's units (fsdp_impl), whose gathers `step_bytes` does not
     price: SimpleFSDP gathers per parameter read (none for the embedding's backward, more under
-    recompute), torch's fully_shard issues its own collectives (meshtron's counter does not see them)."""
+    recompute), torch's fully_shard issues its own collectives (meshtron's counter does not see them),
+    its replicas' all-reduce under HSDP too."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
     out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
     if p.zero == 3 and p.pp > 1 and p.pp_schedule in V_SCHEDULES and not p.reshard_after_forward:
         out -= {"dp_shard", "dp_shard_cp"}
     if p.zero == 3 and p.fsdp_impl != "meshtron":
-        out -= {"dp_shard", "dp_shard_cp"}
+        out -= {"dp_shard", "dp_shard_cp"} | ({"dp_replicate"} if p.fsdp_impl == "torch" else set())
     return out
 
 
