@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from meshtron.models.llama import build_model
+from meshtron.plan.comm import exact_groups
 from meshtron.rules.checks import load_config
+from meshtron.testing.fuzz import check_layout
 from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
@@ -77,6 +79,16 @@ def test_torch_fully_shard_matches_too(workers):
         ],
     )
     assert_parity(results[0], reference(workers(1), []))
+
+
+def test_torch_fully_shard_hsdp_moves_the_bytes_of_meshtrons_units(workers):
+    """FSDP2 as HSDP (2 replicas of 2 shards), two micro-batches a step: its all-gathers and reduce-
+    scatters counted through its custom-collective hooks, its replicas' all-reduce once per step (told
+    the last micro-batch), each group's bytes equal to step_bytes' exact formula for meshtron's units."""
+    layout = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]
+    layout += ["--parallel.fsdp_impl=torch", "--training.micro_batch=1"]
+    assert {"dp_shard", "dp_replicate"} <= exact_groups(load_config(None, [*TINY, *layout]))
+    check_layout(workers, layout, 4)
 
 
 # A vocabulary (510) that 4 ranks do not divide: the embedding's and the head's row blocks are padded,

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from meshtron.plan.comm import exact_groups
 from meshtron.rules.checks import check, load_config
 from meshtron.testing.fuzz import MESH_DIMS, WIDE, check_layout, coverage, draw_layout, with_wide
 from meshtron.testing.tiny import MOE, TINY
@@ -154,16 +155,19 @@ def test_wide_draws_valid_layouts_with_each_of_its_options():
 
 # Found by `--wide` (seeds 555 and 999): ZeRO-3 by SimpleFSDP, which gathers per parameter read (full
 # recompute moves other bytes than meshtron's units), and by torch's fully_shard, whose collectives
-# (its HSDP replicas' all-reduce too) meshtron does not count, were held to step_bytes' formula for
-# meshtron's units as exact: verify and the fuzzer failed layouts that train right (exact_groups).
+# (its HSDP replicas' all-reduce too) meshtron did not count, were held to step_bytes' formula for
+# meshtron's units as exact: verify and the fuzzer failed layouts that train right. SimpleFSDP's shard
+# group is no longer held exact (exact_groups); torch's fully_shard is now counted (comm/fsdp2_counted.py)
+# and all-reduces its replicas once per step, as meshtron's units do: its groups are exact, and hold.
 OTHER_FSDP = {
-    "simple_full_recompute": ["--parallel.fsdp_impl=simple", "--parallel.cp_impl=allgather"],
-    "torch_hsdp": ["--parallel.fsdp_impl=torch", "--parallel.cp_impl=alltoall"],
+    "simple_full_recompute": (["--parallel.fsdp_impl=simple", "--parallel.cp_impl=allgather"], False),
+    "torch_hsdp": (["--parallel.fsdp_impl=torch", "--parallel.cp_impl=alltoall"], True),
 }
 
 
 @pytest.mark.parametrize("impl", list(OTHER_FSDP))
-def test_other_fsdp_under_recompute_trains_as_one_device_and_claims_no_exact_bytes(workers, impl):
+def test_other_fsdp_under_recompute_trains_as_one_device_with_the_bytes_it_claims(workers, impl):
+    options, exact = OTHER_FSDP[impl]
     layout = [
         "--model.n_kv_heads=1",
         "--parallel.dp_replicate=2",
@@ -171,6 +175,8 @@ def test_other_fsdp_under_recompute_trains_as_one_device_and_claims_no_exact_byt
         "--parallel.zero=3",
         "--training.recompute=full",
         "--training.micro_batch=4",
-        *OTHER_FSDP[impl],
+        *options,
     ]
+    held = {"dp_shard_cp", "dp_replicate"} <= exact_groups(load_config(None, [*TINY, *layout]))
+    assert held == exact
     check_layout(workers, layout, 4)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from meshtron.comm.collectives import Comm
+from meshtron.comm.fsdp2_counted import count_fsdp2
 from meshtron.comm.group import CommGroup
 from meshtron.comm.pending import Pending
 from meshtron.engines.engine import DataParallelEngine, OwnedRows
@@ -352,8 +353,9 @@ class FullyShardedDataParallel(DataParallelEngine):
 
 
 class TorchFSDP(DataParallelEngine):
-    """PyTorch's `fully_shard` (FSDP2) on the same units, for comparison. Its collectives bypass the
-    comm layer, so they are not counted in comm_bytes."""
+    """PyTorch's `fully_shard` (FSDP2) on the same units, for comparison. Its all-gathers and reduce-
+    scatters are issued through FSDP2's custom-collective hooks so that comm_bytes counts them, and its
+    HSDP all-reduce is booked after the fact (comm/fsdp2_counted.py)."""
 
     def __init__(self, wrapped: EngineModel, groups: EngineGroups, settings: DataParallelSettings):
         """`groups.shard_mesh`: the DeviceMesh fully_shard shards over (2-D for HSDP), one unit per block
@@ -365,8 +367,9 @@ class TorchFSDP(DataParallelEngine):
         model, blocks = wrapped.model, wrapped.blocks
         device_mesh, reshard_after_forward = groups.shard_mesh, settings.reshard_after_forward
         self.model, self.norm_group, self.shard_mesh = model, groups.shard, device_mesh
+        self.units = [*blocks, model]
         policy = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
-        for module in [*blocks, model]:
+        for module in self.units:
             fully_shard(
                 module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
             )
@@ -374,6 +377,9 @@ class TorchFSDP(DataParallelEngine):
             # (a plain SUM: gloo has neither AVG nor PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            # Its mesh is 2-D under HSDP (dp_replicate x dp_shard): then it all-reduces across replicas.
+            hsdp = device_mesh.ndim > 1
+            count_fsdp2(module, groups.comm, groups.shard, groups.replicate if hsdp else None)
         if is_meta(model.parameters()):
             model.to_empty(device=settings.device)  # the buffers too: parallelize resets them after this step
 
@@ -395,7 +401,11 @@ class TorchFSDP(DataParallelEngine):
             g.mul_(coef.to(g.dtype))
 
     def prepare_micro_batch(self, is_last: bool) -> None:
-        pass  # FSDP2 reduce-scatters every micro-batch by default, as ours does
+        # FSDP2 reduce-scatters every micro-batch, as ours does. Under HSDP it would all-reduce each
+        # micro-batch's shards across replicas too; told which is the last, it sums the earlier shards
+        # locally and all-reduces once per step, as ours does (a no-op without replicas).
+        for unit in self.units:
+            unit.set_requires_all_reduce(is_last)
 
     def finish_gradients(self) -> None:
         pass  # FSDP2 waits for its reductions at the end of backward

@@ -57,17 +57,16 @@ def exact_groups(cfg: Config) -> frozenset[str]:
     """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms.
     Not yet: ZeRO-3 without resharding after forward on the first rank of a V, whose two chunks keep
     the root unit gathered in turns that depend on the schedule's order; and the shard group of ZeRO-3
-    by another implementation than meshtron's units (fsdp_impl), whose gathers `step_bytes` does not
-    price: SimpleFSDP gathers per parameter read (none for the embedding's backward, more under
-    recompute), torch's fully_shard issues its own collectives (meshtron's counter does not see them),
-    its replicas' all-reduce under HSDP too."""
+    by SimpleFSDP, which gathers per parameter read (none for the embedding's backward, more under
+    recompute), where `step_bytes` prices meshtron's units. torch's fully_shard moves exactly what
+    meshtron's units move (the same units; comm/fsdp2_counted.py counts its collectives)."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
     out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
     if p.zero == 3 and p.pp > 1 and p.pp_schedule in V_SCHEDULES and not p.reshard_after_forward:
         out -= {"dp_shard", "dp_shard_cp"}
-    if p.zero == 3 and p.fsdp_impl != "meshtron":
-        out -= {"dp_shard", "dp_shard_cp"} | ({"dp_replicate"} if p.fsdp_impl == "torch" else set())
+    if p.zero == 3 and p.fsdp_impl == "simple":
+        out -= {"dp_shard", "dp_shard_cp"}
     return out
 
 
