@@ -367,9 +367,10 @@ class TorchFSDP(DataParallelEngine):
         model, blocks = wrapped.model, wrapped.blocks
         device_mesh, reshard_after_forward = groups.shard_mesh, settings.reshard_after_forward
         self.model, self.norm_group, self.shard_mesh = model, groups.shard, device_mesh
-        self.units = [*blocks, model]
         policy = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
-        for module in self.units:
+        # Its mesh is 2-D under HSDP (dp_replicate x dp_shard): then it all-reduces across replicas.
+        replicas = groups.replicate if device_mesh.ndim > 1 else None
+        for module in [*blocks, model]:
             fully_shard(
                 module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
             )
@@ -377,9 +378,7 @@ class TorchFSDP(DataParallelEngine):
             # (a plain SUM: gloo has neither AVG nor PREMUL_SUM).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-            # Its mesh is 2-D under HSDP (dp_replicate x dp_shard): then it all-reduces across replicas.
-            hsdp = device_mesh.ndim > 1
-            count_fsdp2(module, groups.comm, groups.shard, groups.replicate if hsdp else None)
+            count_fsdp2(module, groups.comm, groups.shard, replicas)
         if is_meta(model.parameters()):
             model.to_empty(device=settings.device)  # the buffers too: parallelize resets them after this step
 
@@ -403,9 +402,9 @@ class TorchFSDP(DataParallelEngine):
     def prepare_micro_batch(self, is_last: bool) -> None:
         # FSDP2 reduce-scatters every micro-batch, as ours does. Under HSDP it would all-reduce each
         # micro-batch's shards across replicas too; told which is the last, it sums the earlier shards
-        # locally and all-reduces once per step, as ours does (a no-op without replicas).
-        for unit in self.units:
-            unit.set_requires_all_reduce(is_last)
+        # locally and all-reduces once per step, as ours does (a no-op without replicas). The root's call
+        # sets every unit inside it.
+        self.model.set_requires_all_reduce(is_last)
 
     def finish_gradients(self) -> None:
         pass  # FSDP2 waits for its reductions at the end of backward
