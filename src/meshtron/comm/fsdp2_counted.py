@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtron.comm.counted import CountedCollectives
+from meshtron.comm.counted import CountedCollectives, _nbytes
 from meshtron.comm.group import CommGroup
 
 
@@ -40,32 +40,30 @@ def _fraction(group: CommGroup) -> float:
     return (group.size - 1) / group.size
 
 
-class _Buffers:
-    """FSDP2's default allocation: a plain tensor per call."""
+class _CountedComm:
+    """What FSDP2's custom collectives share: its default allocation (a plain tensor per call), and the
+    comm layer's counter with the group to book on."""
+
+    def __init__(self, counted: CountedCollectives, group: CommGroup):
+        self.counted, self.group = counted, group
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class CountedAllGather(_Buffers):
+class CountedAllGather(_CountedComm):
     """FSDP2's all-gather of a unit's parameter shards, counted on `group` (the shard group's name)."""
-
-    def __init__(self, counted: CountedCollectives, group: CommGroup):
-        self.counted, self.group = counted, group
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
     ) -> Any:
-        nbytes = output_tensor.numel() * output_tensor.element_size()
-        self.counted.stats.record(self.group.name, "all_gather", nbytes * _fraction(self.group))
+        nbytes = _nbytes(output_tensor) * _fraction(self.group)
+        self.counted.stats.record(self.group.name, "all_gather", nbytes)
         return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountedReduceScatter(_Buffers):
+class CountedReduceScatter(_CountedComm):
     """FSDP2's reduce-scatter of a unit's gradients, counted on `group` (the shard group's name)."""
-
-    def __init__(self, counted: CountedCollectives, group: CommGroup):
-        self.counted, self.group = counted, group
 
     def __call__(
         self,
@@ -75,8 +73,8 @@ class CountedReduceScatter(_Buffers):
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        nbytes = input_tensor.numel() * input_tensor.element_size()
-        self.counted.stats.record(self.group.name, "reduce_scatter", nbytes * _fraction(self.group))
+        nbytes = _nbytes(input_tensor) * _fraction(self.group)
+        self.counted.stats.record(self.group.name, "reduce_scatter", nbytes)
         return _reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
@@ -91,7 +89,6 @@ def count_fsdp2(
     if replicate is not None and replicate.size > 1:
 
         def book_all_reduce(reduced: torch.Tensor) -> None:
-            nbytes = reduced.numel() * reduced.element_size()
-            counted.stats.record(replicate.name, "all_reduce", 2 * nbytes * _fraction(replicate))
+            counted.stats.record(replicate.name, "all_reduce", 2 * _nbytes(reduced) * _fraction(replicate))
 
         module.set_all_reduce_hook(book_all_reduce)
