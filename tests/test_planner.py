@@ -203,6 +203,31 @@ def test_the_screen_refuses_nothing_the_schedule_walk_fits():
     assert all(est.memory_bytes_per_gpu <= 80 * GiB for _, est in search(cfg, cluster, layout).ranked)
 
 
+def test_a_layout_the_simulator_finds_over_memory_says_what_is_short():
+    """Zero-bubble pp 4 with full recompute: the screen's bound (53 GiB) fits a 58 GiB GPU, the
+    simulator's walk (61 GiB: inputs waiting for their weight gradients) does not. The plan used to
+    name no least-memory layout there, so the user read "no layout is valid: memory" and no figures."""
+    cfg = config(QWEN3_30B_A3B, seq=4096, batch=256)
+    gpu = dataclasses.replace(accelerator("h100"), memory_bytes=58 * GiB)
+    cluster = Cluster(gpu, 16)
+    held = dict(
+        pp=4,
+        pp_schedule="zero_bubble",
+        pp_head_layers=0.0,
+        ep=4,
+        dp_shard=4,
+        zero=1,
+        micro_batch=1,
+        recompute="full",
+    )
+    candidate = Layout(**held).apply(cfg)
+    screen, walked = estimate(candidate, cluster, simulated=False), estimate(candidate, cluster)
+    assert screen.memory_bytes_per_gpu < 58 * GiB < walked.memory_bytes_per_gpu
+    plan = search(cfg, cluster, held)
+    assert plan.ranked == [] and plan.least_memory is not None
+    assert plan.least_memory[1].memory_bytes_per_gpu == walked.memory_bytes_per_gpu
+
+
 def test_plan_json_contract(capsys):
     args = ["plan", "--model.name=llama3-1b", "--model.n_layers=8", "--gpus", "16", "--gpu", "h100"]
     code = main(

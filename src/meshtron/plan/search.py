@@ -202,8 +202,10 @@ def _simulated(
     plan: Plan,
     imbalance: float,
 ):
-    """The best screened layouts that pass the trainer's rules, timed again with the simulator, ranked."""
+    """The best screened layouts that pass the trainer's rules, timed again with the simulator, ranked.
+    When every one of them is over memory, the least needing becomes the plan's `least_memory`."""
     out: list[tuple[Layout, Estimate]] = []
+    over: list[tuple[Layout, Estimate]] = []
     for layout, _ in screened:
         if len(out) == top * SCREENED:
             break
@@ -214,8 +216,11 @@ def _simulated(
         result = estimate(layout.apply(cfg), cluster, imbalance=imbalance)
         if not result.fits:  # the simulator's in-flight count can exceed the screen's
             plan.refused["memory: needs more than the GPU has"] += 1
+            over.append((layout, result))
             continue
         out.append((layout, result))
+    if over and not out and not any(reason.startswith("trainer rule") for reason in plan.refused):
+        plan.least_memory = min(over, key=lambda ranked: ranked[1].memory_bytes_per_gpu)
     out.sort(key=rank_key)
     return out[:top]
 
