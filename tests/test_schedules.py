@@ -51,12 +51,32 @@ def test_zero_bubble_h1_has_a_third_of_1f1b_bubble_at_the_same_memory(pp, m):
     assert idle == pytest.approx((one_f_one_b.makespan - 3 * m) / 3)
     assert zb.bubble_fraction < one_f_one_b.bubble_fraction
     assert zb.peak_in_flight == one_f_one_b.peak_in_flight
-    for actions in build_schedule(pp, 1, m, "zero_bubble"):  # what W needs is kept for <= pp micro-batches
-        waiting = [
-            sum(a.kind == "B" for a in actions[:i]) - sum(a.kind == "W" for a in actions[:i])
-            for i in range(len(actions))
-        ]
-        assert max(waiting) <= pp
+    # Qi et al.'s ZB-H1 memory: rank r delays W by r, so it holds at most pp - r micro-batches between
+    # F and B and r more waiting for W (their linear inputs only; r + 1 from a B to the W after it):
+    # pp between F and W, as 1F1B's rank 0.
+    for rank, actions in enumerate(build_schedule(pp, 1, m, "zero_bubble")):
+        count = {
+            kind: [sum(a.kind == kind for a in actions[:i]) for i in range(len(actions) + 1)]
+            for kind in "FBW"
+        }
+        between_f_and_b = [f - b for f, b in zip(count["F"], count["B"], strict=True)]
+        waiting = [b - w for b, w in zip(count["B"], count["W"], strict=True)]
+        assert max(between_f_and_b) == min(pp - rank, m) and max(waiting) == min(rank + 1, m)
+        assert max(f - w for f, w in zip(count["F"], count["W"], strict=True)) == min(pp, m)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("costs", [(1.0, 2.0, 1.0), (1.0, 2.0, 0.6), (1.0, 3.0, 1.8), (1.0, 1.5, 0.5)])
+def test_zero_bubble_h1_idles_no_more_than_1f1b_less_its_weight_passes(pp, costs):
+    """Any F, B, W costs and micro-batch counts (fewer than pp too): the drain's Ws fill what 1F1B leaves
+    idle, so each rank idles at most (pp - 1)·(F + B - W), 1F1B's (pp - 1)·(F + B) less its Ws."""
+    cost_f, cost_b, cost_w = costs
+    for m in (1, pp - 1, pp, pp + 1, 2 * pp + 3, 5 * pp):
+        if m < 1:
+            continue
+        zb = simulate(build_schedule(pp, 1, m, "zero_bubble"), cost_f=cost_f, cost_b=cost_b, cost_w=cost_w)
+        idle = zb.makespan - m * (cost_f + cost_b)
+        assert idle <= (pp - 1) * (cost_f + cost_b - cost_w) + 1e-9, (m, idle)
 
 
 @pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])

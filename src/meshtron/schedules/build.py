@@ -12,7 +12,8 @@ runtime, the simulator (`simulate`) and the pictures.
                forwards walk pp micro-batches through one chunk, then the next chunk; the bubble
                shrinks by vpp at vpp times the messages
   zero_bubble  ZB-H1 (Qi et al. 2023): backward split into B (input gradient, on the critical path) and
-               W (weight gradient, deferrable); W fills the pipeline bubbles, at 1F1B's memory
+               W (weight gradient, deferrable); rank r delays each W by r micro-batches, so the Ws fill
+               the drain's bubble and no rank holds more than 1F1B's rank 0
   zbv          ZB-V and DualPipeV on a V placement (two chunks per rank, vpp = 2: rank r holds chunks r
   dualpipev    and 2·pp − 1 − r): v_shape.py. The hand-off between a rank's own chunks (pp − 1 to
                pp) is a send and receive to itself, which the runtime keeps in memory.
@@ -113,46 +114,23 @@ def _compute_order(
 
 
 def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[Kind, int, int]]]:
-    """ZB-H1 by list scheduling with unit F, B, W times: each rank, when free, runs a ready B first, else
-    a deferred W if pp - 1 are already waiting, else a ready F if fewer than pp - r micro-batches are
-    between forward and backward (1F1B's bound), else a deferred W. The bubble comes out at
-    (pp - 1)·(F + B - W), the paper's ZB-H1 figure."""
-    orders: list[list[tuple[Kind, int, int]]] = [[] for _ in range(pp)]
-    f_done = [[-1] * m for _ in range(pp)]  # finish times
-    b_done = [[-1] * m for _ in range(pp)]
-    next_f, next_b, pending_w = [0] * pp, [0] * pp, [[] for _ in range(pp)]
-    in_flight = [0] * pp
-    free_at, t = [0] * pp, 0
-    while any(len(o) < 3 * m for o in orders):
-        for r in range(pp):
-            if free_at[r] > t:
-                continue
-            mb_b, mb_f = next_b[r], next_f[r]
-            b_ready = (
-                mb_b < m and 0 <= f_done[r][mb_b] <= t and (r == pp - 1 or 0 <= b_done[r + 1][mb_b] <= t)
-            )
-            f_ready = mb_f < m and in_flight[r] < pp - r and (r == 0 or 0 <= f_done[r - 1][mb_f] <= t)
-            if b_ready:
-                orders[r].append((Kind.B, r, mb_b))
-                b_done[r][mb_b] = t + 1
-                next_b[r] += 1
-                in_flight[r] -= 1
-                pending_w[r].append(mb_b)
-            elif len(pending_w[r]) > pp - 1:
-                # At most pp - 1 W wait for a gap (as many as a pipeline's ramp leaves); the rest run at
-                # once, so the inputs and output gradients kept for W never exceed pp micro-batches'.
-                orders[r].append((Kind.W, r, pending_w[r].pop(0)))
-            elif f_ready:
-                orders[r].append((Kind.F, r, mb_f))
-                f_done[r][mb_f] = t + 1
-                next_f[r] += 1
-                in_flight[r] += 1
-            elif pending_w[r]:
-                orders[r].append((Kind.W, r, pending_w[r].pop(0)))
-            else:
-                continue
-            free_at[r] = t + 1
-        t += 1
+    """ZB-H1 (Qi et al. 2023, section 2.1): rank r runs 1F1B's warm-up (pp - r forwards), then for each
+    micro-batch i its B, the W of micro-batch i - r (W is delayed by r), and its next F; the W still
+    delayed run last, where they fill the drain's bubble. Every rank then has pp micro-batches between
+    F and W; rank r holds pp - r of them whole and r only as W's inputs, never more than rank 0's pp
+    (1F1B's peak). With unit F, B, W the bubble comes out at (pp - 1)·(F + B - W), the paper's figure."""
+    orders = []
+    for r in range(pp):
+        warm_up = min(pp - r, m)
+        order = [(Kind.F, r, mb) for mb in range(warm_up)]
+        for mb in range(m):
+            order.append((Kind.B, r, mb))
+            if mb >= r:
+                order.append((Kind.W, r, mb - r))
+            if warm_up + mb < m:
+                order.append((Kind.F, r, warm_up + mb))
+        order += [(Kind.W, r, mb) for mb in range(max(0, m - r), m)]
+        orders.append(order)
     return orders
 
 
