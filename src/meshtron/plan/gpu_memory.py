@@ -149,18 +149,43 @@ def optimizer_transient_bytes(optimizer_bytes: float) -> float:
     return optimizer_bytes / 2
 
 
+def _attention_weight_inputs(m: ModelConfig, tp: int, sp: bool) -> float:
+    """Values per token that one attention block leaves waiting for W: the distinct inputs of its
+    linear layers and every layer's output gradient. Grouped-query: the normed input (shared by q, k,
+    v), the attention output; q, k, v and wo's outputs. Latent (MLA): the input, the two normed latents,
+    the attention output; the down-projections', up-projections' and wo's outputs. Under sp with
+    q_lora_rank the down-projections see this rank's 1/tp of the tokens (parallel/tensor.py)."""
+    if not m.is_mla:
+        q, kv = m.n_heads * m.head_size // tp, m.kv_heads_per_rank(tp) * m.head_size
+        return (m.dim + q) + (q + 2 * kv + m.dim)
+    heads, shard = m.n_heads // tp, 1 / tp if sp and m.q_lora_rank else 1
+    q_path = shard * (m.dim + m.q_lora_rank) + m.q_lora_rank if m.q_lora_rank else m.dim
+    queries = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    latent = shard * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    kv_up, out = heads * (m.qk_nope_head_dim + m.v_head_dim), heads * m.v_head_dim
+    return q_path + queries + latent + kv_up + out + m.dim
+
+
+def _ffn_weight_inputs(m: ModelConfig, layer: int, tp: int) -> float:
+    """...and one feed-forward: SwiGLU's input, hidden and its three outputs; an MoE layer's router (the
+    experts' grouped GEMMs are not linear layers: B computes their weight gradients) and its shared
+    experts, which read the router's input, and their gate."""
+    if not m.is_moe_layer(layer):
+        ffn = m.ffn_dim // tp
+        return (m.dim + ffn) + (2 * ffn + m.dim)
+    shared = m.shared_expert_ffn_dim // tp
+    shared_values = 3 * shared + m.dim + m.shared_expert_gate if m.n_shared_experts else 0
+    return m.dim + m.n_experts + shared_values
+
+
 def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> float:
     """Split-backward schedules (pipeline/zero_bubble.py): what one micro-batch of a chunk keeps between
     its B and its W, every linear layer's input and output gradient (the rest of its activations are
-    freed by B). Attention's projections share one input, as the MLP's gate and up; MoE experts run
-    outside the linear layers and are not deferred, their router is."""
+    freed by B; tests/test_zero_bubble.py measures them)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tokens, act = t.micro_batch * t.seq_len // p.cp, 2 if t.dtype != "fp32" else 4
-    q, kv, ffn = m.n_heads * m.head_size // p.tp, m.kv_heads_per_rank(p.tp) * m.head_size, m.ffn_dim // p.tp
-    attention = (m.dim + q) + (q + 2 * kv + m.dim)  # inputs: normed x, attention out; output gradients
-    mlp = (m.dim + ffn) + (2 * ffn + m.dim)
-    router = m.dim + m.n_experts
-    values = sum(attention + (router if m.is_moe_layer(layer) else mlp) for layer in layers)
+    attention = _attention_weight_inputs(m, p.tp, p.sp)
+    values = sum(attention + _ffn_weight_inputs(m, layer, p.tp) for layer in layers)
     if last:
         values += m.dim + math.ceil(m.vocab_size / p.tp)
     return tokens * act * values
