@@ -12,6 +12,7 @@ from meshtron.comm.collectives import Comm
 from meshtron.commands.dry_run import resolved
 from meshtron.config.layout import ParallelDims
 from meshtron.models.llama import build_model
+from meshtron.models.mtp import depth_inputs
 from meshtron.models.rope import rope_cos_sin
 from meshtron.parallel.recompute import apply_recompute
 from meshtron.parallel.tensor import apply_tensor_parallel
@@ -116,3 +117,30 @@ def test_what_waits_for_w_is_the_planners_count(workers, case):
     cfg = resolved(load_config(None, [*keys, *layout, *batch]), tp)
     want = waiting_weight_grad_bytes(cfg, list(range(cfg.model.n_layers)), last=False)
     assert measured == [want] * tp
+
+
+@pytest.mark.parametrize("mtp_depth", [0, 2])
+def test_the_last_chunk_waits_for_the_head_and_each_mtp_depth(mtp_depth):
+    """The whole model as the last chunk: the blocks, the head, and each multi-token prediction depth's
+    projection, block and its call of the head."""
+    keys = ["--model.name=tiny-deepseek", f"--model.mtp_depth={mtp_depth}", "--training.dtype=fp32"]
+    batch = [
+        f"--training.micro_batch={BATCH}",
+        f"--training.seq_len={SEQ}",
+        f"--training.global_batch={BATCH}",
+    ]
+    cfg = resolved(load_config(None, [*keys, *batch]), 1)
+    model = build_model(cfg.model, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ), generator=gen)
+    mode = DeferWeightGrads()
+    with mode:
+        ahead = depth_inputs(tokens, tokens, mtp_depth)[0] if mtp_depth else None
+        logits = model(tokens, mtp_tokens=ahead)
+        logits = logits if isinstance(logits, tuple) else (logits,)
+        sum((out * torch.randn(out.shape, generator=gen)).sum() for out in logits).backward()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for _, records in mode.calls for pair in records for t in pair}  # fmt: skip
+    assert sum(storages.values()) == waiting_weight_grad_bytes(
+        cfg, list(range(cfg.model.n_layers)), last=True
+    )

@@ -186,8 +186,11 @@ def waiting_weight_grad_bytes(cfg: Config, layers: list[int], last: bool) -> flo
     tokens, act = t.micro_batch * t.seq_len // p.cp, 2 if t.dtype != "fp32" else 4
     attention = _attention_weight_inputs(m, p.tp, p.sp)
     values = sum(attention + _ffn_weight_inputs(m, layer, p.tp) for layer in layers)
-    if last:
-        values += m.dim + math.ceil(m.vocab_size / p.tp)
+    if last:  # the head's input and logits' gradient; each MTP depth's projection, block and head
+        head = m.dim + math.ceil(m.vocab_size / p.tp)
+        projection = 3 * m.dim / (p.tp if p.sp else 1)  # [embedding; h] in, h out, on the token shards
+        depths = range(m.n_layers, m.n_layers + m.mtp_depth)
+        values += head + sum(head + projection + attention + _ffn_weight_inputs(m, k, p.tp) for k in depths)
     return tokens * act * values
 
 
