@@ -83,6 +83,11 @@ def waiting_bytes(keys: list[str], tp: int, sp: bool) -> int:
         for block in model.layers.values():
             h, _ = block(h, cos, sin)
         h.backward(grad_out)
+    return held_for_w(mode)
+
+
+def held_for_w(mode: DeferWeightGrads) -> int:
+    """Bytes of the distinct storages that `mode`'s records hold (inputs, output gradients) until W."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for _, records in mode.calls for pair in records for t in pair}  # fmt: skip
     return sum(storages.values())
@@ -139,8 +144,4 @@ def test_the_last_chunk_waits_for_the_head_and_each_mtp_depth(mtp_depth):
         logits = model(tokens, mtp_tokens=ahead)
         logits = logits if isinstance(logits, tuple) else (logits,)
         sum((out * torch.randn(out.shape, generator=gen)).sum() for out in logits).backward()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for _, records in mode.calls for pair in records for t in pair}  # fmt: skip
-    assert sum(storages.values()) == waiting_weight_grad_bytes(
-        cfg, list(range(cfg.model.n_layers)), last=True
-    )
+    assert held_for_w(mode) == waiting_weight_grad_bytes(cfg, list(range(cfg.model.n_layers)), last=True)
