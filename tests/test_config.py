@@ -447,6 +447,38 @@ def test_a_world_size_that_does_not_fit_is_one_problem_with_fixes_that_work():
     ]
 
 
+@pytest.mark.parametrize(
+    "model, offered",
+    [
+        (["--model.n_heads=8", "--model.dim=256", "--model.ffn_dim=688"], [1, 2, 4, 8]),  # the demo's
+        # a shared expert of 96 and experts cut by tp (etp = tp): 32 divides them all, the 2 KV heads too
+        (
+            [
+                "--model.name=tiny-moe",
+                "--model.n_heads=32",
+                "--model.dim=256",
+                "--model.ffn_dim=64",
+                "--model.n_kv_heads=2",
+            ],
+            [1, 2, 4, 8, 16, 32],
+        ),  # fmt: skip
+        (["--model.n_heads=7", "--model.dim=224", "--model.n_kv_heads=7", "--model.ffn_dim=176"], []),
+    ],
+)
+def test_every_tp_rule_offers_the_degrees_that_pass_them_all(model, offered):
+    """tp=3 breaks several splits at once: each message offers the same degrees, those that pass every
+    split (it used to list each width's own divisors, e.g. 43 for an FFN of 688 with 8 heads), and each
+    offered degree does pass."""
+    problems = [
+        q for q in validate(load_config(None, [*model, "--parallel.tp=3"]), 3) if "parallel.tp=3" in q
+    ]
+    fix = f"use tp in {offered}" if offered else "no tp > 1 splits this model: use tp=1"
+    assert len(problems) >= 2 and all(q.endswith(fix) for q in problems), problems
+    for tp in offered:
+        world = [f"--parallel.tp={tp}", "--training.global_batch=8", "--training.micro_batch=1"]
+        assert validate(load_config(None, [*model, *world]), tp) == [], tp
+
+
 def test_a_preset_named_on_the_command_line_wins_over_the_files_model(tmp_path):
     """`--model.name=llama3-8b` on configs/demo.toml gave a 4-layer "llama3-8b" without a word. A preset
     named on the command line replaces the file's keys it sets (the file's others stay), the command

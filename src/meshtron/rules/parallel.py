@@ -13,29 +13,38 @@ from meshtron.config.layout import divisors, ep_folding_problem, world_size_prob
 from meshtron.config.schema import SPLIT_BACKWARD, Config
 
 
+def tp_choices(cfg: Config) -> list[int]:
+    """The tp degrees every split below allows: divisors of the head count, the FFN widths tp cuts
+    (shared experts', and routed experts' with etp = tp) and that divide or are divided by the KV heads."""
+    m, p = cfg.model, cfg.parallel
+    widths = [m.n_heads, m.ffn_dim]
+    widths += [m.shared_expert_ffn_dim] if m.is_moe and m.n_shared_experts else []
+    widths += [m.expert_ffn_dim] if m.is_moe and p.expert_tp else []
+    return [t for t in divisors(math.gcd(*widths)) if m.kv_heads % t == 0 or t % m.kv_heads == 0]
+
+
 def tensor_parallel_problems(cfg: Config) -> list[str]:
-    """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch."""
+    """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch; each
+    fix offers the tp degrees that pass every one of these splits, not only its own."""
     m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
     problems = []
+    choices = tp_choices(cfg)
+    fix = f"; use tp in {choices}" if len(choices) > 1 else "; no tp > 1 splits this model: use tp=1"
     if m.n_heads % tp:
-        problems.append(
-            f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; use tp in {divisors(m.n_heads)}"
-        )
+        problems.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}{fix}")
     elif m.kv_heads % tp and tp % m.kv_heads:
         problems.append(
             f"model.n_kv_heads={m.kv_heads} and parallel.tp={tp}: one must divide the other "
-            "so key/value heads can be split or replicated"
+            f"so key/value heads can be split or replicated{fix}"
         )
     if m.ffn_dim % tp:
-        problems.append(
-            f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; use tp in {divisors(m.ffn_dim)}"
-        )
+        problems.append(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}{fix}")
     if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % tp:
         problems.append(
-            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}"
+            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}{fix}"
         )
     if m.is_moe and p.expert_tp and m.expert_ffn_dim % tp:
-        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
+        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}{fix}")
     if p.sp and tp == 1:
         problems.append(
             "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
