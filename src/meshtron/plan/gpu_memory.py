@@ -174,7 +174,8 @@ def _ffn_weight_inputs(m: ModelConfig, layer: int, tp: int) -> float:
         ffn = m.ffn_dim // tp
         return (m.dim + ffn) + (2 * ffn + m.dim)
     shared = m.shared_expert_ffn_dim // tp
-    shared_values = 3 * shared + m.dim + m.shared_expert_gate if m.n_shared_experts else 0
+    gate = 1 if m.shared_expert_gate else 0  # its one output per token (its input is the router's)
+    shared_values = 3 * shared + m.dim + gate if m.n_shared_experts else 0
     return m.dim + m.n_experts + shared_values
 
 

@@ -114,9 +114,9 @@ def _compute_order(
 
 
 def _zero_bubble_orders(pp: int, m: int) -> list[list[tuple[Kind, int, int]]]:
-    """ZB-H1 (Qi et al. 2023, section 2.1): rank r runs 1F1B's warm-up (pp - r forwards), then for each
-    micro-batch i its B, the W of micro-batch i - r (W is delayed by r), and its next F; the W still
-    delayed run last, where they fill the drain's bubble. Every rank then has pp micro-batches between
+    """ZB-H1 (Qi et al. 2023, section 2.1): rank r first runs pp - r forwards, as 1F1B does before its
+    first backward, then for each micro-batch i its B, the W of micro-batch i - r (W is delayed by r),
+    and its next F; the Ws still delayed run last, where they fill the drain's bubble. Every rank then has pp micro-batches between
     F and W; rank r holds pp - r of them whole and r only as W's inputs, never more than rank 0's pp
     (1F1B's peak). With unit F, B, W the bubble comes out at (pp - 1)·(F + B - W), the paper's figure."""
     orders = []
