@@ -91,6 +91,15 @@ def test_torch_fully_shard_hsdp_moves_the_bytes_of_meshtrons_units(workers):
     check_layout(workers, layout, 4)
 
 
+def test_torch_fully_shard_under_sequence_parallel_sums_the_norms_over_tp(workers):
+    """FSDP2 with tp 2 + sp inside: the norms (whole weights that see 1/tp of the tokens) need their
+    gradients summed over tp. fully_shard replaces the parameters that tensor parallel's hooks were on,
+    so the norms came out 40% off (fuzz seed 7272, --wide, layout 3) until the engine summed them."""
+    layout = ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3"]
+    layout += ["--parallel.fsdp_impl=torch", "--training.micro_batch=1", "--model.n_kv_heads=4"]
+    check_layout(workers, layout, 4)
+
+
 # A vocabulary (510) that 4 ranks do not divide: the embedding's and the head's row blocks are padded,
 # and the last rank owns fewer rows than the others.
 UNEVEN = ["--model.vocab_size=510"]

@@ -370,6 +370,12 @@ class TorchFSDP(DataParallelEngine):
         policy = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
         # Its mesh is 2-D under HSDP (dp_replicate x dp_shard): then it all-reduces across replicas.
         replicas = groups.replicate if device_mesh.ndim > 1 else None
+        # Tensor parallel's gradient sums over tp (whole weights that see 1/tp of the tokens under sp:
+        # parallel/tensor.py) hang on parameters that fully_shard replaces with its own: finish_gradients
+        # applies them to the reduced shards (a sum over tp commutes with FSDP2's over dp).
+        self.tp_sums = {
+            n: p.grad_hooks for n, p in model.named_parameters() if getattr(p, "grad_hooks", None)
+        }
         for module in [*blocks, model]:
             fully_shard(
                 module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
@@ -407,7 +413,13 @@ class TorchFSDP(DataParallelEngine):
         self.model.set_requires_all_reduce(is_last)
 
     def finish_gradients(self) -> None:
-        pass  # FSDP2 waits for its reductions at the end of backward
+        # FSDP2 waited for its reductions at the end of backward; the tp sums run once per step, on the
+        # accumulated shards.
+        for name, p in self.model.named_parameters():
+            if name in self.tp_sums and p.grad is not None:
+                local = p.grad.to_local()
+                for hook in self.tp_sums[name]:
+                    local.copy_(hook(local))
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():
