@@ -150,7 +150,7 @@ def test_wide_draws_valid_layouts_with_each_of_its_options():
         drawn = with_wide(wide, overrides, world)
         check(load_config(None, [*TINY, *drawn]), world)
         seen |= set(drawn) - set(overrides)
-    assert {option for _, options in WIDE for option in options} <= seen
+    assert {option for _, alternatives in WIDE for options in alternatives for option in options} <= seen
 
 
 # Found by `--wide` (seeds 555 and 999): ZeRO-3 by SimpleFSDP, which gathers per parameter read (full

@@ -164,29 +164,36 @@ def _with_deepseek(rng: random.Random, overrides: list[str], world: int) -> list
 # `--wide` draws these too, each a third of the time where the layout runs it (a separate stream, so the
 # CI seed list's layouts stay what they are): per-op recompute (rerunning MoE dispatches), DeepEP-style
 # two-hop dispatch over two-rank "nodes", the embedding and the head as pipeline chunks of their own,
-# torch's FSDP2 and SimpleFSDP for ZeRO-3, MLA's latent exchange under cp, and tiny gradient buckets.
+# torch's FSDP2 or SimpleFSDP for ZeRO-3 (one of the two, evenly), MLA's latent exchange under cp, and
+# tiny gradient buckets. Each entry: the key its options set, and its alternatives.
 WIDE = (
-    ("--training.recompute=", ["--training.recompute=op", "--training.op_recompute_dispatch=rerun"]),
-    ("--parallel.ep_dispatch=", ["--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2"]),
-    ("--parallel.pp_embedding_layers=", ["--parallel.pp_embedding_layers=1", "--parallel.pp_head_layers=1"]),
-    ("--parallel.fsdp_impl=", ["--parallel.fsdp_impl=simple"]),
-    ("--parallel.fsdp_impl=", ["--parallel.fsdp_impl=torch"]),
-    ("--parallel.cp_exchange=", ["--parallel.cp_exchange=latent"]),
-    ("--parallel.bucket_mb=", ["--parallel.bucket_mb=0.01"]),
+    ("--training.recompute=", (["--training.recompute=op", "--training.op_recompute_dispatch=rerun"],)),
+    ("--parallel.ep_dispatch=", (["--parallel.ep_dispatch=hierarchical", "--run.gpus_per_node=2"],)),
+    (
+        "--parallel.pp_embedding_layers=",
+        (["--parallel.pp_embedding_layers=1", "--parallel.pp_head_layers=1"],),
+    ),
+    ("--parallel.fsdp_impl=", (["--parallel.fsdp_impl=simple"], ["--parallel.fsdp_impl=torch"])),
+    ("--parallel.cp_exchange=", (["--parallel.cp_exchange=latent"],)),
+    ("--parallel.bucket_mb=", (["--parallel.bucket_mb=0.01"],)),
 )
 
 
 def with_wide(rng: random.Random, overrides: list[str], world: int) -> list[str]:
-    """`overrides` with WIDE's options drawn in, each replacing the key it sets, kept where valid."""
-    for key, options in WIDE:
+    """`overrides` with WIDE's options drawn in, each replacing the key it sets, kept where valid: of an
+    entry's alternatives, in a random order, the first the layout runs."""
+    for key, alternatives in WIDE:
         if rng.random() >= 1 / 3:
             continue
-        candidate = [o for o in overrides if not o.startswith(key)] + options
-        try:
-            check(load_config(None, [*TINY, *candidate]), world)
-        except ValueError:
-            continue
-        overrides = candidate
+        order = rng.sample(alternatives, len(alternatives)) if len(alternatives) > 1 else alternatives
+        for options in order:
+            candidate = [o for o in overrides if not o.startswith(key)] + options
+            try:
+                check(load_config(None, [*TINY, *candidate]), world)
+            except ValueError:
+                continue
+            overrides = candidate
+            break
     return overrides
 
 
