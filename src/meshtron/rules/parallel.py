@@ -27,24 +27,25 @@ def tensor_parallel_problems(cfg: Config) -> list[str]:
     """What splitting heads, FFN widths and the sequence over tp needs of the model and the batch; each
     fix offers the tp degrees that pass every one of these splits, not only its own."""
     m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
-    problems = []
-    choices = tp_choices(cfg)
-    fix = f"; use tp in {choices}" if len(choices) > 1 else "; no tp > 1 splits this model: use tp=1"
+    splits = []
     if m.n_heads % tp:
-        problems.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}{fix}")
+        splits.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
     elif m.kv_heads % tp and tp % m.kv_heads:
-        problems.append(
+        splits.append(
             f"model.n_kv_heads={m.kv_heads} and parallel.tp={tp}: one must divide the other "
-            f"so key/value heads can be split or replicated{fix}"
+            "so key/value heads can be split or replicated"
         )
     if m.ffn_dim % tp:
-        problems.append(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}{fix}")
+        splits.append(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}")
     if m.is_moe and m.n_shared_experts and m.shared_expert_ffn_dim % tp:
-        problems.append(
-            f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}{fix}"
-        )
+        splits.append(f"shared expert ffn dim {m.shared_expert_ffn_dim} is not divisible by parallel.tp={tp}")
     if m.is_moe and p.expert_tp and m.expert_ffn_dim % tp:
-        problems.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}{fix}")
+        splits.append(f"expert ffn dim {m.expert_ffn_dim} is not divisible by parallel.tp={tp}")
+    problems = []
+    if splits:  # (the search validates many layouts: the degrees are found only for a broken one)
+        choices = tp_choices(cfg)
+        fix = f"; use tp in {choices}" if len(choices) > 1 else "; no tp > 1 splits this model: use tp=1"
+        problems = [split + fix for split in splits]
     if p.sp and tp == 1:
         problems.append(
             "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along the tp group)"
