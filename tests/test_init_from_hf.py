@@ -141,6 +141,11 @@ LAYOUTS = {
     "zero3_dp2": ("llama", 2, ["--parallel.dp_shard=2", "--parallel.zero=3"]),
     "cp2": ("llama", 2, ["--parallel.cp=2"]),  # FSDP over dp_shard x cp
     "fully_shard_dp2": ("llama_tied", 2, ["--parallel.dp_shard=2", "--parallel.fsdp_impl=torch"]),
+    "fully_shard_dp2_x_tp2": (
+        "llama_tied",
+        4,
+        ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.fsdp_impl=torch"],
+    ),
     "ep2": ("mixtral", 2, ["--parallel.dp_shard=2", "--parallel.ep=2"]),
     "tp2_ep2_zero1_fused": ("mixtral_fused", 4, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),
     "tp2_ep2_etp1": ("mixtral", 4, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.etp=1"]),

@@ -117,9 +117,8 @@ def test_unimplemented_layouts_are_refused():
     assert "fully_shard is not wired into the pipeline runtime" in refusals(
         [*torch_fsdp, "--parallel.pp=2"], 4
     )
-    assert "fully_shard over tensor-parallel shards" in refusals(
-        [*torch_fsdp, "--checkpoint.every=5", "--parallel.tp=2"], 4
-    )
+    assert "set parallel.zero=3, not 1" in refusals([*torch_fsdp, "--parallel.zero=1"], 2)
+    assert refusals([*torch_fsdp, "--checkpoint.every=5", "--parallel.tp=2"], 4) == ""  # tests/test_fuzz.py
     assert refusals(torch_fsdp, 2) == ""
 
 

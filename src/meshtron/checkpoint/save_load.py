@@ -143,6 +143,9 @@ def _state(
                 values["diloco", entry.name, key] = tensor[rows]
         for key, local in values.items():
             if tp_blocks is not None and tp_blocks.holds(entry.name):
+                # Under torch's fully_shard the tp shard is a DTensor over dp_shard_cp, cut in the same
+                # row blocks as meshtron's engines (torch.chunk's): its local rows are the block's.
+                local = local.to_local() if isinstance(local, DTensor) else local
                 local, blocks[key] = tp_blocks.place(local, entry)
             elif entry.row_shape:  # a stack cut within its matrices: a box Shard(0) cannot say
                 offsets, sizes = entry.box()

@@ -46,7 +46,6 @@ from meshtron.rules.parallel import (
 )
 from meshtron.rules.pipeline import pipeline_problems
 from meshtron.rules.training import (
-    checkpoint_unsupported,
     diloco_problems,
     float8_problems,
     mtp_problems,
@@ -103,7 +102,6 @@ def not_yet_supported(cfg: Config, world_size: int = 1) -> list[str]:
     return (
         expert_parallel_unsupported(cfg)
         + data_parallel_unsupported(cfg, world_size)
-        + checkpoint_unsupported(cfg, world_size)
         + muon_unsupported(cfg, world_size)
     )
 

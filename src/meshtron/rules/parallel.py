@@ -173,6 +173,11 @@ def data_parallel_unsupported(cfg: Config, world_size: int) -> list[str]:
             "PyTorch's fully_shard is not wired into the pipeline runtime; use parallel.fsdp_impl='meshtron' "
             "with parallel.pp > 1"
         ]
+    if p.fsdp_impl == "torch" and p.zero != 3:  # it would be ignored: ZeRO-1/2 are meshtron's alone
+        return [
+            f"parallel.fsdp_impl='torch' is PyTorch's fully_shard, ZeRO-3 (parameters sharded); set "
+            f"parallel.zero=3, not {p.zero}, or leave fsdp_impl at 'meshtron'"
+        ]
     if p.fsdp_impl != "simple":
         return []
     problems = []

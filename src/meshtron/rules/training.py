@@ -1,4 +1,4 @@
-"""What the training loop's services need of the config: checkpoints of the layout, recompute that
+"""What the training loop's services need of the config: recompute that
 compiled blocks can honour, and the Weights & Biases package when run.wandb_project asks for it. Torch-free (checks.py gathers every package's rules)."""
 
 from __future__ import annotations
@@ -8,17 +8,6 @@ import sys
 
 from meshtron.config.schema import Config
 from meshtron.rules.parallel import uses_torch_fsdp
-
-
-def checkpoint_unsupported(cfg: Config, world_size: int) -> list[str]:
-    """The layouts whose checkpoints this version cannot write or read yet."""
-    p, c = cfg.parallel, cfg.checkpoint
-    if p.tp > 1 and uses_torch_fsdp(cfg, world_size) and (c.every or c.resume):
-        return [
-            "checkpoints of PyTorch's fully_shard over tensor-parallel shards are not implemented; use "
-            "parallel.fsdp_impl='meshtron', or checkpoint.every=0 and checkpoint.resume=false"
-        ]
-    return []
 
 
 def _needs_own_engines(what: str) -> str:
