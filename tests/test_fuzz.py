@@ -10,7 +10,17 @@ import pytest
 
 from meshtron.plan.comm import exact_groups
 from meshtron.rules.checks import check, load_config
-from meshtron.testing.fuzz import MESH_DIMS, WIDE, check_layout, coverage, draw_layout, with_wide
+from meshtron.testing.fuzz import (
+    MESH_DIMS,
+    WIDE,
+    check_layout,
+    check_resume,
+    coverage,
+    draw_layout,
+    draw_resumed_layout,
+    micro_batch_of,
+    with_wide,
+)
 from meshtron.testing.tiny import MOE, TINY
 
 # One layout per seed (draw_layout with random.Random(seed)); with the 8-rank cases below they cover
@@ -180,3 +190,57 @@ def test_other_fsdp_under_recompute_trains_as_one_device_with_the_bytes_it_claim
     held = {"dp_shard_cp", "dp_replicate"} <= exact_groups(load_config(None, [*TINY, *layout]))
     assert held == exact
     check_layout(workers, layout, 4)
+
+
+# `--resume`'s pairs: saved under the first layout at step 3, resumed under the second to step 6, against one
+# device. Experts folded over tp x dp under ZeRO-3 with the balancing bias, resumed by a 2-stage interleaved
+# pipeline with ep 2 under ZeRO-1; DeepSeek-V3's architecture with MTP under cp x tp + sp, resumed by
+# torch's fully_shard over dp_shard 2 x tp 2 + sp; and fully_shard x tp + sp saving a tied, padded
+# vocabulary (301 rows over tp 2), resumed on one device with another micro-batch.
+FULLY_SHARD_X_TP = ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3",
+                    "--parallel.fsdp_impl=torch"]  # fmt: skip
+RESUMED = {
+    "moe_folded_zero3_to_pp2_interleaved": (
+        [*MOE, "--model.router_bias_rate=0.01", "--model.n_layers=4", "--parallel.tp=2", "--parallel.sp=true",
+         "--parallel.dp_shard=2", "--parallel.ep=4", "--parallel.etp=1", "--parallel.zero=3",
+         "--training.micro_batch=2"], 4,
+        ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_schedule=interleaved", "--parallel.dp_shard=2",
+         "--parallel.ep=2", "--parallel.zero=1"], 4,
+    ),
+    "deepseek_cp_x_tp_to_fully_shard_x_tp": (
+        ["--model.name=tiny-deepseek", "--model.mtp_depth=1", "--parallel.cp=2", "--parallel.tp=2",
+         "--parallel.sp=true", "--parallel.dp_shard=1", "--training.micro_batch=2"], 4,
+        FULLY_SHARD_X_TP, 4,
+    ),
+    "fully_shard_x_tp_tied_padded_to_one_device": (
+        ["--model.tie_embeddings=true", "--model.vocab_size=301", *FULLY_SHARD_X_TP, "--training.micro_batch=2"], 4,
+        ["--training.micro_batch=4"], 1,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(RESUMED))
+def test_a_run_saved_on_one_layout_resumes_on_another_as_one_device(workers, tmp_path, case):
+    first, first_world, layout, second_world = RESUMED[case]
+    model = [o for o in first if o.startswith(("--model.", "--training.micro_batch="))]
+    second = [*model, *layout]  # the layout's own micro-batch, if it sets one, wins
+    check_resume(workers, first, first_world, second, second_world, tmp_path)
+
+
+def test_resumed_layouts_keep_the_model_and_are_valid():
+    """`--resume`'s second draws keep the first's model and optimizer (and an MoE model's micro-batch, on
+    which its balancing loss depends), run on their own world (one device among them) and micro-batch,
+    and are valid there."""
+    rng, resume, worlds, micro_changed = random.Random(0), random.Random(1), set(), False
+    for _ in range(40):
+        first, _ = draw_layout(rng)
+        second, world = draw_resumed_layout(resume, first)
+        kept = ("--model.", "--training.optimizer", "--training.muon_")
+        assert [o for o in first if o.startswith(kept)] == [o for o in second if o.startswith(kept)]
+        cfg = load_config(None, [*TINY, *second])
+        check(cfg, world)
+        if cfg.model.is_moe:
+            assert micro_batch_of(second) == micro_batch_of(first)
+        micro_changed |= micro_batch_of(second) != micro_batch_of(first)
+        worlds.add(world)
+    assert 1 in worlds and max(worlds) > 2 and micro_changed

@@ -9,7 +9,13 @@ compared with the single-device run by parity.py's tolerances (loss rel <= 1e-5 
 gradients rel L2 <= 1e-5), and its second step's bytes with plan/comm.py's formula wherever that
 formula is exact (`exact_groups`).
 
+With `--resume` each drawn layout trains 3 steps and saves; a second layout drawn for the same model and
+optimizer (an MoE model's micro-batch too; one device among its choices) resumes that checkpoint, and
+its losses of steps 4-6 must be the uninterrupted single-device run's: the weights, the optimizer state,
+the data position and the routers' balancing bias carried between any two layouts.
+
     python -m meshtron.testing.fuzz --layouts 20 --seed 7       # prints each layout and its verdict
+    python -m meshtron.testing.fuzz --layouts 20 --seed 7 --resume --wide
 
 A layout that fails is a composition bug: keep its overrides as a regression case in
 tests/test_fuzz.py once fixed.
@@ -20,13 +26,24 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
 from meshtron.comm.workers import WorkerPool, close_pools
 from meshtron.plan.comm import exact_groups, step_bytes
 from meshtron.rules.checks import check, load_config
-from meshtron.testing.parity import assert_parity, merged, reference, run_layout
+from meshtron.testing.parity import (
+    STEPS,
+    assert_losses_match,
+    assert_parity,
+    merged,
+    reference,
+    resumed_rows,
+    run_layout,
+    save_after,
+)
 from meshtron.testing.tiny import MOE, TINY
 
 GLOBAL_BATCH = 8
@@ -252,6 +269,67 @@ def check_layout(pools: Any, overrides: list[str], world: int) -> None:
                 assert abs(got - want) <= 1e-9 * max(want, 1.0), (group, result["pp_rank"], got, want)
 
 
+# --resume: a run saved under one layout resumes under another. The second is drawn for the first's model
+# and optimizer (one device among its choices), and for an MoE model its micro-batch (the balancing loss
+# is a statistic of each micro-batch's tokens; a dense model's loss is not); it resumes the checkpoint of
+# step SAVED_AT, and its losses from there on must be the uninterrupted single-device run's.
+SAVED_AT = 3
+KEPT_ON_RESUME = ("--model.", "--training.optimizer", "--training.muon_")
+
+
+def draw_resumed_layout(rng: random.Random, first: list[str], max_world: int = 8) -> tuple[list[str], int]:
+    """(overrides after TINY, world size) of a random valid layout for `first`'s model and optimizer (and
+    an MoE model's micro-batch): where a run saved under `first` resumes."""
+    kept = [o for o in first if o.startswith(KEPT_ON_RESUME)]
+    moe = load_config(None, [*TINY, *kept]).model.is_moe
+    kept += [f"--training.micro_batch={micro_batch_of(first)}"] if moe else []
+    while True:
+        parallel, world = _parallel(rng, moe)
+        if moe:
+            parallel = [o for o in parallel if not o.startswith("--training.micro_batch=")]
+        else:
+            parallel = [o for o in parallel if not o.startswith(("--parallel.ep", "--parallel.etp"))]
+        overrides = [*kept, *parallel]
+        if world > max_world:
+            continue
+        try:
+            check(load_config(None, [*TINY, *overrides]), world)
+        except ValueError:
+            continue
+        return _with_fold(rng, _with_dedup(rng, overrides), world), world
+
+
+def check_resume(
+    pools: Any, first: list[str], first_world: int, second: list[str], second_world: int, directory: Path
+) -> None:
+    """Train `first` on `first_world` ranks for SAVED_AT steps and save; resume under `second` on
+    `second_world` ranks to step STEPS: each loss within parity.py's tolerance of the single-device
+    run's (wrong weights move the first, wrong optimizer state the later ones)."""
+    saved = directory / "first"
+    layout = [*TINY, *first, f"--run.dir={saved}", f"--checkpoint.every={SAVED_AT}"]
+    pools(first_world).run(save_after, layout, SAVED_AT)
+    resume = ["--checkpoint.resume=true", f"--checkpoint.dir={saved / 'checkpoints'}"]
+    results = pools(second_world).run(
+        resumed_rows, [*TINY, *second, f"--run.dir={directory / 'second'}", *resume], STEPS
+    )
+    model = [o for o in first if o.startswith(KEPT_ON_RESUME)]
+    ref = reference(pools(1), model, micro_batch_of(first))
+    pipelined = any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in second)
+    assert_losses_match(results[-1] if pipelined else results[0], ref["rows"][SAVED_AT:])
+
+
+def _draw(args: argparse.Namespace, rngs: tuple[random.Random, ...]) -> list[tuple[list[str], int]]:
+    """One case of the sweep: a layout (with WIDE's options under --wide), and under --resume the
+    layout that resumes its checkpoint after it."""
+    rng, wide, resume = rngs
+    overrides, world = draw_layout(rng, args.max_world)
+    layouts = [(with_wide(wide, overrides, world) if args.wide else overrides, world)]
+    if args.resume:
+        second, world = draw_resumed_layout(resume, layouts[0][0], args.max_world)
+        layouts.append((with_wide(wide, second, world) if args.wide else second, world))
+    return layouts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m meshtron.testing.fuzz", description=__doc__.split("\n")[0]
@@ -260,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-world", type=int, default=8)
     parser.add_argument("--wide", action="store_true", help="draw the options of WIDE too")
+    parser.add_argument(
+        "--resume", action="store_true", help=f"save each layout at step {SAVED_AT}, resume it on another"
+    )
     args = parser.parse_args(argv)
     pools: dict[int, WorkerPool] = {}
 
@@ -268,18 +349,23 @@ def main(argv: list[str] | None = None) -> int:
             pools[n] = WorkerPool(n, timeout_s=300)
         return pools[n]
 
-    rng, wide, failures = random.Random(args.seed), random.Random(-args.seed - 1), 0
+    rngs = (random.Random(args.seed), random.Random(-args.seed - 1), random.Random(f"resume {args.seed}"))
+    failures = 0
     try:
         for index in range(args.layouts):
-            overrides, world = draw_layout(rng, args.max_world)
-            overrides = with_wide(wide, overrides, world) if args.wide else overrides
+            layouts = _draw(args, rngs)
             try:
-                check_layout(pool, overrides, world)
+                if args.resume:
+                    with tempfile.TemporaryDirectory() as directory:
+                        check_resume(pool, *layouts[0], *layouts[1], Path(directory))
+                else:
+                    check_layout(pool, *layouts[0])
                 verdict = "ok"
             except Exception:  # noqa: BLE001 - every failing layout is reported, the sweep goes on
                 failures += 1
                 verdict = "FAILED\n" + traceback.format_exc(limit=3)
-            print(f"[{index}] world {world}: {' '.join(overrides)}: {verdict}", flush=True)
+            drawn = " -> ".join(f"world {world}: {' '.join(overrides)}" for overrides, world in layouts)
+            print(f"[{index}] {drawn}: {verdict}", flush=True)
     finally:
         close_pools(list(pools.values()))
     print(f"{args.layouts - failures} of {args.layouts} layouts match the single-device run")

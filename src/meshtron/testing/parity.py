@@ -140,6 +140,24 @@ def train_rows(overrides: list[str], config: Path | None = None) -> list[dict[st
     return trainer_for(overrides, config).run()
 
 
+def save_after(overrides: list[str], steps: int) -> None:
+    """On every rank: the config's first `steps` steps, then its checkpoint of step `steps`, as `train`
+    writes it (the run's own step count, and so its learning-rate schedule, unchanged)."""
+    trainer = trainer_for(overrides)
+    for step in range(steps):
+        trainer.step(step)
+    trainer.save(steps)
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.wait()
+
+
+def resumed_rows(overrides: list[str], steps: int) -> list[dict[str, Any]]:
+    """On every rank: the metric rows of a run resumed from its newest checkpoint (checkpoint.resume in
+    `overrides`), from the step it resumes at to `steps`."""
+    trainer = trainer_for(overrides)
+    return [trainer.step(step) for step in range(trainer.job.start_step, steps)]
+
+
 def val_losses(overrides: list[str], steps: int = 2, evaluate: bool = True) -> list[tuple[float, float]]:
     """On every rank: (training loss, validation loss after it) of `steps` steps (validation NaN without
     `evaluate`: then the training losses show what evaluating changes of training, which is nothing)."""
