@@ -47,6 +47,7 @@ def measured_state(overrides: list[str]) -> dict:
     }
 
 
+SIMPLE = ["--parallel.fsdp_impl=simple", "--parallel.zero=3"]
 LAYOUTS = {
     "single": (1, []),
     "ddp2": (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch=4"]),
@@ -129,6 +130,12 @@ LAYOUTS = {
     "mla_cp2_allgather_latent": (2, [*MLA, "--parallel.cp=2", "--parallel.cp_impl=allgather", "--parallel.cp_exchange=latent"]),
     "mla_cp2_alltoall": (2, [*MLA, "--parallel.cp=2", "--parallel.cp_impl=alltoall"]),
     "mla_cp2_ring_latent_x_tp2": (4, [*MLA, "--parallel.cp=2", "--parallel.cp_exchange=latent", "--parallel.tp=2", "--parallel.sp=true"]),
+    # SimpleFSDP: a gather per parameter read and again in backward where the read needs the weight, a
+    # reduce-scatter per read (the embedding's lookup gathers once; a tied head and each MTP depth read
+    # again; recompute's reruns stand in for backward's gathers)
+    "simple_tied_tp2_sp": (4, [*SIMPLE, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp_shard=2", "--model.tie_embeddings=true", "--training.micro_batch=4"]),
+    "simple_mtp_pp2_full_recompute": (4, [*DEEPSEEK, *SIMPLE, "--model.mtp_depth=1", "--parallel.pp=2", "--training.recompute=full", "--training.micro_batch=2"]),
+    "simple_moe_bf16_op_recompute": (2, [*MOE, *SIMPLE, "--training.dtype=bf16", "--training.recompute=op", "--training.micro_batch=4"]),
 }  # fmt: skip
 
 

@@ -17,7 +17,10 @@ Parameter names, `state_dict` and the optimizer's tensors are the row blocks und
 names, so checkpoints hold the same rectangles as meshtron's FSDP and reshard with every layout. Per
 micro-batch this moves an all-gather of each parameter in forward, one in backward for each parameter an
 operator saved (every weight but the embedding table, whose gradient needs only the output's), and a
-reduce-scatter: (3Ψ - Ψ_embedding)(n-1)/n.
+reduce-scatter: (3Ψ - Ψ_embedding)(n-1)/n, plus what reads beyond one add (a tied head's of the table,
+each multi-token prediction depth's lookup and head call; plan/comm.py `_simple_fsdp_reads`, exact).
+Every read gathers, even of a shape: model code takes sizes from plain ints (MoE.local_experts, the
+vocabulary shard's rows), where reading `experts.w1.shape` once gathered the stack a third time.
 
 Compiled (`training.compile`): a parameter read while torch.compile traces takes another path, the one
 the design is for. The gather goes through functional collectives (comm.gather_rows_traced), inside a

@@ -338,7 +338,7 @@ def local_dispatch(moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tens
     """[T, D] fp32: this rank's experts (all of them, or under expert tensor parallel its share, the
     others' outputs summed by tensor parallel's exit) on this rank's tokens."""
     weights_Tk, experts_Tk, keep_Tk, _ = routing
-    order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.experts.w1.shape[0])
+    order, counts_E = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert, moe.local_experts)
     token_N = order // moe.top_k
     y_ND = moe.experts(x_TD[token_N], counts_E, weights_Tk.flatten()[order])
     return sum_rows(y_ND, token_N, x_TD.shape[0])
@@ -360,11 +360,12 @@ class MoE(nn.Module):
             self.shared_experts = FeedForward(cfg.dim, cfg.shared_expert_ffn_dim)
             if cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
-        # The seams parallelisms fill in. `first_expert`: the id of this rank's first expert when it holds
-        # a range of them (tensor parallel with etp=1); `dispatch`: how tokens reach the experts (expert
-        # parallel); `token_sum`: sums routing statistics over the ranks holding the rest of the
-        # micro-batch's tokens (context parallel).
-        self.first_expert = 0
+        # The seams parallelisms fill in. `first_expert` and `local_experts`: the id of this rank's first
+        # expert and how many it holds when it holds a range of them (expert parallel; a plain int, since
+        # reading a sharded stack's shape would gather it under SimpleFSDP); `dispatch`: how tokens reach
+        # the experts (expert parallel); `token_sum`: sums routing statistics over the ranks holding the
+        # rest of the micro-batch's tokens (context parallel).
+        self.first_expert, self.local_experts = 0, cfg.n_experts
         self.dispatch: Callable[..., torch.Tensor] = local_dispatch
         self.token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Assignments routed to / kept by each expert since the last `take_loads` (metrics, bias updates).

@@ -102,7 +102,7 @@ class AllToAllDispatch(ExpertDispatch):
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         weights_Tk, experts_Tk, keep_Tk, capacity = routing
-        n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
+        n, me, local = self.ep.size, self.ep.rank, moe.local_experts
         if capacity is not None:
             return self.slots(moe, x_TD, weights_Tk, experts_Tk, keep_Tk, capacity)
         order, counts_G = sort_by_expert(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local)
@@ -132,7 +132,7 @@ class AllToAllDispatch(ExpertDispatch):
     ) -> torch.Tensor:
         """With a capacity C, every expert of the ep group gets C rows from each rank, the kept assignments
         in them and zeros in the rest: one even all-to-all each way, nothing read on the host."""
-        n, me, local = self.ep.size, self.ep.rank, moe.experts.w1.shape[0]
+        n, me, local = self.ep.size, self.ep.rank, moe.local_experts
         slot_A = capacity_slots(experts_Tk, keep_Tk, moe.first_expert - me * local, n * local, capacity)
         rows = n * local * capacity  # slot `rows` takes every assignment not sent here, then is dropped
         tokens, top_k = x_TD.shape[0], moe.top_k
@@ -162,7 +162,7 @@ class PerRankDispatch(ExpertDispatch):
     them), a token reaches at most `topk_expert_groups` groups."""
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        n, local = self.ep.size, moe.experts.w1.shape[0]
+        n, local = self.ep.size, moe.local_experts
         gates_TnL, chosen_TnL = rank_gates(routing, moe.first_expert - self.ep.rank * local, n, local)
         return send_once_per_rank(self.comm, self.ep, x_TD, gates_TnL, chosen_TnL, weighted_experts(moe))
 
@@ -179,7 +179,7 @@ class NodeDispatch(ExpertDispatch):
         self.intra, self.inter = intra, inter
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        per_node, local = self.intra.size, moe.experts.w1.shape[0]
+        per_node, local = self.intra.size, moe.local_experts
         first = moe.first_expert - self.ep.rank * local  # ep ranks are node-major: index node·per_node + i
         gates_TNX, chosen_TNX = rank_gates(routing, first, self.inter.size, per_node * local)
         leaf = weighted_experts(moe)
@@ -276,7 +276,7 @@ class AllGatherDispatch(ExpertDispatch):
             weights_all = self.comm.all_gather(weights_Tk, self.ep)
             experts_all = self.comm.all_gather_tensor(experts_Tk, self.ep)
             keep_all = self.comm.all_gather_tensor(keep_Tk.to(torch.uint8), self.ep).bool()
-        order, counts_E = sort_by_expert(experts_all, keep_all, moe.first_expert, moe.experts.w1.shape[0])
+        order, counts_E = sort_by_expert(experts_all, keep_all, moe.first_expert, moe.local_experts)
         token_N = order // moe.top_k
         y_ND = moe.experts(x_all[token_N], counts_E, weights_all.flatten()[order])
         return self.comm.reduce_scatter(sum_rows(y_ND, token_N, x_all.shape[0]), self.ep)
@@ -339,8 +339,9 @@ def apply_expert_parallel(
         if ep.size == 1:
             continue
         experts = moe.experts
-        per_rank = experts.w1.shape[0] // ep.size
+        per_rank = moe.local_experts // ep.size
         keep = slice(ep.rank * per_rank, (ep.rank + 1) * per_rank)
         for name, weight in list(experts.named_parameters()):
             setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
         moe.first_expert += ep.rank * per_rank
+        moe.local_experts = per_rank

@@ -141,12 +141,13 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         self.weight = nn.Parameter(weight_local)
-        self.start, self.exit_fn = start, exit_fn
+        # Its rows as a plain int: reading the weight's shape would gather it under SimpleFSDP.
+        self.start, self.rows, self.exit_fn = start, weight_local.shape[0], exit_fn
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside[..., None]
         return self.exit_fn(out)
 
 

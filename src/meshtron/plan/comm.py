@@ -9,7 +9,9 @@ S·(n−1)/n, an all-to-all the rows that leave, a send or a receive S; docs/the
                     ZeRO-2   a reduce-scatter per micro-batch + one all-gather
                     ZeRO-3   per micro-batch an all-gather in forward, another in backward (when units
                              reshard after forward) and a reduce-scatter; the first rank of a V gathers
-                             the root for each of its two chunks
+                             the root for each of its two chunks; SimpleFSDP per read of a parameter
+                             (the embedding's lookup gathers once, a tied head and each MTP depth read
+                             again)
                   replicas (dp_replicate) all-reduce each rank's padded shard once per step; the loss
                   (and each multi-token prediction depth's) and clipping's norm add an all-reduce of
                   1 + mtp_depth fp32 and of two float64 numbers
@@ -56,16 +58,13 @@ DATA_GROUPS = frozenset({"dp", "dp_cp", "dp_shard", "dp_shard_cp", "dp_replicate
 def exact_groups(cfg: Config) -> frozenset[str]:
     """The groups whose `step_bytes` are exact on rank 0 of its data-parallel group, not leading terms.
     Not yet: ZeRO-3 without resharding after forward on the first rank of a V, whose two chunks keep
-    the root unit gathered in turns that depend on the schedule's order; and the shard group of ZeRO-3
-    by SimpleFSDP, which gathers per parameter read (none for the embedding's backward, more under
-    recompute), where `step_bytes` prices meshtron's units. torch's fully_shard moves exactly what
-    meshtron's units move (the same units; comm/fsdp2_counted.py counts its collectives)."""
+    the root unit gathered in turns that depend on the schedule's order. torch's fully_shard moves
+    exactly what meshtron's units move (the same units; comm/fsdp2_counted.py counts its collectives),
+    SimpleFSDP that and what its reads add (`_simple_fsdp_reads`), eager or compiled."""
     p = cfg.parallel
     dense_cp = {"cp"} if not cfg.model.is_moe and p.cp_impl != "hybrid" else set()
     out = DATA_GROUPS | {"pp"} | dense_cp | ({"ep"} if routing_free_ep(cfg) else set())
     if p.zero == 3 and p.pp > 1 and p.pp_schedule in V_SCHEDULES and not p.reshard_after_forward:
-        out -= {"dp_shard", "dp_shard_cp"}
-    if p.zero == 3 and p.fsdp_impl == "simple":
         out -= {"dp_shard", "dp_shard_cp"}
     return out
 
@@ -108,6 +107,26 @@ def _v_root_regathers(cfg: Config, params: list[RankParameter], shard: int, micr
     padded = sum(padded_numel(s, shard, cfg.training.optimizer != "muon") for s in root)
     gather = 2 if cfg.training.dtype != "fp32" else 4
     return micro * 2 * gather * padded * _ring(shard)
+
+
+def _simple_fsdp_reads(
+    cfg: Config, params: list[RankParameter], shard: int, micro: int, first: bool, last: bool
+) -> float:
+    """What SimpleFSDP moves beyond meshtron's units (which gather each parameter twice per micro-batch
+    and reduce-scatter it once): it gathers a parameter on every read, again in backward where that
+    read's backward needs the weight, and reduce-scatters each read's gradient. Reads that differ from
+    one per unit: the embedding's lookup (its backward needs no weight: one gather fewer), a tied head
+    reading the embedding's weight again, and each multi-token prediction depth's lookup and head call.
+    (Recompute adds none: a rerun's gathers stand in for backward's.)"""
+    sizes = {x.name: padded_numel(x.shape, shard, cfg.training.optimizer != "muon") for x in params}
+    embed, head = sizes.get("tok_embeddings.weight", 0), sizes.get("output.weight", 0)
+    depths = cfg.model.mtp_depth if last else 0
+    lookups, head_calls = int(first) + depths, (1 + depths) if last else 0
+    tied = head_calls if cfg.model.tie_embeddings else 0  # the head's reads of the embedding's weight
+    gathers = embed * (lookups + 2 * tied - 2) + head * 2 * (head_calls - 1)
+    reduces = embed * (lookups + tied - 1) + head * (head_calls - 1)
+    gather, reduce = 2 if cfg.training.dtype != "fp32" else 4, 2 if cfg.parallel.reduce_dtype == "bf16" else 4
+    return micro * (gather * gathers + reduce * reduces) * _ring(shard)
 
 
 def cp_token_bytes(cfg: Config, element: int = 4) -> int:
@@ -176,6 +195,8 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
     if p.zero == 3 and shard > 1 and p.pp > 1 and all(_holds_ends(cfg, pp_rank)):
         on_shard += _v_root_regathers(cfg, params, shard, micro)
+    if p.zero == 3 and shard > 1 and p.fsdp_impl == "simple":
+        on_shard += _simple_fsdp_reads(cfg, params, shard, micro, *_holds_ends(cfg, pp_rank))
     diloco = cfg.fault_tolerance.diloco_every
     if diloco:  # the outer step's fp32 all-reduce every H steps, and the replicas' largest clipping norm
         on_replicas = _outer_bytes(dense, shard, p.dp_replicate, cfg) + 2 * 4 * _ring(p.dp_replicate)
