@@ -1,5 +1,6 @@
-"""What the training loop's services need of the config: recompute that
-compiled blocks can honour, and the Weights & Biases package when run.wandb_project asks for it. Torch-free (checks.py gathers every package's rules)."""
+"""What the training loop's services need of the config: recompute that compiled blocks can honour, and
+the Weights & Biases package when run.wandb_project asks for it. Torch-free (checks.py gathers every
+package's rules)."""
 
 from __future__ import annotations
 
