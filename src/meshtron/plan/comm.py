@@ -184,6 +184,7 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     shard, dp = dp_shard * p.cp, p.dp_replicate * dp_shard
     micro = micro_batches_per_step(t.global_batch, t.micro_batch, dp)
     params = rank_parameters(cfg, pp_rank)
+    first, last = _holds_ends(cfg, pp_rank)
     out: dict[str, float] = {}
 
     def add(group: str, nbytes: float) -> None:
@@ -193,10 +194,10 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     cp = "_cp" if p.cp > 1 else ""
     dense = [x.shape for x in params if not x.expert or not p.experts_apart]
     on_shard, on_replicas = _dp_bytes(dense, shard, p.dp_replicate, cfg, micro)
-    if p.zero == 3 and shard > 1 and p.pp > 1 and all(_holds_ends(cfg, pp_rank)):
+    if p.zero == 3 and shard > 1 and p.pp > 1 and first and last:
         on_shard += _v_root_regathers(cfg, params, shard, micro)
     if p.zero == 3 and shard > 1 and p.fsdp_impl == "simple":
-        on_shard += _simple_fsdp_reads(cfg, params, shard, micro, *_holds_ends(cfg, pp_rank))
+        on_shard += _simple_fsdp_reads(cfg, params, shard, micro, first, last)
     diloco = cfg.fault_tolerance.diloco_every
     if diloco:  # the outer step's fp32 all-reduce every H steps, and the replicas' largest clipping norm
         on_replicas = _outer_bytes(dense, shard, p.dp_replicate, cfg) + 2 * 4 * _ring(p.dp_replicate)
@@ -209,7 +210,6 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
     add(f"dp{cp}", 2 * 4 * losses * _ring(dp * p.cp))
     if p.pp > 1:  # the losses from the last stage, clipping's sums over the stages
         add("pp", 2 * 4 * losses * _ring(p.pp) + 2 * 16 * _ring(p.pp))
-    first, last = _holds_ends(cfg, pp_rank)
     if (m.tie_embeddings or m.mtp_depth) and p.pp > 1 and first != last:  # two copies' gradients summed
         rows = math.ceil(m.vocab_size / p.tp)
         owned = rows if shard == 1 else math.ceil(rows / shard)
@@ -225,28 +225,13 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
             "dp_replicate",
             _outer_bytes(experts, p.edp_of(shard), p.dp_replicate, cfg) if diloco else on_replicas,
         )
-    for group, nbytes in muon_bytes(
-        cfg, pp_rank, dp_shard
-    ).items():  # Muon's owners' exchanges (plan/muon.py)
+    for group, nbytes in muon_bytes(cfg, pp_rank, dp_shard).items():  # Muon's owners (plan/muon.py)
         add(group, nbytes)
     tokens = t.micro_batch * t.seq_len // p.cp
     layers = sum(1 for x in params if x.name.endswith("attention_norm.weight"))
     moe_layers = sum(1 for x in params if x.name.endswith("experts.w1"))
     if p.tp > 1:
-        # sp gathers each region's input again in backward (half an all-reduce's volume), or a
-        # recomputed block's rerun does; the head's region always does.
-        regather = 0.5 if p.sp else 0.0
-        per_layer = 4 + 2 * regather + tp_rerun_units(t.recompute, p.sp)
-        activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
-        first, last = _holds_ends(cfg, pp_rank)
-        add(
-            "tp",
-            micro
-            * (
-                (per_layer * layers + first + last * (1 + regather)) * activation
-                + (3 * 2 * tokens * 4 * _ring(p.tp) if last else 0)
-            ),
-        )
+        add("tp", micro * _tp_bytes(cfg, tokens, layers, first, last))
     if p.cp > 1:  # exact for dense models; an MoE layer adds its routing statistics' all-reduce
         add("cp", _cp_bytes(cfg, layers, micro))
     for group, nbytes in _ep_bytes(cfg, world_size, tokens).items():
@@ -259,6 +244,19 @@ def step_bytes(cfg: Config, world_size: int, pp_rank: int = 0) -> dict[str, floa
         # gradient back; on this rank one is a send and the other a receive.
         add("pp", micro * 2 * boundaries * message)
     return out
+
+
+def _tp_bytes(cfg: Config, tokens: int, layers: int, first: bool, last: bool) -> float:
+    """Tensor parallel's bytes of one micro-batch on a stage of `layers` layers: 4 all-reduces of a
+    [tokens, dim] activation per layer, one around the embedding and one around the head. sp gathers
+    each region's input again in backward (half an all-reduce's volume), or a recomputed block's rerun
+    does; the head's region always does. The vocab-parallel loss all-reduces 3 numbers per token."""
+    p, m = cfg.parallel, cfg.model
+    regather = 0.5 if p.sp else 0.0
+    per_layer = 4 + 2 * regather + tp_rerun_units(cfg.training.recompute, p.sp)
+    activation = 2 * tokens * m.dim * 4 * _ring(p.tp)
+    loss = 3 * 2 * tokens * 4 * _ring(p.tp) if last else 0
+    return (per_layer * layers + first + last * (1 + regather)) * activation + loss
 
 
 def _ep_bytes(cfg: Config, world_size: int, tokens: int) -> dict[str, float]:

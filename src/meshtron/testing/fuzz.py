@@ -39,6 +39,7 @@ from meshtron.testing.parity import (
     assert_losses_match,
     assert_parity,
     merged,
+    pipelined,
     reference,
     resumed_rows,
     run_layout,
@@ -47,6 +48,15 @@ from meshtron.testing.parity import (
 from meshtron.testing.tiny import MOE, TINY
 
 GLOBAL_BATCH = 8
+
+
+def runs(overrides: list[str], world: int) -> bool:
+    """Whether `overrides` (after TINY) is a layout this version runs on `world` ranks."""
+    try:
+        check(load_config(None, [*TINY, *overrides]), world)
+    except ValueError:
+        return False
+    return True
 
 
 def _model(rng: random.Random, pp: int, vpp: int) -> list[str]:
@@ -103,11 +113,7 @@ def draw_layout(rng: random.Random, max_world: int = 8) -> tuple[list[str], int]
         elif not any(o.startswith("--parallel.ep=") for o in parallel):
             continue
         overrides = [*model, *parallel]
-        if not 2 <= world <= max_world:
-            continue
-        try:
-            check(load_config(None, [*TINY, *overrides]), world)
-        except ValueError:
+        if not (2 <= world <= max_world and runs(overrides, world)):
             continue
         drawn = _with_muon(rng, _with_fold(rng, _with_dedup(rng, overrides), world), world)
         return _with_deepseek(rng, drawn, world), world
@@ -130,11 +136,7 @@ def _with_fold(rng: random.Random, overrides: list[str], world: int) -> list[str
         return overrides
     ep = int(next(o for o in overrides if o.startswith("--parallel.ep=")).split("=")[1])
     folded = [f"--parallel.ep={2 * ep}" if o.startswith("--parallel.ep=") else o for o in overrides]
-    try:
-        check(load_config(None, [*TINY, *folded]), world)
-    except ValueError:
-        return overrides
-    return folded
+    return folded if runs(folded, world) else overrides
 
 
 # Muon with fp32 Newton-Schulz: exact against one device in every layout (bf16's rounding is not).
@@ -145,11 +147,7 @@ def _with_muon(rng: random.Random, overrides: list[str], world: int) -> list[str
     """A quarter of the layouts train with Muon, where the layout runs it; drawn last, like dedup."""
     if rng.random() >= 0.25:
         return overrides
-    try:
-        check(load_config(None, [*TINY, *overrides, *MUON]), world)
-    except ValueError:
-        return overrides
-    return [*overrides, *MUON]
+    return [*overrides, *MUON] if runs([*overrides, *MUON], world) else overrides
 
 
 # DeepSeek-V3's architecture, small: latent attention, sigmoid group-limited routing with a correction
@@ -171,11 +169,7 @@ def _with_deepseek(rng: random.Random, overrides: list[str], world: int) -> list
         "--model.router_bias_rate=",
     )
     switched = [*model, *(o for o in overrides if not o.startswith(drop))]
-    try:
-        check(load_config(None, [*TINY, *switched]), world)
-    except ValueError:
-        return overrides
-    return switched
+    return switched if runs(switched, world) else overrides
 
 
 # `--wide` draws these too, each a third of the time where the layout runs it (a separate stream, so the
@@ -205,12 +199,9 @@ def with_wide(rng: random.Random, overrides: list[str], world: int) -> list[str]
         order = rng.sample(alternatives, len(alternatives)) if len(alternatives) > 1 else alternatives
         for options in order:
             candidate = [o for o in overrides if not o.startswith(key)] + options
-            try:
-                check(load_config(None, [*TINY, *candidate]), world)
-            except ValueError:
-                continue
-            overrides = candidate
-            break
+            if runs(candidate, world):
+                overrides = candidate
+                break
     return overrides
 
 
@@ -256,8 +247,7 @@ def check_layout(pools: Any, overrides: list[str], world: int) -> None:
     results = pools(world).run(run_layout, [*TINY, *overrides])
     model = [o for o in overrides if o.startswith(("--model.", "--training.optimizer", "--training.muon_"))]
     ref = reference(pools(1), model, micro_batch_of(overrides))
-    pipelined = any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in overrides)
-    assert_parity(merged(results) if pipelined else results[0], ref)
+    assert_parity(merged(results) if pipelined(overrides) else results[0], ref)
     cfg = load_config(None, [*TINY, *overrides, f"--parallel.cp_exchange={results[0]['cp_exchange']}"])
     exact = exact_groups(cfg)
     for result in results:
@@ -290,13 +280,8 @@ def draw_resumed_layout(rng: random.Random, first: list[str], max_world: int = 8
         else:
             parallel = [o for o in parallel if not o.startswith(("--parallel.ep", "--parallel.etp"))]
         overrides = [*kept, *parallel]
-        if world > max_world:
-            continue
-        try:
-            check(load_config(None, [*TINY, *overrides]), world)
-        except ValueError:
-            continue
-        return _with_fold(rng, _with_dedup(rng, overrides), world), world
+        if world <= max_world and runs(overrides, world):
+            return _with_fold(rng, _with_dedup(rng, overrides), world), world
 
 
 def check_resume(
@@ -314,8 +299,7 @@ def check_resume(
     )
     model = [o for o in first if o.startswith(KEPT_ON_RESUME)]
     ref = reference(pools(1), model, micro_batch_of(first))
-    pipelined = any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in second)
-    assert_losses_match(results[-1] if pipelined else results[0], ref["rows"][SAVED_AT:])
+    assert_losses_match(results[-1] if pipelined(second) else results[0], ref["rows"][SAVED_AT:])
 
 
 def _draw(args: argparse.Namespace, rngs: tuple[random.Random, ...]) -> list[tuple[list[str], int]]:

@@ -206,6 +206,11 @@ def assert_losses_match(
         assert relative(got["loss"], expected["loss"]) <= rtol, (got["step"], got["loss"], expected["loss"])
 
 
+def pipelined(overrides: list[str]) -> bool:
+    """Whether the layout of `overrides` has pipeline stages (each rank then holds its stage's share)."""
+    return any(o.startswith("--parallel.pp=") and o != "--parallel.pp=1" for o in overrides)
+
+
 def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each pipeline rank holds different parameters: their gradients together are the whole model's.
     A parameter two stages hold (the tied embedding) must have the same gradient on both."""
@@ -229,8 +234,7 @@ def assert_layout_trains_as_one_device(
     micro = next((int(x.split("=")[1]) for x in parallel if x.startswith("--training.micro_batch")), 8)
     ref = reference(workers(1), model, micro_batch=micro)
     result = workers(world).run(run_layout, [*TINY, *model, *parallel])
-    pipelined = any(x.startswith("--parallel.pp=") and x != "--parallel.pp=1" for x in parallel)
-    assert_parity(merged(result) if pipelined else result[0], ref)
+    assert_parity(merged(result) if pipelined(parallel) else result[0], ref)
 
 
 def assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:
